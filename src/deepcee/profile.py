@@ -1,0 +1,259 @@
+"""Model profile data model: per-layer costs, analytic (FLOPs) or measured (seconds).
+
+Torch-free. Every per-layer cost is *per sample* except parameters. A layer's compute time
+on a device for ``n`` samples and one pass (``F`` forward, ``I`` input-gradient, ``W``
+weight-gradient, ``B = I + W``) is
+
+- analytic: ``flops_per_sample x n / (peak_flops_per_s x achievable_fraction) x slowdown
+  + per_layer_overhead_s``;
+- measured (when the profile holds timings for the device's kind): ``(fixed_s +
+  per_sample_s x n) x slowdown``, a line fitted by the profiler over several microbatch sizes.
+
+Memory of a device holding layers ``[a, b)`` with ``k`` microbatch shares of ``n`` samples in
+flight: ``parameter_count x state_bytes_per_parameter + k x n x sum(activation_bytes)``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from deepcee.cluster import DeviceKind
+from deepcee.errors import ProfileError
+
+SCHEMA_VERSION = 1
+Pass = Literal["F", "I", "W", "B"]
+
+
+def _check_nonneg(owner: str, **values: float) -> None:
+    for k, v in values.items():
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0:
+            raise ProfileError(f"{owner}: {k} must be a number >= 0, got {v!r}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LayerProfile:
+    """Costs of one layer (a block of the model), per sample unless stated."""
+
+    name: str
+    forward_flops: float
+    input_grad_flops: float
+    weight_grad_flops: float
+    parameter_count: int
+    """Number of trainable parameters of the layer (not per sample)."""
+    activation_bytes: float
+    """Bytes stashed by the forward pass for the backward pass, per sample."""
+    output_bytes: float
+    """Bytes of the layer's output (what crosses a stage boundary after it), per sample."""
+
+    def __post_init__(self) -> None:
+        _check_nonneg(
+            f"layer {self.name!r}",
+            forward_flops=self.forward_flops,
+            input_grad_flops=self.input_grad_flops,
+            weight_grad_flops=self.weight_grad_flops,
+            parameter_count=self.parameter_count,
+            activation_bytes=self.activation_bytes,
+            output_bytes=self.output_bytes,
+        )
+
+    def flops(self, pass_: Pass) -> float:
+        if pass_ == "F":
+            return self.forward_flops
+        if pass_ == "I":
+            return self.input_grad_flops
+        if pass_ == "W":
+            return self.weight_grad_flops
+        return self.input_grad_flops + self.weight_grad_flops
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LayerTiming:
+    """Measured time of one layer on one device kind: ``fixed_s + per_sample_s x n`` per pass."""
+
+    forward: tuple[float, float]
+    input_grad: tuple[float, float]
+    weight_grad: tuple[float, float]
+
+    def time_s(self, pass_: Pass, samples: float) -> float:
+        if pass_ == "B":
+            return self.time_s("I", samples) + self.time_s("W", samples)
+        a, b = {"F": self.forward, "I": self.input_grad, "W": self.weight_grad}[pass_]
+        return max(0.0, a + b * samples)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModelProfile:
+    """A model as a sequence of layers with costs. Built by :mod:`deepcee.models` or measured."""
+
+    name: str
+    layers: tuple[LayerProfile, ...]
+    input_bytes: float
+    """Bytes of one input sample (what the first stage reads)."""
+    dtype: str = "fp16"
+    gradient_bytes_per_parameter: float = 2.0
+    """Bytes per parameter sent by gradient synchronisation (the training dtype)."""
+    state_bytes_per_parameter: float = 16.0
+    """Parameter + gradient + optimizer state bytes per parameter (mixed-precision Adam: 16)."""
+    optimizer: str = "adam"
+    hyper: Mapping[str, Any] = field(default_factory=dict)
+    """Shape parameters (sequence length, image size, ...) for reports."""
+    measured: Mapping[str, tuple[LayerTiming, ...]] = field(default_factory=dict)
+    """Device kind name -> measured per-layer timings (replace the analytic estimate)."""
+    source: str = "analytic"
+
+    def __post_init__(self) -> None:
+        if not self.layers:
+            raise ProfileError(f"model {self.name!r}: needs at least one layer")
+        _check_nonneg(
+            f"model {self.name!r}",
+            input_bytes=self.input_bytes,
+            gradient_bytes_per_parameter=self.gradient_bytes_per_parameter,
+            state_bytes_per_parameter=self.state_bytes_per_parameter,
+        )
+        for kind, timings in self.measured.items():
+            if len(timings) != len(self.layers):
+                raise ProfileError(
+                    f"model {self.name!r}: measured timings for kind {kind!r} cover "
+                    f"{len(timings)} layers, the model has {len(self.layers)}"
+                )
+
+    # -- sizes ---------------------------------------------------------------------------
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def parameter_count(self) -> int:
+        return sum(layer.parameter_count for layer in self.layers)
+
+    def parameters(self, start: int, stop: int) -> int:
+        return sum(layer.parameter_count for layer in self.layers[start:stop])
+
+    def gradient_bytes(self, start: int, stop: int) -> float:
+        return self.parameters(start, stop) * self.gradient_bytes_per_parameter
+
+    def state_bytes(self, start: int, stop: int) -> float:
+        return self.parameters(start, stop) * self.state_bytes_per_parameter
+
+    def activation_bytes(self, start: int, stop: int) -> float:
+        """Stashed bytes per sample for layers ``[start, stop)``."""
+        return sum(layer.activation_bytes for layer in self.layers[start:stop])
+
+    def boundary_bytes(self, stop: int) -> float:
+        """Bytes per sample crossing the boundary after layer ``stop - 1`` (input for stop=0)."""
+        return self.input_bytes if stop == 0 else self.layers[stop - 1].output_bytes
+
+    def flops_per_sample(self, start: int = 0, stop: int | None = None) -> float:
+        """Forward + input-gradient + weight-gradient FLOPs per sample."""
+        return sum(
+            la.forward_flops + la.input_grad_flops + la.weight_grad_flops
+            for la in self.layers[start:stop]
+        )
+
+    # -- time ----------------------------------------------------------------------------
+    def time_s(
+        self, start: int, stop: int, pass_: Pass, samples: float, kind: DeviceKind,
+        slowdown: float = 1.0,
+    ) -> float:
+        """Compute time of layers ``[start, stop)`` for one pass over ``samples`` samples."""
+        if samples <= 0 or stop <= start:
+            return 0.0
+        timings = self.measured.get(kind.name)
+        if timings is not None:
+            return slowdown * sum(t.time_s(pass_, samples) for t in timings[start:stop])
+        flops = sum(layer.flops(pass_) for layer in self.layers[start:stop])
+        passes = 2 if pass_ == "B" else 1
+        return slowdown * (
+            flops * samples / kind.effective_flops_per_s
+            + passes * (stop - start) * kind.per_layer_overhead_s
+        )
+
+    # -- JSON ----------------------------------------------------------------------------
+    def with_measured(self, kind: str, timings: tuple[LayerTiming, ...], source: str) -> ModelProfile:
+        measured = dict(self.measured)
+        measured[kind] = timings
+        return ModelProfile(
+            name=self.name, layers=self.layers, input_bytes=self.input_bytes, dtype=self.dtype,
+            gradient_bytes_per_parameter=self.gradient_bytes_per_parameter,
+            state_bytes_per_parameter=self.state_bytes_per_parameter, optimizer=self.optimizer,
+            hyper=dict(self.hyper), measured=measured, source=source,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema_version": SCHEMA_VERSION,
+            "format": "deepcee.profile",
+            "name": self.name,
+            "source": self.source,
+            "dtype": self.dtype,
+            "input_bytes": self.input_bytes,
+            "gradient_bytes_per_parameter": self.gradient_bytes_per_parameter,
+            "state_bytes_per_parameter": self.state_bytes_per_parameter,
+            "optimizer": self.optimizer,
+            "hyper": dict(self.hyper),
+            "layers": [
+                {
+                    "name": la.name,
+                    "forward_flops": la.forward_flops,
+                    "input_grad_flops": la.input_grad_flops,
+                    "weight_grad_flops": la.weight_grad_flops,
+                    "parameter_count": la.parameter_count,
+                    "activation_bytes": la.activation_bytes,
+                    "output_bytes": la.output_bytes,
+                }
+                for la in self.layers
+            ],
+            "measured": {
+                kind: [
+                    {"forward": list(t.forward), "input_grad": list(t.input_grad), "weight_grad": list(t.weight_grad)}
+                    for t in timings
+                ]
+                for kind, timings in self.measured.items()
+            },
+        }
+
+
+def profile_from_dict(d: dict[str, Any], *, file: str = "<profile.json>") -> ModelProfile:
+    if d.get("schema_version") != SCHEMA_VERSION or d.get("format") != "deepcee.profile":
+        raise ProfileError(
+            f"expected format 'deepcee.profile' schema_version {SCHEMA_VERSION}, got "
+            f"{d.get('format')!r} {d.get('schema_version')!r}", file=file, field="schema_version",
+        )
+    try:
+        return ModelProfile(
+            name=d["name"],
+            source=d.get("source", file),
+            dtype=d.get("dtype", "fp16"),
+            input_bytes=d["input_bytes"],
+            gradient_bytes_per_parameter=d["gradient_bytes_per_parameter"],
+            state_bytes_per_parameter=d["state_bytes_per_parameter"],
+            optimizer=d.get("optimizer", "adam"),
+            hyper=d.get("hyper", {}),
+            layers=tuple(LayerProfile(**la) for la in d["layers"]),
+            measured={
+                kind: tuple(
+                    LayerTiming(forward=tuple(t["forward"]), input_grad=tuple(t["input_grad"]),
+                                weight_grad=tuple(t["weight_grad"]))
+                    for t in timings
+                )
+                for kind, timings in d.get("measured", {}).items()
+            },
+        )
+    except KeyError as exc:
+        raise ProfileError(f"missing key {exc.args[0]!r}", file=file) from None
+    except (TypeError, ProfileError) as exc:
+        raise ProfileError(str(exc), file=file) from None
+
+
+def load_profile(path: str | Path) -> ModelProfile:
+    p = Path(path)
+    try:
+        return profile_from_dict(json.loads(p.read_text()), file=str(p))
+    except OSError as exc:
+        raise ProfileError(f"cannot read: {exc.strerror}", file=str(p)) from None
+    except json.JSONDecodeError as exc:
+        raise ProfileError(f"invalid JSON: {exc}", file=str(p)) from None
