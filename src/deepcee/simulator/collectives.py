@@ -1,0 +1,90 @@
+"""Analytic times of gradient synchronisation on the real links (torch-free).
+
+Used by the simulator (as the duration of a stage's all-reduce) and by the planner's cost
+model, so both score a plan the same way.
+
+Ring all-reduce over ``k`` devices in ring order: ``2 (k-1)`` steps; in each step every
+device sends ``nbytes / k`` to its successor at the same time. Ring edges that map to the
+same link resource (see [Note: link resources] in :mod:`deepcee.cluster`) share its
+bandwidth, so a step takes ``max over resources (max latency of its edges + edges x chunk /
+bandwidth)``. ZeRO-2 (reduce-scatter of gradients + all-gather of parameters) moves the same
+bytes as a ring all-reduce.
+
+Hierarchical all-reduce: reduce-scatter inside each node, an all-reduce across nodes (one
+ring per local rank; they all share the node-pair pipes, so the bytes per pipe equal a
+leader ring over the full gradient), all-gather inside each node.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+
+from deepcee.cluster import Cluster
+
+
+def ring_order(cluster: Cluster, devices: Sequence[str]) -> list[str]:
+    """Devices ordered so the ring crosses each island and node boundary as rarely as possible."""
+    pos = {d.name: i for i, d in enumerate(cluster.devices)}
+    island_pos = {i.name: k for k, i in enumerate(cluster.islands)}
+    return sorted(
+        devices,
+        key=lambda n: (island_pos[cluster.device(n).island], cluster.device(n).node, pos[n]),
+    )
+
+
+def ring_step_s(cluster: Cluster, ring: Sequence[str], chunk_bytes: float, at_s: float = 0.0) -> float:
+    """Time of one ring step in which every device sends ``chunk_bytes`` to its successor."""
+    per_resource: dict[str, list] = defaultdict(list)
+    k = len(ring)
+    for i in range(k):
+        link = cluster.link(ring[i], ring[(i + 1) % k])
+        per_resource[link.resource].append(link)
+    step = 0.0
+    for links in per_resource.values():
+        bw = links[0].bandwidth_at(at_s)
+        step = max(step, max(lk.latency_s for lk in links) + len(links) * chunk_bytes / bw)
+    return step
+
+
+def ring_allreduce_s(cluster: Cluster, devices: Sequence[str], nbytes: float, at_s: float = 0.0) -> float:
+    k = len(devices)
+    if k <= 1 or nbytes <= 0:
+        return 0.0
+    ring = ring_order(cluster, devices)
+    return 2 * (k - 1) * ring_step_s(cluster, ring, nbytes / k, at_s)
+
+
+def hierarchical_allreduce_s(cluster: Cluster, devices: Sequence[str], nbytes: float, at_s: float = 0.0) -> float:
+    k = len(devices)
+    if k <= 1 or nbytes <= 0:
+        return 0.0
+    by_node: dict[str, list[str]] = defaultdict(list)
+    for d in ring_order(cluster, devices):
+        by_node[cluster.device(d).node].append(d)
+    intra = 0.0
+    for members in by_node.values():
+        if len(members) > 1:
+            kn = len(members)
+            # reduce-scatter then all-gather: (kn-1) steps each, chunk nbytes/kn
+            intra = max(intra, 2 * (kn - 1) * ring_step_s(cluster, members, nbytes / kn, at_s))
+    leaders = [members[0] for members in by_node.values()]
+    inter = ring_allreduce_s(cluster, leaders, nbytes, at_s)
+    return intra + inter
+
+
+def allreduce_s(cluster: Cluster, devices: Sequence[str], nbytes: float, sync: str, at_s: float = 0.0) -> float:
+    """Gradient synchronisation time of one stage for a plan's ``sync`` strategy."""
+    if sync == "none" or len(devices) <= 1:
+        return 0.0
+    if sync == "allreduce-hier":
+        return hierarchical_allreduce_s(cluster, devices, nbytes, at_s)
+    # allreduce-ring and zero2 move the same bytes in the same ring pattern
+    return ring_allreduce_s(cluster, devices, nbytes, at_s)
+
+
+def best_sync(cluster: Cluster, devices: Sequence[str], nbytes: float) -> tuple[str, float]:
+    """The faster of ring and hierarchical all-reduce for these devices."""
+    ring = ring_allreduce_s(cluster, devices, nbytes)
+    hier = hierarchical_allreduce_s(cluster, devices, nbytes)
+    return ("allreduce-hier", hier) if hier < ring else ("allreduce-ring", ring)
