@@ -1,0 +1,1 @@
+"""Discrete-event simulator of lowered schedules on a cluster (torch-free)."""
