@@ -1,0 +1,300 @@
+"""Command-line interface: thin. Each subcommand parses, loads, calls one library function, writes.
+
+Run ``deepcee --help``. Any :class:`deepcee.errors.DeepceeError` becomes one line on stderr
+and exit code 2; nothing is written when a command fails (outputs are written atomically
+after the work succeeded).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from deepcee.errors import DeepceeError, SpecError
+
+# ---------------------------------------------------------------------------------------
+# loading helpers (the CLI is the one place that maps names and paths to objects)
+# ---------------------------------------------------------------------------------------
+
+
+def _load_cluster(ref: str | None, scenario: str | None, fallback: str | None = None):
+    from deepcee.cluster import load_cluster
+    from deepcee.scenarios import DEFAULT_SCENARIO, load_scenario, scenario_names
+
+    if ref:
+        return load_cluster(ref), ref
+    name = scenario or fallback or DEFAULT_SCENARIO
+    if name in scenario_names():
+        return load_scenario(name), name
+    if Path(name).exists():
+        return load_cluster(name), name
+    raise SpecError(f"unknown scenario or cluster file {name!r} (scenarios: {', '.join(scenario_names())})",
+                    field="--scenario")
+
+
+def parse_model_ref(ref: str) -> tuple[str, dict[str, Any]]:
+    """``gpt2`` or ``gpt2:seq_len=512,dtype=fp32`` -> (name, keyword arguments)."""
+    name, _, rest = ref.partition(":")
+    kwargs: dict[str, Any] = {}
+    for item in filter(None, rest.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise SpecError(f"expected key=value in model reference {ref!r}, got {item!r}", field="--model")
+        kwargs[key] = int(value) if value.lstrip("-").isdigit() else value
+    return name, kwargs
+
+
+def _load_model(ref: str, profile: str | None = None, **shape: Any):
+    """A model profile: measured JSON if given, else a built-in analytic profile."""
+    from deepcee.profile import load_profile
+
+    if profile:
+        return load_profile(profile), profile
+    if ref.endswith(".json"):
+        return load_profile(ref), ref
+    from deepcee.models import get_model
+
+    name, kwargs = parse_model_ref(ref)
+    kwargs.update({k: v for k, v in shape.items() if v is not None})
+    full = name + (":" + ",".join(f"{k}={v}" for k, v in kwargs.items()) if kwargs else "")
+    return get_model(name, **kwargs), full
+
+
+def _write_json(path: str | Path, data: dict[str, Any]) -> None:
+    from deepcee.plan import save_json_atomic
+
+    save_json_atomic(path, data)
+
+
+def _progress(message: str):
+    """A spinner on stderr for long work (silent when stderr is not a terminal)."""
+    from contextlib import nullcontext
+
+    if not sys.stderr.isatty():
+        return nullcontext()
+    from rich.console import Console
+
+    return Console(stderr=True).status(message)
+
+
+def _fmt_est(est) -> str:
+    from deepcee.units import fmt_time
+
+    return f"{fmt_time(est.iteration_s)} per iteration, {est.samples_per_s:.2f} samples/s ({est.source})"
+
+
+# ---------------------------------------------------------------------------------------
+# subcommands
+# ---------------------------------------------------------------------------------------
+
+
+def cmd_scenarios(args: argparse.Namespace) -> int:
+    from deepcee.scenarios import load_scenario, scenario_names
+
+    for name in scenario_names():
+        c = load_scenario(name)
+        islands = ", ".join(f"{k}:{len(v)}" for k, v in c.island_devices().items())
+        print(f"{name:18s} {len(c.devices):3d} devices  islands {islands}")
+        print(f"{'':18s} {c.description}")
+    return 0
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    from deepcee.models import get_model, model_names
+
+    for name in model_names():
+        m = get_model(name)
+        print(f"{name:24s} {m.num_layers:4d} layers {m.parameter_count / 1e6:10.1f} M parameters "
+              f"{m.flops_per_sample() / 1e9:12.2f} GFLOP/sample")
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from deepcee.planner.search import PlannerOptions, plan_training
+
+    cluster, cluster_ref = _load_cluster(args.cluster, args.scenario)
+    model, model_ref = _load_model(args.model, args.profile, seq_len=args.seq_len, image_size=args.image_size)
+    options = PlannerOptions(**({"schedules": tuple(args.schedules.split(","))} if args.schedules else {}))
+    with _progress(f"planning {model.name} on {cluster.name}"):
+        result = plan_training(cluster, model, args.global_batch, options=options)
+    plan = result.plan.replace(cluster=cluster_ref, model=model_ref)
+    for line in result.explanation:
+        print(line)
+    if plan.estimate is not None:
+        print(f"estimate: {_fmt_est(plan.estimate)}; bottleneck: {plan.estimate.bottleneck}")
+    print(f"planning took {result.planning_s:.2f} s over {result.candidates_evaluated} candidates")
+    if cluster.emulation:
+        print(f"note: cluster {cluster.name!r} is emulated: {cluster.emulation}")
+    _write_json(args.output, plan.to_dict())
+    print(f"wrote {args.output}")
+    return 0
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from deepcee.plan import load_plan
+    from deepcee.simulator.engine import simulate
+    from deepcee.simulator.trace import chrome_trace, plot_timeline
+
+    plan = load_plan(args.plan)
+    cluster, _ = _load_cluster(args.cluster, None, fallback=plan.cluster)
+    model, _ = _load_model(plan.model, args.profile)
+    plan.check_against(num_layers=model.num_layers, device_names=cluster.device_names, file=args.plan)
+    if args.link_trace:
+        cluster = _apply_trace(cluster, args.link_trace, args.trace_links)
+    result = simulate(plan, cluster, model, iterations=args.iterations)
+    print(f"plan {args.plan}: {plan.system}, {plan.num_stages} stages, schedule {plan.schedule}, "
+          f"{plan.num_microbatches} x {plan.microbatch_size} samples")
+    print(f"simulated: {result.iteration_s * 1e3:.2f} ms per iteration, {result.samples_per_s:.2f} samples/s, "
+          f"bubble {result.bubble_fraction:.1%}")
+    if len(result.iteration_times_s) > 1:
+        print("iteration times (ms): " + " ".join(f"{t * 1e3:.1f}" for t in result.iteration_times_s))
+    print(f"bottleneck: {result.bottleneck}")
+    print("peak memory (GiB): " + ", ".join(f"{d} {b / 2**30:.2f}" for d, b in result.peak_memory_bytes.items()))
+    source = "emulated cluster" if cluster.emulation else "datasheet device speeds, analytic cost model"
+    print(f"all figures simulated ({source})")
+    if args.timeline:
+        _write_json(args.timeline, chrome_trace(result, plan))
+        print(f"wrote {args.timeline} (Chrome trace; open in Perfetto)")
+    if args.plot:
+        plot_timeline(result, plan, args.plot)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def _apply_trace(cluster, trace_path: str, between: str | None):
+    """Put a bandwidth trace on the busiest inter-island links (or the ``--trace-links`` pair)."""
+    from deepcee.cluster import LinkEntry, LinkSpec, load_trace
+
+    trace = load_trace(Path(trace_path))
+    if between:
+        a, _, b = between.partition(",")
+        pairs = [(a, b)]
+    else:
+        islands = list(cluster.island_devices())
+        pairs = [(a, b) for i, a in enumerate(islands) for b in islands[i + 1:]]
+    entries = []
+    for a, b in pairs:
+        da, db = cluster.island_devices()[a][0], cluster.island_devices()[b][0]
+        link = cluster.link(da, db)
+        entries.append(LinkEntry(a=a, b=b, spec=LinkSpec(latency_s=link.latency_s,
+                                                         bandwidth_bytes_per_s=link.bandwidth_bytes_per_s,
+                                                         trace=trace)))
+    return cluster.with_links(entries)
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from deepcee.planner.compare import compare, format_table, plot_crossover
+
+    cluster, cluster_ref = _load_cluster(args.cluster, args.scenario)
+    model, _ = _load_model(args.model, args.profile, seq_len=args.seq_len, image_size=args.image_size)
+    with _progress(f"planning deepcee and baselines for {model.name} on {cluster.name}"):
+        report = compare(cluster, model, args.global_batch)
+    print(format_table(report))
+    _write_json(args.json, report.to_dict())
+    print(f"wrote {args.json}")
+    if getattr(report, "crossover", None) is not None and args.plot:
+        plot_crossover(report, args.plot)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def cmd_schedule_show(args: argparse.Namespace) -> int:
+    from deepcee.schedule.builders import build_schedule
+    from deepcee.schedule.passes import dry_run, format_table, in_flight_per_stage, validate
+
+    sched = build_schedule(args.name, args.stages, args.microbatches)
+    validate(sched)
+    print(format_table(sched))
+    s = args.stages
+    dr = dry_run(sched, forward_s=[1.0] * s, input_grad_s=[1.0] * s, weight_grad_s=[1.0] * s,
+                 comm_forward=[(0.0, 0.0)] * (s - 1), comm_backward=[(0.0, 0.0)] * (s - 1))
+    print(f"unit costs (F = I = W = 1, no communication): makespan {dr.makespan_s:g}, "
+          f"bubble {dr.bubble_fraction:.1%}, in-flight microbatches per stage {list(in_flight_per_stage(sched))}")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------
+
+
+def _add_model_args(p: argparse.ArgumentParser, default: str | None = None) -> None:
+    p.add_argument("--model", default=default, required=default is None,
+                   help="built-in model name (see `deepcee models`), optionally name:key=value,...")
+    p.add_argument("--profile", help="measured profile JSON (from `deepcee profile`) instead of the analytic one")
+    p.add_argument("--seq-len", type=int, help="sequence length for transformer models")
+    p.add_argument("--image-size", type=int, help="image side for convolutional models")
+
+
+def _add_cluster_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--scenario", help="built-in cluster name (see `deepcee scenarios`)")
+    p.add_argument("--cluster", help="cluster file (TOML, or JSON written by `deepcee profile`)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="deepcee", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("scenarios", help="list built-in clusters")
+    p.set_defaults(func=cmd_scenarios)
+    p = sub.add_parser("models", help="list built-in model profiles")
+    p.set_defaults(func=cmd_models)
+
+    p = sub.add_parser("plan", help="plan training of a model on a cluster")
+    _add_cluster_args(p)
+    _add_model_args(p)
+    p.add_argument("--global-batch", type=int, required=True)
+    p.add_argument("--schedules", help="comma-separated schedules the planner may use (default: all)")
+    p.add_argument("-o", "--output", default="plan.json")
+    p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser("simulate", help="simulate a plan: iteration time, bubbles, memory, timeline")
+    p.add_argument("plan")
+    p.add_argument("--cluster", help="cluster file (default: the plan's scenario)")
+    p.add_argument("--profile", help="measured profile JSON (default: the plan's model)")
+    p.add_argument("--iterations", type=int, default=1)
+    p.add_argument("--link-trace", help="bandwidth trace JSON applied to the inter-island links")
+    p.add_argument("--trace-links", help="apply the trace only between these two islands: a,b")
+    p.add_argument("--timeline", help="write a Chrome-trace JSON timeline")
+    p.add_argument("--plot", help="write a PNG timeline")
+    p.set_defaults(func=cmd_simulate)
+
+    p = sub.add_parser("compare", help="deepcee vs baselines vs the upper bound on one cluster")
+    _add_cluster_args(p)
+    _add_model_args(p)
+    p.add_argument("--global-batch", type=int, required=True)
+    p.add_argument("--json", default="compare.json")
+    p.add_argument("--plot", default="crossover.png", help="crossover PNG (written when leaving devices out wins)")
+    p.set_defaults(func=cmd_compare)
+
+    p = sub.add_parser("schedule", help="inspect pipeline schedules")
+    ssub = p.add_subparsers(dest="schedule_command", required=True)
+    q = ssub.add_parser("show", help="print a schedule as a step-by-stage table")
+    q.add_argument("name", help="gpipe, 1f1b, zb-h1 or zb-h2")
+    q.add_argument("--stages", type=int, default=4)
+    q.add_argument("--microbatches", type=int, default=8)
+    q.set_defaults(func=cmd_schedule_show)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    func: Callable[[argparse.Namespace], int] = args.func
+    try:
+        return func(args)
+    except DeepceeError as exc:
+        print(f"deepcee {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"deepcee {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except json.JSONDecodeError as exc:
+        print(f"deepcee {args.command}: error: invalid JSON: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
