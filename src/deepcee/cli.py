@@ -114,10 +114,10 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from deepcee.planner.search import PlannerOptions, plan_training
-
     cluster, cluster_ref = _load_cluster(args.cluster, args.scenario)
     model, model_ref = _load_model(args.model, args.profile, seq_len=args.seq_len, image_size=args.image_size)
+    from deepcee.planner.search import PlannerOptions, plan_training
+
     options = PlannerOptions(**({"schedules": tuple(args.schedules.split(","))} if args.schedules else {}))
     with _progress(f"planning {model.name} on {cluster.name}"):
         result = plan_training(cluster, model, args.global_batch, options=options)
@@ -187,10 +187,10 @@ def _apply_trace(cluster, trace_path: str, between: str | None):
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
+    cluster, _ = _load_cluster(args.cluster, args.scenario)
+    model, _ = _load_model(args.model, args.profile, seq_len=args.seq_len, image_size=args.image_size)
     from deepcee.planner.compare import compare, format_table, plot_crossover
 
-    cluster, cluster_ref = _load_cluster(args.cluster, args.scenario)
-    model, _ = _load_model(args.model, args.profile, seq_len=args.seq_len, image_size=args.image_size)
     with _progress(f"planning deepcee and baselines for {model.name} on {cluster.name}"):
         report = compare(cluster, model, args.global_batch)
     print(format_table(report))
