@@ -1,0 +1,499 @@
+"""Discrete-event simulator: a lowered schedule executed on a cluster (torch-free).
+
+Model (all times in seconds on one clock that starts at ``start_s``, so link traces, whose
+times are on the same clock, keep advancing across iterations):
+
+- Every device of stage ``s`` runs the lowered action list of stage ``s`` in order
+  (``lower(build_schedule(plan.schedule, S, M))``, or ``lower(parse_schedule(plan.actions))``
+  when the plan carries explicit actions). ``F``/``I``/``W``/``B`` take
+  ``model.time_s(layers of s, pass, device share, device kind, device slowdown)``.
+- ``SEND_F``/``SEND_B`` never block: they issue one transfer per sample overlap between the
+  sender and a device of the next (previous) stage (see [Note: share-based resharding] in
+  :mod:`deepcee.plan`), of ``samples x model.boundary_bytes(boundary layer)`` bytes.
+  ``RECV_F``/``RECV_B`` block until every piece of that microbatch arrived.
+- A transfer goes over ``cluster.link(src, dst)``. Transfers that share the link's
+  ``resource`` are served first in, first out: a transfer issued at ``t`` starts serialising
+  at ``max(t, resource free)``, serialises its bytes at the link's bandwidth (integrated over
+  a bandwidth trace: a change mid-transfer changes its speed from then on) and is delivered
+  ``latency_s`` after serialisation ends. With one device per stage this is exactly the model
+  of :func:`deepcee.schedule.passes.dry_run`.
+- When all devices of a stage finished their lists, the stage's gradient synchronisation
+  runs (:func:`deepcee.simulator.collectives.allreduce_s`, evaluated at its start time; it
+  keeps all the stage's devices busy and does not contend with pipeline transfers), then
+  every device takes its optimizer step (:func:`optimizer_step_s`). The iteration ends when
+  the last optimizer step ends; the next iteration starts then on every device.
+
+Per device, the time of the simulated iterations splits into ``busy_s`` (F/I/W/B and the
+optimizer step), ``sync_s`` (gradient synchronisation), ``comm_wait_s`` (blocked in a
+receive) and ``idle_s`` (the rest: bubbles, waiting for the stage or the iteration end).
+``bubble_fraction`` is ``1 - pipeline compute / (devices x pipeline span)``, the pipeline
+span being the time from the iteration start until the last device finishes its list
+(the same definition as the dry run's, which has no synchronisation phase).
+
+The critical path is found by recording, for every segment, the segment that released it
+(the device's previous segment, the last-delivered piece of a receive, the transfer ahead
+in the resource's queue, or the last device of a stage for its all-reduce), and walking
+back from the end; clipped to their successor's start, these segments tile the run.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import logging
+from collections import defaultdict
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+from deepcee.cluster import BandwidthTrace, Cluster, DeviceKind
+from deepcee.errors import ScheduleError
+from deepcee.plan import Estimate, Plan, share_overlaps
+from deepcee.profile import ModelProfile
+from deepcee.schedule.builders import build_schedule
+from deepcee.schedule.ir import ActionKind, Schedule, parse_schedule
+from deepcee.schedule.passes import lower
+from deepcee.simulator.collectives import allreduce_s
+from deepcee.simulator.memory import device_memory_bytes
+
+log = logging.getLogger(__name__)
+
+OPTIMIZER_FLOPS_PER_PARAMETER = 10.0
+"""Optimizer step cost model: Adam's update reads ~4 values and does ~10 FLOPs per parameter.
+On real GPUs the step is bound by memory bandwidth, which device kinds do not record, so this
+is a lower bound; it is small next to a pipeline iteration either way."""
+
+EventKind = Literal["compute", "transfer", "wait", "allreduce", "optimizer"]
+_COMPUTE, _TRANSFER, _WAIT, _ALLREDUCE, _OPTIMIZER = range(5)
+_KIND_NAMES: tuple[EventKind, ...] = ("compute", "transfer", "wait", "allreduce", "optimizer")
+_RUN, _SEND, _RECV = range(3)
+
+
+def optimizer_step_s(model: ModelProfile, start: int, stop: int, kind: DeviceKind,
+                     slowdown: float = 1.0, *, shards: int = 1) -> float:
+    """Optimizer step time of layers ``[start, stop)`` on one device.
+
+    ``OPTIMIZER_FLOPS_PER_PARAMETER`` FLOPs per parameter at the kind's effective FLOP/s,
+    times ``slowdown``; with ZeRO-2 each of ``shards`` devices steps only its shard.
+    """
+    params = model.parameters(start, stop) / max(1, shards)
+    return slowdown * OPTIMIZER_FLOPS_PER_PARAMETER * params / kind.effective_flops_per_s
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Event:
+    """One recorded interval of the simulated timeline."""
+
+    kind: EventKind
+    where: str
+    """Device name; for transfers the link resource (see [Note: link resources])."""
+    action: str
+    """``1F3``, ``0SEND_F3`` (transfers), ``1RECV_F3`` (waits), ``allreduce``, ``optimizer``."""
+    start_s: float
+    """Start; for a transfer, the start of its serialisation."""
+    end_s: float
+    """End; for a transfer, its delivery."""
+    stage: int
+    iteration: int = 0
+    nbytes: float = 0.0
+    src: str = ""
+    """Sending device (transfers)."""
+    dst: str = ""
+    """Receiving device (transfers)."""
+    issued_s: float = 0.0
+    """When the send was issued (transfers); the gap to ``start_s`` is queueing."""
+    serialized_s: float = 0.0
+    """When serialisation ended (transfers); ``end_s - serialized_s`` is the latency."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Segment:
+    """One piece of the critical path."""
+
+    kind: EventKind
+    where: str
+    """Device name, link resource, or ``stage s all-reduce``."""
+    action: str
+    start_s: float
+    end_s: float
+
+    def __post_init__(self) -> None:
+        if self.end_s < self.start_s:
+            raise ValueError(f"segment {self.action!r} ends at {self.end_s} before it starts at {self.start_s}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SimResult:
+    """What a simulation measured. Per-device times are summed over all iterations."""
+
+    iteration_s: float
+    """Mean iteration time."""
+    iteration_times_s: tuple[float, ...]
+    samples_per_s: float
+    start_s: float
+    end_s: float
+    pipeline_s: float
+    """Mean time from an iteration's start until the last device finished its action list."""
+    busy_s: Mapping[str, float]
+    sync_s: Mapping[str, float]
+    comm_wait_s: Mapping[str, float]
+    idle_s: Mapping[str, float]
+    bubble_fraction: float
+    peak_memory_bytes: Mapping[str, float]
+    critical_path: tuple[Segment, ...]
+    bottleneck: str
+    events: tuple[Event, ...] = ()
+    """Empty unless simulated with ``record=True``."""
+
+    def __post_init__(self) -> None:
+        if not self.iteration_times_s or any(t < 0 for t in self.iteration_times_s):
+            raise ValueError(f"iteration_times_s must be non-empty and >= 0, got {self.iteration_times_s}")
+        if not 0.0 <= self.bubble_fraction <= 1.0 + 1e-12:
+            raise ValueError(f"bubble_fraction must be in [0, 1], got {self.bubble_fraction}")
+
+
+def serialise_end_s(start_s: float, nbytes: float, bandwidth_bytes_per_s: float,
+                    trace: BandwidthTrace | None) -> float:
+    """When ``nbytes`` started at ``start_s`` finish serialising on a (traced) pipe."""
+    if trace is None:
+        return start_s + nbytes / bandwidth_bytes_per_s
+    t, left = start_s, nbytes
+    while True:
+        rate = trace.bandwidth_at(t, bandwidth_bytes_per_s)
+        change = trace.next_change_after(t)
+        if change is None or t + left / rate <= change:
+            return t + left / rate
+        left -= (change - t) * rate
+        t = change
+
+
+def stage_schedule(plan: Plan) -> Schedule:
+    """The compute-only schedule a plan runs (explicit actions win over the named builder)."""
+    if plan.actions:
+        return parse_schedule(plan.actions)
+    return build_schedule(plan.schedule, plan.num_stages, plan.num_microbatches)
+
+
+def in_flight_from_order(schedule: Schedule) -> tuple[int, ...]:
+    """Per stage, the most microbatches between their ``F`` and their ``W``/``B`` in action order."""
+    out = []
+    for row in schedule:
+        live = peak = 0
+        for a in row:
+            if a.kind == ActionKind.F:
+                live += 1
+                peak = max(peak, live)
+            elif a.kind in (ActionKind.W, ActionKind.B):
+                live -= 1
+        out.append(peak)
+    return tuple(out)
+
+
+class _Simulation:
+    """Precomputed tables and the event loop.
+
+    Segments are tuples ``(kind, where, action, start, end, pred, nbytes, extra)``: ``where``
+    is a device index (a resource index for transfers, a stage index for all-reduces),
+    ``pred`` the index of the segment that released this one (-1 at the very start) and
+    ``extra`` ``(src, dst, issued, serialised)`` for transfers.
+    """
+
+    def __init__(self, plan: Plan, cluster: Cluster, model: ModelProfile) -> None:
+        plan.check_against(num_layers=model.num_layers, device_names=cluster.device_names)
+        self.plan, self.cluster, self.model = plan, cluster, model
+        self.schedule = stage_schedule(plan)
+        if len(self.schedule) != plan.num_stages:
+            raise ScheduleError(f"schedule has {len(self.schedule)} stages, plan has {plan.num_stages}")
+        lowered = lower(self.schedule)
+        self.devices = list(plan.devices)
+        self.stage_of = [plan.stage_of(d) for d in self.devices]
+        self.num_mb = 1 + max((a.microbatch for row in lowered for a in row), default=0)
+        self.resources: list[str] = []
+        self._link_tables()
+        self.programs = [self._program(i, lowered[s]) for i, s in enumerate(self.stage_of)]
+
+    def _link_tables(self) -> None:
+        """``targets[direction][device]``: one ``(dst, nbytes, latency, bandwidth, trace,
+        resource)`` per piece a send issues; ``expected[direction][device]``: pieces per receive."""
+        plan, index = self.plan, {d: i for i, d in enumerate(self.devices)}
+        res_index: dict[str, int] = {}
+        n = len(self.devices)
+        self.targets: list[list[list[tuple]]] = [[[] for _ in range(n)] for _ in range(2)]
+        self.expected = [[0] * n for _ in range(2)]
+        for s in range(plan.num_stages - 1):
+            a, b = plan.stages[s], plan.stages[s + 1]
+            per_sample = self.model.boundary_bytes(a.layer_stop)
+            for i, j, lo, hi in share_overlaps(a.shares, b.shares):
+                for dirn, src, dst in ((0, a.devices[i], b.devices[j]), (1, b.devices[j], a.devices[i])):
+                    link = self.cluster.link(src, dst)
+                    if link.resource not in res_index:
+                        res_index[link.resource] = len(self.resources)
+                        self.resources.append(link.resource)
+                    self.targets[dirn][index[src]].append(
+                        (index[dst], (hi - lo) * per_sample, link.latency_s, link.bandwidth_bytes_per_s,
+                         link.trace, res_index[link.resource]))
+                    self.expected[dirn][index[dst]] += 1
+
+    def _program(self, d: int, row: tuple) -> list[tuple]:
+        """``(op, action string, duration or direction, microbatch)`` per lowered action."""
+        device = self.devices[d]
+        st = self.plan.stages[self.stage_of[d]]
+        share = st.shares[st.devices.index(device)]
+        kind, slowdown = self.cluster.kind_of(device), self.cluster.device(device).slowdown
+        durations = {p: self.model.time_s(st.layer_start, st.layer_stop, p, share, kind, slowdown)
+                     for p in "FIWB"}
+        out = []
+        for a in row:
+            k = a.kind
+            if k.is_compute:
+                out.append((_RUN, str(a), durations[k.value], a.microbatch))
+            elif k in (ActionKind.SEND_F, ActionKind.SEND_B):
+                out.append((_SEND, str(a), int(k == ActionKind.SEND_B), a.microbatch))
+            else:
+                out.append((_RECV, str(a), int(k == ActionKind.RECV_B), a.microbatch))
+        return out
+
+    def run(self, start_s: float, iterations: int) -> None:
+        n = len(self.devices)
+        self.segs: list[tuple] = []
+        self.busy, self.wait, self.sync = [0.0] * n, [0.0] * n, [0.0] * n
+        self.pipeline_compute_s = 0.0
+        self.res_free = [start_s] * len(self.resources)
+        self.res_last = [-1] * len(self.resources)
+        self.ends, self.pipe_ends, self.firsts = [], [], []
+        t0, pred = start_s, -1
+        for _ in range(iterations):
+            self.firsts.append(len(self.segs))
+            list_end, cause = self._pipeline(t0, pred)
+            self.pipe_ends.append(max(list_end))
+            t0, pred = self._sync(list_end, cause)
+            self.ends.append(t0)
+        self.last_seg = pred
+
+    def _pipeline(self, t0: float, pred: int) -> tuple[list[float], list[int]]:
+        """Run every device's list from ``t0``; returns when each finished, and why."""
+        n, m_count = len(self.devices), self.num_mb
+        programs, targets, expected = self.programs, self.targets, self.expected
+        segs, busy, res_free, res_last = self.segs, self.busy, self.res_free, self.res_last
+        size = 2 * n * m_count  # receive state per (direction, device, microbatch), flattened
+        got, ready, ready_seg = [0] * size, [0.0] * size, [-1] * size
+        pcs, cause, list_end = [0] * n, [pred] * n, [t0] * n
+        waiting, wait_from = [-1] * n, [0.0] * n
+        heap = [(t0, d, d) for d in range(n)]
+        seq, push, pop, append = n, heapq.heappush, heapq.heappop, segs.append
+        compute = 0.0
+        while heap:
+            t, _, d = pop(heap)
+            prog, pc = programs[d], pcs[d]
+            while pc < len(prog):
+                op, text, arg, m = prog[pc]
+                if op == _RUN:
+                    append((_COMPUTE, d, text, t, t + arg, cause[d], 0.0, None))
+                    cause[d] = len(segs) - 1
+                    busy[d] += arg
+                    compute += arg
+                    pc += 1
+                    push(heap, (t + arg, seq, d))
+                    seq += 1
+                    break
+                if op == _SEND:
+                    for dst, nbytes, latency, bw, trace, r in targets[arg][d]:
+                        if res_free[r] > t:  # queued behind the transfer ahead on this resource
+                            begin, p = res_free[r], res_last[r]
+                        else:
+                            begin, p = t, cause[d]
+                        done = begin + nbytes / bw if trace is None else serialise_end_s(begin, nbytes, bw, trace)
+                        append((_TRANSFER, r, text, begin, done + latency, p, nbytes, (d, dst, t, done)))
+                        res_free[r], res_last[r] = done, len(segs) - 1
+                        key = (arg * n + dst) * m_count + m
+                        got[key] += 1
+                        if done + latency >= ready[key]:
+                            ready[key], ready_seg[key] = done + latency, len(segs) - 1
+                        if waiting[dst] == key and got[key] == expected[arg][dst]:
+                            waiting[dst] = -1  # the receiver was blocked on this: release it on delivery
+                            self._waited(dst, pcs[dst], wait_from[dst], ready[key], ready_seg[key], cause)
+                            pcs[dst] += 1
+                            push(heap, (ready[key], seq, dst))
+                            seq += 1
+                    pc += 1
+                    continue
+                key = (arg * n + d) * m_count + m
+                if got[key] < expected[arg][d]:
+                    waiting[d], wait_from[d] = key, t
+                    break
+                if ready[key] > t:
+                    self._waited(d, pc, t, ready[key], ready_seg[key], cause)
+                    pc += 1
+                    push(heap, (ready[key], seq, d))
+                    seq += 1
+                    break
+                pc += 1
+            pcs[d] = pc
+            if pc == len(prog):
+                list_end[d] = t
+        self.pipeline_compute_s += compute
+        self._check_finished(pcs, got)
+        return list_end, cause
+
+    def _waited(self, d: int, pc: int, since: float, until: float, seg: int, cause: list[int]) -> None:
+        """Device ``d`` sat in the receive at ``pc`` from ``since`` until ``until``; ``seg`` released it."""
+        self.segs.append((_WAIT, d, self.programs[d][pc][1], since, until, seg, 0.0, None))
+        self.wait[d] += until - since
+        cause[d] = seg
+
+    def _check_finished(self, pcs: list[int], got: list[int]) -> None:
+        n, m_count = len(self.devices), self.num_mb
+        stuck = []
+        for d, pc in enumerate(pcs):
+            prog = self.programs[d]
+            if pc == len(prog):
+                continue
+            op, text, arg, m = prog[pc]
+            if op == _RECV:
+                have, need = got[(arg * n + d) * m_count + m], self.expected[arg][d]
+                stuck.append(f"{self.devices[d]} at {text} ({have} of {need} pieces arrived)")
+            else:
+                stuck.append(f"{self.devices[d]} at {text}")
+        if stuck:
+            raise ScheduleError("schedule deadlocks; stuck actions: " + "; ".join(stuck))
+
+    def _sync(self, list_end: list[float], cause: list[int]) -> tuple[float, int]:
+        """Each stage's all-reduce once its devices finished, then the optimizer steps."""
+        plan, segs = self.plan, self.segs
+        end, last = -1.0, -1
+        for s, st in enumerate(plan.stages):
+            members = [d for d in range(len(self.devices)) if self.stage_of[d] == s]
+            first = max(members, key=lambda d: list_end[d])
+            begin = list_end[first]
+            nbytes = self.model.gradient_bytes(st.layer_start, st.layer_stop)
+            dur = allreduce_s(self.cluster, st.devices, nbytes, plan.sync, at_s=begin)
+            segs.append((_ALLREDUCE, s, "allreduce", begin, begin + dur, cause[first], nbytes, None))
+            ar = len(segs) - 1
+            shards = len(st.devices) if plan.sync == "zero2" else 1
+            for d in members:
+                dev = self.cluster.device(self.devices[d])
+                step = optimizer_step_s(self.model, st.layer_start, st.layer_stop,
+                                        self.cluster.kinds[dev.kind], dev.slowdown, shards=shards)
+                segs.append((_OPTIMIZER, d, "optimizer", begin + dur, begin + dur + step, ar, 0.0, None))
+                self.sync[d] += dur
+                self.busy[d] += step
+                if begin + dur + step > end:
+                    end, last = begin + dur + step, len(segs) - 1
+        return end, last
+
+    # -- results -------------------------------------------------------------------------
+    def where(self, kind: int, where: int) -> str:
+        if kind == _TRANSFER:
+            return self.resources[where]
+        if kind == _ALLREDUCE:
+            return f"stage {where} all-reduce"
+        return self.devices[where]
+
+    def critical_path(self) -> tuple[Segment, ...]:
+        out, i, succ_start = [], self.last_seg, None
+        while i >= 0:
+            kind, where, text, start, end, pred, _, _ = self.segs[i]
+            end = end if succ_start is None else min(end, succ_start)
+            if end > start:
+                out.append(Segment(kind=_KIND_NAMES[kind], where=self.where(kind, where), action=text,
+                                   start_s=start, end_s=end))
+            succ_start, i = start, pred
+        return tuple(reversed(out))
+
+    def events(self) -> tuple[Event, ...]:
+        out: list[Event] = []
+        for i, (kind, where, text, start, end, _, nbytes, extra) in enumerate(self.segs):
+            it = bisect.bisect_right(self.firsts, i) - 1
+            if kind == _TRANSFER:
+                src, dst, issued, done = extra
+                out.append(Event(kind="transfer", where=self.resources[where], action=text, start_s=start,
+                                 end_s=end, stage=self.stage_of[src], iteration=it, nbytes=nbytes,
+                                 src=self.devices[src], dst=self.devices[dst], issued_s=issued,
+                                 serialized_s=done))
+            elif kind == _ALLREDUCE:
+                out += [Event(kind="allreduce", where=d, action=text, start_s=start, end_s=end, stage=where,
+                              iteration=it, nbytes=nbytes) for d in self.plan.stages[where].devices]
+            else:
+                out.append(Event(kind=_KIND_NAMES[kind], where=self.devices[where], action=text,
+                                 start_s=start, end_s=end, stage=self.stage_of[where], iteration=it))
+        return tuple(out)
+
+
+def _bottleneck(path: tuple[Segment, ...], stage_of: Mapping[str, int]) -> str:
+    """The device, link or all-reduce with the most time on the critical path, and its share."""
+    total = sum(seg.end_s - seg.start_s for seg in path)
+    if total <= 0:
+        return "none (the iteration takes no time)"
+    per: dict[tuple[str, str], float] = defaultdict(float)
+    for seg in path:
+        group = "link" if seg.kind == "transfer" else "sync" if seg.kind == "allreduce" else "device"
+        per[(group, seg.where)] += seg.end_s - seg.start_s
+    (group, where), t = max(per.items(), key=lambda kv: kv[1])
+    name = {"link": f"link {where}", "sync": where,
+            "device": f"device {where} (stage {stage_of.get(where, '?')})"}[group]
+    return f"{name}: {t / total:.0%} of the critical path ({t:.4g} s of {total:.4g} s)"
+
+
+def _peak_memory(plan: Plan, model: ModelProfile, schedule: Schedule) -> dict[str, float]:
+    in_flight = in_flight_from_order(schedule)
+    out = {}
+    for s, st in enumerate(plan.stages):
+        for d, share in zip(st.devices, st.shares, strict=True):
+            out[d] = device_memory_bytes(model, st.layer_start, st.layer_stop, share=share,
+                                         in_flight=in_flight[s], sync=plan.sync,
+                                         stage_devices=len(st.devices))
+    return out
+
+
+def simulate(plan: Plan, cluster: Cluster, model: ModelProfile, *, start_s: float = 0.0,
+             iterations: int = 1, record: bool = True) -> SimResult:
+    """Simulate ``iterations`` training iterations of ``plan``. See the module docstring.
+
+    ``record=False`` skips building the event list (the planner's fast path); the critical
+    path and all statistics are computed either way. Raises :class:`ScheduleError` when the
+    schedule deadlocks, naming each stuck action.
+    """
+    if not isinstance(iterations, int) or iterations < 1:
+        raise ValueError(f"iterations must be an integer >= 1, got {iterations!r}")
+    sim = _Simulation(plan, cluster, model)
+    sim.run(start_s, iterations)
+    starts = [start_s, *sim.ends[:-1]]
+    times = tuple(e - s for s, e in zip(starts, sim.ends, strict=True))
+    total_s = sim.ends[-1] - start_s
+    pipe_span = sum(p - s for s, p in zip(starts, sim.pipe_ends, strict=True))
+    n = len(sim.devices)
+    bubble = 1.0 - sim.pipeline_compute_s / (n * pipe_span) if pipe_span > 0 else 0.0
+    path = sim.critical_path()
+    stage_of = dict(zip(sim.devices, sim.stage_of, strict=True))
+    mean = total_s / iterations
+    result = SimResult(
+        iteration_s=mean,
+        iteration_times_s=times,
+        samples_per_s=plan.global_batch / mean if mean > 0 else float("inf"),
+        start_s=start_s,
+        end_s=sim.ends[-1],
+        pipeline_s=pipe_span / iterations,
+        busy_s=dict(zip(sim.devices, sim.busy, strict=True)),
+        sync_s=dict(zip(sim.devices, sim.sync, strict=True)),
+        comm_wait_s=dict(zip(sim.devices, sim.wait, strict=True)),
+        idle_s={d: max(0.0, total_s - b - s - w)
+                for d, b, s, w in zip(sim.devices, sim.busy, sim.sync, sim.wait, strict=True)},
+        bubble_fraction=min(1.0, max(0.0, bubble)),
+        peak_memory_bytes=_peak_memory(plan, model, sim.schedule),
+        critical_path=path,
+        bottleneck=_bottleneck(path, stage_of),
+        events=sim.events() if record else (),
+    )
+    log.debug("simulated %s on %s: %.4g s per iteration, bottleneck %s", plan.system, cluster.name,
+              mean, result.bottleneck)
+    return result
+
+
+def to_estimate(result: SimResult, plan: Plan, cluster: Cluster) -> Estimate:
+    """The simulator's figures as a plan :class:`Estimate`; names any device out of memory."""
+    over = [f"{d} needs {b / 2**30:.2f} GiB of {cluster.memory_bytes(d) / 2**30:.2f} GiB"
+            for d, b in result.peak_memory_bytes.items() if b > cluster.memory_bytes(d)]
+    bottleneck = result.bottleneck + ("; out of memory: " + ", ".join(over) if over else "")
+    return Estimate(iteration_s=result.iteration_s, samples_per_s=result.samples_per_s,
+                    peak_memory_bytes=dict(result.peak_memory_bytes), bottleneck=bottleneck,
+                    source="simulator")
