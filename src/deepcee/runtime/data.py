@@ -1,0 +1,195 @@
+"""Deterministic training data shipped with the package (no downloads).
+
+Every dataset answers ``batch(step, batch_size) -> Batch`` with the *global* batch of step
+``step``; it depends only on ``(seed, step, batch_size)``, so every rank computes the same
+batch and slices out its own samples (see :mod:`deepcee.runtime.partition`), and a resumed
+run continues with exactly the batches it would have seen.
+
+- :class:`ByteTextDataset` (``gpt-tiny``): random windows of ``seq_len + 1`` bytes of
+  ``deepcee/data/tiny_corpus.txt``; inputs are the first ``seq_len`` bytes, targets the next.
+  The corpus is English-like prose written by :func:`generate_corpus` (a seeded grammar with a
+  hand-written vocabulary, so there is no licensing question); it is learnable: word
+  spelling, grammar and punctuation give a byte-level model plenty to pick up.
+- :class:`PatternImageDataset` (``resnet-tiny``): 3x32x32 images of 10 classes; each class
+  has a fixed colour grating (orientation, frequency, colour mix drawn from the seed); a
+  sample is its class's grating, randomly shifted, at a random contrast, plus Gaussian noise.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import cached_property
+from importlib import resources
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from deepcee.errors import SpecError
+
+CORPUS_FILE = "tiny_corpus.txt"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Batch:
+    """Inputs and targets of a global batch (first dimension = samples)."""
+
+    inputs: torch.Tensor
+    targets: torch.Tensor
+
+    def slice(self, lo: int, hi: int) -> Batch:
+        return Batch(inputs=self.inputs[lo:hi], targets=self.targets[lo:hi])
+
+
+class Dataset(Protocol):
+    def batch(self, step: int, batch_size: int) -> Batch: ...
+
+
+# -- text -------------------------------------------------------------------------------
+
+_SUBJECTS = (
+    "the old sailor", "a young engineer", "the quiet farmer", "my neighbour", "the river pilot",
+    "a tired courier", "the village baker", "our teacher", "the night watchman", "a travelling doctor",
+    "the harbour master", "the small child", "a patient gardener", "the mountain guide", "her brother",
+    "the clockmaker", "a curious student", "the lighthouse keeper", "the miller", "an honest judge",
+)
+_VERBS = (
+    "carried", "repaired", "painted", "found", "measured", "opened", "watched", "followed",
+    "described", "remembered", "counted", "cleaned", "built", "sold", "borrowed", "mended",
+    "studied", "visited", "lifted", "checked",
+)
+_OBJECTS = (
+    "the wooden boat", "a heavy basket", "the broken clock", "an old map", "the garden gate",
+    "a bundle of letters", "the copper kettle", "the long bridge", "a box of nails", "the blue lantern",
+    "the stone wall", "a pair of boots", "the narrow road", "a loaf of bread", "the iron bell",
+    "the village well", "a coil of rope", "the tall ladder", "a jar of honey", "the empty barn",
+)
+_ADVERBS = (
+    "slowly", "carefully", "quietly", "before dawn", "in the rain", "without a word", "again",
+    "with great care", "after supper", "once more", "at noon", "by lamplight",
+)
+_PLACES = (
+    "near the harbour", "behind the mill", "across the valley", "at the edge of the forest",
+    "beside the river", "in the market square", "under the old oak", "on the hill road",
+    "inside the workshop", "by the north gate",
+)
+_LINKS = ("and then", "but", "because", "while", "so", "although", "before", "after")
+_OPENERS = (
+    "In the morning,", "Later that week,", "Every spring,", "On the third day,", "Long ago,",
+    "That evening,", "Some years later,", "At first,",
+)
+_SAYINGS = (
+    "a small mistake can sink a great ship", "the road is shorter with a friend",
+    "every tool has its season", "the river remembers what the town forgets",
+    "good bread needs time", "a lantern is worth little without oil",
+)
+
+
+def _clause(rng: np.random.Generator) -> str:
+    pick = lambda xs: xs[int(rng.integers(len(xs)))]  # noqa: E731
+    parts = [pick(_SUBJECTS), pick(_VERBS), pick(_OBJECTS)]
+    if rng.random() < 0.5:
+        parts.append(pick(_PLACES))
+    if rng.random() < 0.4:
+        parts.append(pick(_ADVERBS))
+    return " ".join(parts)
+
+
+def _sentence(rng: np.random.Generator) -> str:
+    r = rng.random()
+    if r < 0.1:
+        subject = _SUBJECTS[int(rng.integers(len(_SUBJECTS)))]
+        text = f'{subject} said, "{_SAYINGS[int(rng.integers(len(_SAYINGS)))]}."'
+    elif r < 0.45:
+        text = f"{_clause(rng)} {_LINKS[int(rng.integers(len(_LINKS)))]} {_clause(rng)}."
+    else:
+        text = _clause(rng) + "."
+    if rng.random() < 0.25:
+        text = f"{_OPENERS[int(rng.integers(len(_OPENERS)))]} {text}"
+    return text[0].upper() + text[1:]
+
+
+def generate_corpus(seed: int = 0, size_bytes: int = 300_000) -> str:
+    """Seeded English-like prose: paragraphs of 3-7 sentences, about ``size_bytes`` long."""
+    rng = np.random.default_rng(seed)
+    paragraphs, total = [], 0
+    while total < size_bytes:
+        para = " ".join(_sentence(rng) for _ in range(int(rng.integers(3, 8))))
+        paragraphs.append(para)
+        total += len(para) + 2
+    return "\n\n".join(paragraphs) + "\n"
+
+
+def load_corpus() -> bytes:
+    """The shipped corpus (``deepcee/data/tiny_corpus.txt``) as bytes."""
+    return resources.files("deepcee").joinpath("data", CORPUS_FILE).read_bytes()
+
+
+@dataclass(frozen=True, kw_only=True)
+class ByteTextDataset:
+    """Byte-level language modelling windows over the shipped corpus. See the module docstring."""
+
+    seq_len: int = 64
+    seed: int = 0
+
+    @cached_property
+    def tokens(self) -> np.ndarray:
+        data = np.frombuffer(load_corpus(), dtype=np.uint8)
+        if data.size < self.seq_len + 2:
+            raise SpecError(f"corpus has {data.size} bytes, need more than seq_len + 1 = {self.seq_len + 1}")
+        return data
+
+    def batch(self, step: int, batch_size: int) -> Batch:
+        rng = np.random.default_rng([self.seed, step, batch_size])
+        starts = rng.integers(0, self.tokens.size - self.seq_len - 1, size=batch_size)
+        windows = np.stack([self.tokens[s:s + self.seq_len + 1] for s in starts]).astype(np.int64)
+        w = torch.from_numpy(windows)
+        return Batch(inputs=w[:, :-1].contiguous(), targets=w[:, 1:].contiguous())
+
+
+# -- images -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class PatternImageDataset:
+    """Class-dependent colour gratings plus noise. See the module docstring."""
+
+    num_classes: int = 10
+    image_size: int = 32
+    noise_std: float = 0.8
+    seed: int = 0
+
+    @cached_property
+    def templates(self) -> np.ndarray:
+        """``(classes, 3, H, W)`` float32 gratings, unit peak amplitude."""
+        rng = np.random.default_rng([self.seed, 0xC1A55])
+        yy, xx = np.mgrid[0:self.image_size, 0:self.image_size] / self.image_size
+        out = np.empty((self.num_classes, 3, self.image_size, self.image_size), dtype=np.float32)
+        for c in range(self.num_classes):
+            angle = math.pi * c / self.num_classes + rng.uniform(-0.1, 0.1)
+            freq = rng.uniform(2.0, 5.0)
+            wave = np.sin(2 * math.pi * freq * (np.cos(angle) * xx + np.sin(angle) * yy))
+            colour = rng.uniform(-1.0, 1.0, size=3)
+            out[c] = colour[:, None, None] * wave[None]
+        return out
+
+    def batch(self, step: int, batch_size: int) -> Batch:
+        rng = np.random.default_rng([self.seed, step, batch_size])
+        labels = rng.integers(0, self.num_classes, size=batch_size)
+        shifts = rng.integers(0, self.image_size, size=(batch_size, 2))
+        contrast = rng.uniform(0.5, 1.5, size=batch_size).astype(np.float32)
+        images = np.stack([
+            np.roll(self.templates[c], (int(dy), int(dx)), axis=(1, 2)) for c, (dy, dx) in zip(labels, shifts)
+        ]) * contrast[:, None, None, None]
+        images += rng.normal(0.0, self.noise_std, size=images.shape).astype(np.float32)
+        return Batch(inputs=torch.from_numpy(images.astype(np.float32)), targets=torch.from_numpy(labels.astype(np.int64)))
+
+
+def dataset_for(model: str, seed: int = 0) -> Dataset:
+    """The shipped dataset of a built-in net."""
+    if model == "gpt-tiny":
+        return ByteTextDataset(seed=seed)
+    if model == "resnet-tiny":
+        return PatternImageDataset(seed=seed)
+    raise SpecError(f"no shipped dataset for model {model!r} (known: gpt-tiny, resnet-tiny)", field="model")

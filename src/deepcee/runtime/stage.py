@@ -1,0 +1,312 @@
+"""A pipeline stage: a contiguous slice of blocks and its per-microbatch state.
+
+Actions (the compute kinds of :mod:`deepcee.schedule.ir`):
+
+- ``F`` :meth:`StageRunner.forward` runs the blocks on this device's share of a microbatch
+  and stashes input and output (on the last stage the output is the *weighted* loss);
+- ``I`` :meth:`StageRunner.backward_input` computes only the gradient of the stage input;
+- ``W`` :meth:`StageRunner.backward_weight` computes the parameter gradients, reusing the
+  gradients ``I`` already computed (see [Note: split backward]);
+- ``B`` :meth:`StageRunner.backward` does both in one autograd pass.
+
+Parameter gradients accumulate in ``.grad`` over microbatches; the caller zeroes them.
+
+[Note: split backward]
+``I`` walks the autograd graph of the microbatch once: the *input closure* is every node
+from which the stage input is reachable (the nodes ``I`` must run). For each parameter,
+walking from its gradient accumulator towards the output, the first input-closure nodes met
+are its *intermediates*: the gradient flowing into them is all the parameter needs.
+Parameters that share an intermediate form one group (union-find). During ``I`` a pre-hook
+on every intermediate saves the gradient it receives. ``W`` then runs, per group, autograd
+from those intermediates (``GradientEdge``) to the group's parameters, seeded with the
+saved gradients; when a group has several intermediates, each one's pre-hook *replaces*
+whatever flows into it by its saved gradient, so a path through two intermediates is not
+counted twice. Parameters no intermediate reaches (all of them on the first stage, whose
+input needs no gradient) get their gradient in ``W`` by autograd from the output. This
+matches ``torch.distributed.pipelining``'s ``stage_backward_input``/``stage_backward_weight``
+(``I + W`` costs about one fused backward); the graph is kept (``retain_graph``) until
+``W`` is done because groups may pass through each other's nodes, and is freed with the
+microbatch's state.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict, deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.autograd.graph import GradientEdge, Node
+
+from deepcee.errors import ScheduleError
+
+log = logging.getLogger(__name__)
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def grad_node(t: torch.Tensor) -> Node | None:
+    """The autograd node that receives ``t``'s gradient (its accumulator for a leaf)."""
+    if t.grad_fn is not None:
+        return t.grad_fn
+    if not t.requires_grad:
+        return None
+    # A leaf's AccumulateGrad node is created lazily; a view makes autograd create it.
+    return t.view_as(t).grad_fn.next_functions[0][0]
+
+
+def _reverse_edges(roots: Iterable[Node]) -> dict[Node, list[Node]]:
+    """For every node reachable from ``roots``: the nodes that pass gradient into it."""
+    parents: dict[Node, list[Node]] = defaultdict(list)
+    seen = set(roots)
+    queue = deque(seen)
+    while queue:
+        node = queue.popleft()
+        for child, _ in node.next_functions:
+            if child is None:
+                continue
+            parents[child].append(node)
+            if child not in seen:
+                seen.add(child)
+                queue.append(child)
+    return parents
+
+
+def _closure_up(starts: Iterable[Node], parents: dict[Node, list[Node]]) -> set[Node]:
+    """Nodes from which one of ``starts`` is reachable (walking from ``starts`` towards the output)."""
+    seen = set(starts)
+    queue = deque(seen)
+    while queue:
+        for up in parents.get(queue.popleft(), ()):
+            if up not in seen:
+                seen.add(up)
+                queue.append(up)
+    return seen
+
+
+def _params_below(node: Node, closure: set[Node], param_nodes: dict[Node, int]) -> set[int]:
+    """Parameters reached from ``node`` through nodes outside the input closure."""
+    found: set[int] = set()
+    seen: set[Node] = set()
+    stack = [child for child, _ in node.next_functions if child is not None and child not in closure]
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n in param_nodes:
+            found.add(param_nodes[n])
+        stack.extend(c for c, _ in n.next_functions if c is not None and c not in closure)
+    return found
+
+
+@dataclass(slots=True)
+class WeightGroup:
+    """Parameters whose gradients follow from the same intermediates. See [Note: split backward]."""
+
+    params: list[nn.Parameter]
+    intermediates: list[Node]
+    saved: list[tuple[torch.Tensor | None, ...] | None] = field(default_factory=list)
+
+
+def _weight_groups(params: Sequence[nn.Parameter], input_nodes: Sequence[Node],
+                   parents: dict[Node, list[Node]]) -> tuple[list[WeightGroup], list[nn.Parameter]]:
+    """Group parameters by shared intermediates (union-find); also the parameters no intermediate reaches.
+
+    One pass: every input-closure node looks down (outside the closure) for the parameters
+    it feeds; those parameters have it as an intermediate. See [Note: split backward].
+    """
+    closure = _closure_up(input_nodes, parents)
+    param_nodes = {grad_node(p): i for i, p in enumerate(params)}
+    link = list(range(len(params)))
+
+    def find(i: int) -> int:
+        while link[i] != i:
+            link[i] = link[link[i]]
+            i = link[i]
+        return i
+
+    inter_params: dict[Node, list[int]] = {}
+    for node in closure:
+        below = _params_below(node, closure, param_nodes)
+        if below:
+            first, *rest = sorted(below)
+            for j in rest:
+                link[find(j)] = find(first)
+            inter_params[node] = [first, *rest]
+    groups: dict[int, WeightGroup] = {}
+    covered: set[int] = set()
+    for node, idx in inter_params.items():
+        g = groups.setdefault(find(idx[0]), WeightGroup(params=[], intermediates=[]))
+        g.intermediates.append(node)
+        covered.update(idx)
+    for i in sorted(covered):
+        groups[find(i)].params.append(params[i])
+    uncovered = [p for i, p in enumerate(params) if i not in covered and grad_node(p) in parents]
+    return list(groups.values()), uncovered
+
+
+@dataclass(slots=True)
+class MicrobatchState:
+    """What a microbatch leaves on a stage between its actions."""
+
+    input: torch.Tensor
+    output: torch.Tensor
+    """Stage output, or the weighted loss on the last stage (autograd graph attached)."""
+    output_grad: torch.Tensor | None = None
+    groups: list[WeightGroup] | None = None
+    uncovered: list[nn.Parameter] = field(default_factory=list)
+    input_grad_done: bool = False
+
+
+class StageRunner:
+    """Runs ``F``/``I``/``W``/``B`` for one device of a stage. See the module docstring."""
+
+    def __init__(self, blocks: Sequence[nn.Module], *, stage: int, is_first: bool, is_last: bool,
+                 loss_fn: LossFn | None = None, device: torch.device | str = "cpu",
+                 dtype: torch.dtype = torch.float32) -> None:
+        if is_last and loss_fn is None:
+            raise ValueError("the last stage needs a loss_fn")
+        self.stage, self.is_first, self.is_last = stage, is_first, is_last
+        self.module = nn.Sequential(*blocks).to(device=device, dtype=dtype)
+        self.loss_fn = loss_fn
+        self.device, self.dtype = torch.device(device), dtype
+        self.params = [p for p in self.module.parameters() if p.requires_grad]
+        self._state: dict[int, MicrobatchState] = {}
+
+    # -- helpers -------------------------------------------------------------------------
+    def _get(self, microbatch: int, action: str) -> MicrobatchState:
+        try:
+            return self._state[microbatch]
+        except KeyError:
+            raise ScheduleError(f"stage {self.stage}: {action} of microbatch {microbatch} before its F") from None
+
+    def _prepare_input(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.to(self.device)
+        if x.is_floating_point():
+            x = x.to(self.dtype)
+        x = x.detach()
+        if not self.is_first and x.is_floating_point():
+            x.requires_grad_(True)
+        return x
+
+    @property
+    def in_flight(self) -> int:
+        """Microbatches whose state is still held (forward done, weight gradient not yet)."""
+        return len(self._state)
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    # -- actions -------------------------------------------------------------------------
+    def forward(self, microbatch: int, inputs: torch.Tensor, targets: torch.Tensor | None = None,
+                loss_scale: float = 1.0) -> torch.Tensor:
+        """``F``: returns the output to send (detached), or the weighted loss on the last stage."""
+        if microbatch in self._state:
+            raise ScheduleError(f"stage {self.stage}: F of microbatch {microbatch} twice")
+        x = self._prepare_input(inputs)
+        out = self.module(x)
+        if self.is_last:
+            if targets is None:
+                raise ScheduleError(f"stage {self.stage}: last stage F of microbatch {microbatch} without targets")
+            out = self.loss_fn(out, targets.to(self.device)) * loss_scale
+        self._state[microbatch] = MicrobatchState(input=x, output=out)
+        return out.detach()
+
+    def _output_grad(self, st: MicrobatchState, output_grad: torch.Tensor | None) -> torch.Tensor:
+        if self.is_last:
+            return torch.ones_like(st.output)
+        if output_grad is None:
+            raise ScheduleError(f"stage {self.stage}: backward without the output gradient")
+        return output_grad.to(device=self.device, dtype=st.output.dtype)
+
+    def backward_input(self, microbatch: int, output_grad: torch.Tensor | None = None) -> torch.Tensor | None:
+        """``I``: the gradient of the stage input (``None`` on the first stage)."""
+        st = self._get(microbatch, "I")
+        if st.input_grad_done:
+            raise ScheduleError(f"stage {self.stage}: I of microbatch {microbatch} twice")
+        st.output_grad = self._output_grad(st, output_grad)
+        st.input_grad_done = True
+        parents = _reverse_edges([st.output.grad_fn])
+        input_node = grad_node(st.input) if st.input.requires_grad else None
+        st.groups, st.uncovered = _weight_groups(self.params, [input_node] if input_node else [], parents)
+        if input_node is None:
+            return None
+        handles = []
+        for g in st.groups:
+            g.saved = [None] * len(g.intermediates)
+            for i, node in enumerate(g.intermediates):
+                handles.append(node.register_prehook(_saver(g.saved, i)))
+        try:
+            (dinput,) = torch.autograd.grad(st.output, st.input, st.output_grad, retain_graph=True)
+        finally:
+            for h in handles:
+                h.remove()
+        return dinput
+
+    def backward_weight(self, microbatch: int) -> None:
+        """``W``: accumulate parameter gradients from what ``I`` saved; frees the microbatch."""
+        st = self._get(microbatch, "W")
+        if not st.input_grad_done:
+            raise ScheduleError(f"stage {self.stage}: W of microbatch {microbatch} before its I")
+        for g in st.groups or ():
+            _group_backward(g)
+        if st.uncovered:
+            grads = torch.autograd.grad(st.output, st.uncovered, st.output_grad, retain_graph=True, allow_unused=True)
+            _accumulate(st.uncovered, grads)
+        del self._state[microbatch]
+
+    def backward(self, microbatch: int, output_grad: torch.Tensor | None = None) -> torch.Tensor | None:
+        """``B``: input and parameter gradients in one pass; frees the microbatch."""
+        st = self._get(microbatch, "B")
+        if st.input_grad_done:
+            raise ScheduleError(f"stage {self.stage}: B of microbatch {microbatch} after its I")
+        torch.autograd.backward(st.output, self._output_grad(st, output_grad))
+        del self._state[microbatch]
+        return st.input.grad if st.input.requires_grad else None
+
+
+def _saver(saved: list, i: int) -> Callable:
+    def hook(grad_outputs: tuple[torch.Tensor | None, ...]) -> None:
+        saved[i] = grad_outputs
+    return hook
+
+
+def _replacer(grads: tuple[torch.Tensor | None, ...]) -> Callable:
+    def hook(_grad_outputs: tuple[torch.Tensor | None, ...]) -> tuple[torch.Tensor | None, ...]:
+        return grads
+    return hook
+
+
+def _accumulate(params: Sequence[nn.Parameter], grads: Sequence[torch.Tensor | None]) -> None:
+    for p, g in zip(params, grads):
+        if g is None:
+            continue
+        if p.grad is None:
+            p.grad = g.detach().clone() if g.requires_grad else g
+        else:
+            p.grad += g
+
+
+def _group_backward(g: WeightGroup) -> None:
+    edges, seeds = [], []
+    for node, grads in zip(g.intermediates, g.saved):
+        for k, grad in enumerate(grads or ()):
+            if grad is not None:
+                edges.append(GradientEdge(node, k))
+                seeds.append(grad)
+    if not edges:
+        return
+    # Clamp: a path from one intermediate through another must not count twice.
+    handles = [node.register_prehook(_replacer(grads)) for node, grads in zip(g.intermediates, g.saved)
+               if grads is not None and len(g.intermediates) > 1]
+    try:
+        weight_edges = [GradientEdge(grad_node(p), 0) for p in g.params]
+        grads = torch.autograd.grad(edges, weight_edges, seeds, retain_graph=True, allow_unused=True)
+    finally:
+        for h in handles:
+            h.remove()
+    _accumulate(g.params, grads)
