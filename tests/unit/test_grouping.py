@@ -26,7 +26,7 @@ def _cluster(layout: dict[str, list[tuple[str, list[float]]]], *, declared: str 
             names = tuple(f"{node}:{k}" for k in range(len(slows)))
             nodes.append(Node(name=node, island=declared or isl, kind="gpu", devices=names, intra=NVLINK))
             devices += [Device(name=n, kind="gpu", node=node, island=declared or isl, slowdown=s)
-                        for n, s in zip(names, slows)]
+                        for n, s in zip(names, slows, strict=True)]
     if declared:
         islands = [Island(name=declared, intra=FAST)]
     return Cluster(name="t", kinds=kinds, islands=tuple(islands), nodes=tuple(nodes), devices=tuple(devices),

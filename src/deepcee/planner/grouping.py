@@ -165,7 +165,7 @@ def _island_labels(dist: np.ndarray, threshold_s: float, first_pos: list[int]) -
     tree = linkage(squareform(dist, checks=False), method="complete")
     raw = [int(r) for r in fcluster(tree, t=threshold_s, criterion="distance")]
     first: dict[int, int] = {}
-    for r, p in zip(raw, first_pos):
+    for r, p in zip(raw, first_pos, strict=True):
         first[r] = min(first.get(r, p), p)
     order = {r: k for k, r in enumerate(sorted(first, key=first.__getitem__))}
     return [order[r] for r in raw]
@@ -189,7 +189,7 @@ def _speed_groups(cluster: Cluster, island: str, devices: tuple[str, ...],
     ordered = sorted(devices, key=lambda d: (-speed[d], pos[d]))
     runs: list[list[str]] = [[ordered[0]]]
     cuts: list[str] = []
-    for prev, d in zip(ordered, ordered[1:]):
+    for prev, d in zip(ordered, ordered[1:], strict=False):
         gap, span = speed[prev] / speed[d], speed[runs[-1][0]] / speed[d]
         if gap > speed_ratio or span > speed_ratio:
             why = (f"{prev} at {speed[prev] / 1e12:.3g} TFLOP/s vs {d} at {speed[d] / 1e12:.3g} TFLOP/s: "
@@ -244,20 +244,20 @@ def group_devices(cluster: Cluster, *, island_threshold_s: float = DEFAULT_ISLAN
     pos = {d: i for i, d in enumerate(cluster.device_names)}
     labels = _island_labels(dist, island_threshold_s, [min(pos[d] for d in u) for u in units])
     members: list[list[str]] = [[] for _ in range(max(labels) + 1)]
-    for unit, lab in zip(units, labels):
+    for unit, lab in zip(units, labels, strict=True):
         members[lab] += unit
     members = [sorted(m, key=pos.__getitem__) for m in members]
     names = _name_islands(cluster, members)
     cuts = _island_cuts(cluster, names, units, labels, dist, island_threshold_s)
     islands = []
     lab = np.asarray(labels)
-    for k, (name, devs) in enumerate(zip(names, members)):
+    for k, (name, devs) in enumerate(zip(names, members, strict=True)):
         groups, gcuts = _speed_groups(cluster, name, tuple(devs), speed_ratio)
         cuts += gcuts
         block = dist[np.ix_(lab == k, lab == k)]
         inside = float(block.max()) if block.size else 0.0
-        if len(devs) > 1 and any(len(u) > 1 for u, lb in zip(units, labels) if lb == k):
-            inside = max(inside, max(distance_s(cluster.link(u[0], u[1])) for u, lb in zip(units, labels)
+        if len(devs) > 1 and any(len(u) > 1 for u, lb in zip(units, labels, strict=True) if lb == k):
+            inside = max(inside, max(distance_s(cluster.link(u[0], u[1])) for u, lb in zip(units, labels, strict=True)
                                      if lb == k and len(u) > 1))
         islands.append(IslandGroup(name=name, devices=tuple(devs), groups=tuple(groups), max_internal_s=inside))
         nodes = len({cluster.device(d).node for d in devs})
