@@ -411,6 +411,8 @@ class _Simulation:
                                  src=self.devices[src], dst=self.devices[dst], issued_s=issued,
                                  serialized_s=done))
             elif kind == _ALLREDUCE:
+                if end == start:  # one device, or no synchronisation: nothing ran
+                    continue
                 out += [Event(kind="allreduce", where=d, action=text, start_s=start, end_s=end, stage=where,
                               iteration=it, nbytes=nbytes) for d in self.plan.stages[where].devices]
             else:
