@@ -8,17 +8,30 @@ F = I = W = 1 s and B = 2 s; links are instant unless a test says otherwise.
 from __future__ import annotations
 
 import json
+import random
 import time
 from collections import defaultdict
 from collections.abc import Sequence
 
 import pytest
 
-from deepcee.cluster import BandwidthTrace, Cluster, Device, DeviceKind, Island, LinkSpec, Node
+from deepcee.cluster import (
+    BandwidthTrace,
+    Cluster,
+    Device,
+    DeviceKind,
+    Island,
+    LinkEntry,
+    LinkSpec,
+    Node,
+)
 from deepcee.errors import ScheduleError
 from deepcee.plan import Plan, StagePlan, share_overlaps
 from deepcee.profile import LayerProfile, ModelProfile
-from deepcee.simulator import optimizer_step_s, simulate, to_estimate
+from deepcee.schedule.builders import build_schedule
+from deepcee.schedule.ir import parse_action
+from deepcee.schedule.passes import dry_run
+from deepcee.simulator import engine, optimizer_step_s, simulate, to_estimate
 from deepcee.simulator.collectives import allreduce_s
 from deepcee.simulator.trace import chrome_trace, plot_timeline, write_chrome_trace
 
@@ -212,6 +225,60 @@ def test_uneven_shares_send_each_pair_its_overlap(shares: list[list[int]]) -> No
             assert r.busy_s[d] == pytest.approx(num_microbatches * 3 * share)
 
 
+# -- agreement with the schedule dry run -----------------------------------------------------
+
+
+def random_chain(rng: random.Random, num_stages: int) -> tuple[Cluster, ModelProfile, list[int]]:
+    """One device per node; each directed boundary its own link; layers of random cost."""
+    base = unit_cluster([1] * num_stages)
+    entries = []
+    for s in range(num_stages - 1):
+        for a, b in ((s, s + 1), (s + 1, s)):
+            spec = LinkSpec(latency_s=rng.choice([0.0, rng.uniform(0, 0.5)]),
+                            bandwidth_bytes_per_s=rng.uniform(50.0, 2000.0))
+            entries.append(LinkEntry(a=f"n{a}", b=f"n{b}", spec=spec, directed=True))
+    layers = [rng.randint(1, 3) for _ in range(num_stages)]
+    model = ModelProfile(name="unit", input_bytes=10.0, layers=tuple(
+        LayerProfile(name=f"l{i}", forward_flops=rng.uniform(0.2, 2) * 1e12,
+                     input_grad_flops=rng.uniform(0.2, 2) * 1e12, weight_grad_flops=rng.uniform(0.2, 2) * 1e12,
+                     parameter_count=0, activation_bytes=1.0, output_bytes=rng.uniform(0, 500))
+        for i in range(sum(layers))))
+    return base.with_links(entries), model, layers
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_one_device_per_stage_equals_the_dry_run(seed: int) -> None:
+    rng = random.Random(seed)
+    num_stages, num_microbatches = rng.randint(1, 5), rng.randint(1, 7)
+    schedule = rng.choice(["gpipe", "1f1b", "zb-h1", "zb-h2"])
+    cluster, model, layers = random_chain(rng, num_stages)
+    share = rng.randint(1, 3)
+    plan = make_plan([[f"n{s}:0"] for s in range(num_stages)], num_microbatches, schedule=schedule,
+                     shares=[[share]] * num_stages, layers=layers)
+    r = simulate(plan, cluster, model)
+    bounds = [(st.layer_start, st.layer_stop) for st in plan.stages]
+    cost = {p: [model.time_s(a, b, p, share, UNIT_KIND) for a, b in bounds] for p in "FIW"}
+
+    def comm(src: int, dst: int) -> tuple[float, float]:
+        link = cluster.link(f"n{src}:0", f"n{dst}:0")
+        nbytes = share * model.boundary_bytes(bounds[min(src, dst)][1])
+        return link.latency_s, nbytes / link.bandwidth_bytes_per_s
+
+    dry = dry_run(build_schedule(schedule, num_stages, num_microbatches),
+                  forward_s=cost["F"], input_grad_s=cost["I"], weight_grad_s=cost["W"],
+                  comm_forward=[comm(s, s + 1) for s in range(num_stages - 1)],
+                  comm_backward=[comm(s + 1, s) for s in range(num_stages - 1)])
+    assert r.iteration_s == pytest.approx(dry.makespan_s, rel=1e-9)
+    assert r.bubble_fraction == pytest.approx(dry.bubble_fraction, rel=1e-9, abs=1e-12)
+    computes = events_of(r, "compute")
+    assert len(computes) == sum(a.kind.is_compute for a in dry.start_s)
+    for e in computes:
+        a = parse_action(e.action)
+        assert (e.start_s, e.end_s) == (pytest.approx(dry.start_s[a]), pytest.approx(dry.end_s[a]))
+    for e in events_of(r, "transfer"):
+        assert e.end_s == pytest.approx(dry.delivered_s[parse_action(e.action)])
+
+
 # -- gradient synchronisation and optimizer ---------------------------------------------------
 
 
@@ -254,11 +321,24 @@ def test_critical_path_tiles_the_run_and_names_the_slow_link() -> None:
     assert fast.bottleneck.startswith("device n")
 
 
-def test_deadlock_names_the_stuck_actions() -> None:
-    cluster, devs = chain(2)
-    plan = make_plan(devs, 2, schedule="compact",
+def test_deadlock_names_the_stuck_actions(monkeypatch: pytest.MonkeyPatch) -> None:
+    cluster = unit_cluster([2, 1])
+    plan = make_plan([["n0:0", "n0:1"], ["n1:0"]], 2, schedule="compact", shares=[[1, 1], [2]],
                      actions=[["0F0", "0B0", "0F1", "0B1"], ["1F1", "1B1", "1F0", "1B0"]])
-    with pytest.raises(ScheduleError, match=r"n0:0 at 0RECV_B0 \(0 of 1 pieces arrived\).*n1:0 at 1RECV_F1"):
+    # explicit actions are validated first: the marked table names the blocked actions
+    with pytest.raises(ScheduleError, match=r"deadlocks.*stage 0 at 0RECV_B0, stage 1 at 1RECV_F1"):
+        simulate(plan, cluster, unit_model(2))
+    # the engine's own check, for what validation lets through
+    monkeypatch.setattr(engine, "validate", lambda schedule: None)
+    with pytest.raises(ScheduleError, match=r"n0:0 at 0RECV_B0 \(0 of 1 pieces arrived\); "
+                                            r"n0:1 at 0RECV_B0 .*n1:0 at 1RECV_F1 \(0 of 2 pieces arrived\)"):
+        simulate(plan, cluster, unit_model(2))
+
+
+def test_explicit_actions_are_validated() -> None:
+    cluster, devs = chain(2)
+    plan = make_plan(devs, 1, schedule="compact", actions=[["0F0", "0I0"], ["1F0", "1B0"]])
+    with pytest.raises(ScheduleError, match="stage 0: microbatch 0 has no W"):
         simulate(plan, cluster, unit_model(2))
 
 

@@ -52,7 +52,7 @@ from deepcee.plan import Estimate, Plan, share_overlaps
 from deepcee.profile import ModelProfile
 from deepcee.schedule.builders import build_schedule
 from deepcee.schedule.ir import ActionKind, Schedule, parse_schedule
-from deepcee.schedule.passes import lower
+from deepcee.schedule.passes import in_flight_per_stage, lower, validate
 from deepcee.simulator.collectives import allreduce_s
 from deepcee.simulator.memory import device_memory_bytes
 
@@ -169,24 +169,11 @@ def serialise_end_s(start_s: float, nbytes: float, bandwidth_bytes_per_s: float,
 
 def stage_schedule(plan: Plan) -> Schedule:
     """The compute-only schedule a plan runs (explicit actions win over the named builder)."""
-    if plan.actions:
-        return parse_schedule(plan.actions)
+    if plan.actions:  # hand-made or searched: check it before trusting its timing
+        schedule = parse_schedule(plan.actions)
+        validate(schedule)
+        return schedule
     return build_schedule(plan.schedule, plan.num_stages, plan.num_microbatches)
-
-
-def in_flight_from_order(schedule: Schedule) -> tuple[int, ...]:
-    """Per stage, the most microbatches between their ``F`` and their ``W``/``B`` in action order."""
-    out = []
-    for row in schedule:
-        live = peak = 0
-        for a in row:
-            if a.kind == ActionKind.F:
-                live += 1
-                peak = max(peak, live)
-            elif a.kind in (ActionKind.W, ActionKind.B):
-                live -= 1
-        out.append(peak)
-    return tuple(out)
 
 
 class _Simulation:
@@ -437,7 +424,7 @@ def _bottleneck(path: tuple[Segment, ...], stage_of: Mapping[str, int]) -> str:
 
 
 def _peak_memory(plan: Plan, model: ModelProfile, schedule: Schedule) -> dict[str, float]:
-    in_flight = in_flight_from_order(schedule)
+    in_flight = in_flight_per_stage(schedule)
     out = {}
     for s, st in enumerate(plan.stages):
         for d, share in zip(st.devices, st.shares, strict=True):
