@@ -376,6 +376,9 @@ def test_testbed_plan_simulates_fast() -> None:
     r = simulate(plan, cluster, model, record=False)
     elapsed = time.perf_counter() - t
     assert len(plan.devices) == 15 and r.iteration_s > 0
+    recorded = simulate(plan, cluster, model)
+    assert (recorded.iteration_s, recorded.critical_path) == (r.iteration_s, r.critical_path)
+    assert len(recorded.events) > 2000
     assert elapsed < 0.5, f"simulate took {elapsed:.3f} s"  # ~0.01-0.03 s measured; generous on 2 busy cores
 
 

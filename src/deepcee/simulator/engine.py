@@ -38,7 +38,6 @@ back from the end; clipped to their successor's start, these segments tile the r
 
 from __future__ import annotations
 
-import bisect
 import heapq
 import logging
 from collections import defaultdict
@@ -197,7 +196,8 @@ class _Simulation:
         self.num_mb = 1 + max((a.microbatch for row in lowered for a in row), default=0)
         self.resources: list[str] = []
         self._link_tables()
-        self.programs = [self._program(i, lowered[s]) for i, s in enumerate(self.stage_of)]
+        templates = [self._template(row) for row in lowered]
+        self.programs = [self._program(i, templates[s]) for i, s in enumerate(self.stage_of)]
 
     def _link_tables(self) -> None:
         """``targets[direction][device]``: one ``(dst, nbytes, latency, bandwidth, trace,
@@ -221,24 +221,30 @@ class _Simulation:
                          link.trace, res_index[link.resource]))
                     self.expected[dirn][index[dst]] += 1
 
-    def _program(self, d: int, row: tuple) -> list[tuple]:
-        """``(op, action string, duration or direction, microbatch)`` per lowered action."""
+    @staticmethod
+    def _template(row: tuple) -> list[tuple]:
+        """``(op, action string, pass or direction, microbatch)`` per lowered action of a stage."""
+        out = []
+        for a in row:
+            k = a.kind
+            if k.is_compute:
+                out.append((_RUN, str(a), k.value, a.microbatch))
+            elif k in (ActionKind.SEND_F, ActionKind.SEND_B):
+                out.append((_SEND, str(a), int(k == ActionKind.SEND_B), a.microbatch))
+            else:
+                out.append((_RECV, str(a), int(k == ActionKind.RECV_B), a.microbatch))
+        return out
+
+    def _program(self, d: int, template: list[tuple]) -> list[tuple]:
+        """The stage's template with each compute pass replaced by its duration on device ``d``."""
         device = self.devices[d]
         st = self.plan.stages[self.stage_of[d]]
         share = st.shares[st.devices.index(device)]
         kind, slowdown = self.cluster.kind_of(device), self.cluster.device(device).slowdown
         durations = {p: self.model.time_s(st.layer_start, st.layer_stop, p, share, kind, slowdown)
                      for p in "FIWB"}
-        out = []
-        for a in row:
-            k = a.kind
-            if k.is_compute:
-                out.append((_RUN, str(a), durations[k.value], a.microbatch))
-            elif k in (ActionKind.SEND_F, ActionKind.SEND_B):
-                out.append((_SEND, str(a), int(k == ActionKind.SEND_B), a.microbatch))
-            else:
-                out.append((_RECV, str(a), int(k == ActionKind.RECV_B), a.microbatch))
-        return out
+        return [(op, text, durations[arg], m) if op == _RUN else (op, text, arg, m)
+                for op, text, arg, m in template]
 
     def run(self, start_s: float, iterations: int) -> None:
         n = len(self.devices)
@@ -389,24 +395,24 @@ class _Simulation:
 
     def events(self) -> tuple[Event, ...]:
         out: list[Event] = []
-        for i, (kind, where, text, start, end, _, nbytes, extra) in enumerate(self.segs):
-            it = bisect.bisect_right(self.firsts, i) - 1
-            if kind == _TRANSFER:
-                src, dst, issued, done = extra
-                out.append(Event(kind="transfer", where=self.resources[where], action=text, start_s=start,
-                                 end_s=end, stage=self.stage_of[src], iteration=it, nbytes=nbytes,
-                                 src=self.devices[src], dst=self.devices[dst], issued_s=issued,
-                                 serialized_s=done))
-            elif kind == _ALLREDUCE:
-                if end == start:  # one device, or no synchronisation: nothing ran
-                    continue
-                out += [Event(kind="allreduce", where=d, action=text, start_s=start, end_s=end, stage=where,
-                              iteration=it, nbytes=nbytes) for d in self.plan.stages[where].devices]
-            else:
-                out.append(Event(kind=_KIND_NAMES[kind], where=self.devices[where], action=text,
-                                 start_s=start, end_s=end, stage=self.stage_of[where], iteration=it))
+        bounds = [*self.firsts, len(self.segs)]
+        devices, stage_of = self.devices, self.stage_of
+        for it in range(len(self.firsts)):
+            for kind, where, text, start, end, _, nbytes, extra in self.segs[bounds[it]:bounds[it + 1]]:
+                if kind == _TRANSFER:
+                    src, dst, issued, done = extra
+                    out.append(Event(kind="transfer", where=self.resources[where], action=text, start_s=start,
+                                     end_s=end, stage=stage_of[src], iteration=it, nbytes=nbytes,
+                                     src=devices[src], dst=devices[dst], issued_s=issued, serialized_s=done))
+                elif kind == _ALLREDUCE:
+                    if end == start:  # one device, or no synchronisation: nothing ran
+                        continue
+                    out += [Event(kind="allreduce", where=d, action=text, start_s=start, end_s=end, stage=where,
+                                  iteration=it, nbytes=nbytes) for d in self.plan.stages[where].devices]
+                else:
+                    out.append(Event(kind=_KIND_NAMES[kind], where=devices[where], action=text,
+                                     start_s=start, end_s=end, stage=stage_of[where], iteration=it))
         return tuple(out)
-
 
 def _bottleneck(path: tuple[Segment, ...], stage_of: Mapping[str, int]) -> str:
     """The device, link or all-reduce with the most time on the critical path, and its share."""
