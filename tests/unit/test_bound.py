@@ -72,12 +72,7 @@ def closed_form(cluster: Cluster, model: ModelProfile, batch: int) -> float:
             nodes = [n for i in s for n in topo.nodes_of[i]]
             if sum(topo.memory_bytes[n] for n in nodes) < state:
                 continue
-            total = 0.0
-            for n in nodes:
-                y = topo.capacity[n]
-                if len(nodes) > 1:
-                    y = min(y, topo.bandwidth([n], [m for m in nodes if m != n]) / c_min)
-                total += y
+            total = sum(topo.capacity[n] for n in nodes)
             if len(s) > 1:
                 for i in s:
                     rest = [m for j in s if j != i for m in topo.nodes_of[j]]

@@ -3,34 +3,38 @@
 A fluid relaxation: samples are infinitely divisible, every device computes at its datasheet
 effective speed with **no per-layer overheads, no pipeline bubbles, no waiting for
 synchronisation**, and compute and communication overlap perfectly. What remains are three
-kinds of constraint, solved as one linear program per set of islands:
+kinds of constraint, solved as one linear program per set of islands ``S``:
 
-- **compute**: node ``n`` does ``y_n`` samples/s worth of work, at most its capacity
-  ``cap_n = sum over its devices of 1 / (time of one sample's forward + backward)``
-  (analytic profiles: ``effective FLOP/s / FLOPs per sample``); ``T = sum y_n``.
-- **island cut** (only when the set ``S`` holds more than one island): a plan whose stages
-  each stay inside one island, or that is data parallel over the whole model, makes every
-  sample cross a cut of every island it uses, so each island ``i`` of ``S`` exchanges at
-  least ``c_min`` bytes per sample with the rest of ``S``:
-  ``T x c_min <= BW_i(S)``, where
+- **compute**: island ``i`` does ``y_i`` samples/s worth of work, at most its capacity
+  ``cap_i = sum over its devices of 1 / (time of one sample's forward + backward)``
+  (analytic profiles: ``effective FLOP/s / FLOPs per sample``); ``T = sum y_i``.
+- **island cut** (only when ``S`` holds more than one island): a plan whose stages each stay
+  inside one island (deepcee's: a stage runs on a group, and groups lie inside islands), or
+  that is data parallel over the whole model, makes every sample cross a cut of every island
+  it uses, so each island ``i`` of ``S`` exchanges at least ``c_min`` bytes per sample with
+  the rest of ``S``: ``T x c_min <= BW_i(S)``, where
   ``c_min = min(2 x cheapest internal layer boundary, 2 x gradient bytes / global batch)``
   (the activation forward plus its gradient back, or the data-parallel alternative of
   sending and receiving the whole gradient once per iteration) and ``BW_i(S)`` sums the
   bandwidth of every distinct link resource between ``i`` and the rest of ``S``, each
   direction counted once (see [Note: link resources] in :mod:`deepcee.cluster`; a bandwidth
   trace counts at its highest value).
-- **node cut** (only when ``S`` holds more than one node): a stage may span the nodes of an
-  island, so a node need not see every sample; the work it does still has to cross its cut
-  in proportion: ``y_n x c_min <= BW_n(S)``.
 - **memory**: the devices of ``S`` together must hold the model state
   (``parameters x state_bytes_per_parameter``); sets that cannot are skipped.
 
-The bound is the largest ``T`` over all non-empty island sets (at most 16 islands). Sets are
-visited in decreasing order of their compute-only value, and the search stops as soon as
-that value cannot beat the best ``T`` found, so usually only a few LPs are solved.
+Islands are those of :func:`deepcee.planner.grouping.group_devices` (the network's view, which
+the planner uses too). The bound is the largest ``T`` over all non-empty island sets (at most
+16 islands). Sets are visited in decreasing order of their compute-only value, and the search
+stops as soon as that value cannot beat the best ``T`` found, so usually only a few LPs are
+solved.
 
-What is *not* included: the island-cut form between the nodes of one island (a stage may
-span nodes, so a node need not see every sample), and per-device memory (only the total).
+What is *not* included, because it would not hold for every plan: a cut between the nodes of
+one island (a stage may span nodes, and a cheap-to-synchronise stage shared by two nodes lets
+one of them do most of the work while exchanging far less than ``c_min`` per sample; using
+only some nodes of an island needs no cut at all), and per-device memory (only the total).
+A stage split across islands with few parameters could in principle undercut ``c_min`` the
+same way; no deepcee plan does that, and the network-oblivious baselines that might pay far
+more for the slow links than the bound allows them.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ from scipy.optimize import linprog
 
 from deepcee.cluster import Cluster
 from deepcee.errors import InfeasiblePlanError, ProfileError
+from deepcee.planner.grouping import group_devices
 from deepcee.profile import ModelProfile
 from deepcee.units import fmt_bytes, fmt_rate
 
@@ -139,7 +144,11 @@ def _peak_bandwidth(link: Any) -> float:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class _Topology:
-    """Per-node capacities and the link resources between every ordered pair of nodes."""
+    """Per-node capacities and the link resources between every ordered pair of nodes.
+
+    A "node" here is the part of a cluster node inside one island (normally the whole node;
+    a node split between islands by device-level links becomes one unit per island).
+    """
 
     islands: tuple[str, ...]
     nodes_of: Mapping[str, tuple[str, ...]]
@@ -147,8 +156,8 @@ class _Topology:
     """Node -> samples/s."""
     memory_bytes: Mapping[str, float]
     """Node -> total device memory."""
-    pipes: Mapping[tuple[str, str], tuple[str, float]]
-    """(src node, dst node) -> (resource, peak bytes/s)."""
+    pipes: Mapping[tuple[str, str], Mapping[str, float]]
+    """(src node, dst node) -> {resource: peak bytes/s} of the links between them."""
 
     def bandwidth(self, inside: Sequence[str], outside: Sequence[str]) -> float:
         """Bytes/s over distinct resources between two node sets, both directions once each."""
@@ -156,24 +165,45 @@ class _Topology:
         for a in inside:
             for b in outside:
                 for key in ((a, b), (b, a)):
-                    res, bw = self.pipes[key]
-                    resources[res] = max(resources.get(res, 0.0), bw)
+                    for res, bw in self.pipes[key].items():
+                        resources[res] = max(resources.get(res, 0.0), bw)
         return sum(resources.values())
 
 
 def _topology(cluster: Cluster, model: ModelProfile, global_batch: int,
               islands: Mapping[str, Sequence[str]]) -> _Topology:
-    node_devs = cluster.node_devices()
-    nodes_of = {i: tuple(dict.fromkeys(cluster.device(d).node for d in devs)) for i, devs in islands.items()}
-    capacity = {
-        n: sum(device_samples_per_s(cluster, model, d, global_batch) for d in devs) for n, devs in node_devs.items()
-    }
-    memory = {n: sum(cluster.memory_bytes(d) for d in devs) for n, devs in node_devs.items()}
-    pipes = {}
-    for a, b in itertools.permutations(node_devs, 2):
-        link = cluster.link(node_devs[a][0], node_devs[b][0])
-        pipes[(a, b)] = (link.resource, _peak_bandwidth(link))
-    return _Topology(islands=tuple(islands), nodes_of=nodes_of, capacity=capacity, memory_bytes=memory, pipes=pipes)
+    island_of = {d: i for i, devs in islands.items() for d in devs}
+    split = {n for n in {cluster.device(d).node for d in island_of}
+             if len({island_of[d] for d in cluster.node(n).devices if d in island_of}) > 1}
+    units: dict[str, list[str]] = {}
+    nodes_of: dict[str, list[str]] = {i: [] for i in islands}
+    for d in cluster.device_names:
+        if d not in island_of:
+            continue
+        node, isl = cluster.device(d).node, island_of[d]
+        unit = f"{node}[{isl}]" if node in split else node
+        if unit not in units:
+            units[unit] = []
+            nodes_of[isl].append(unit)
+        units[unit].append(d)
+    # devices that no device-level link entry names all see the same links as their node's first device
+    named = {e.a for e in cluster.links} | {e.b for e in cluster.links}
+    reps = {u: [devs[0]] + [d for d in devs[1:] if d in named] for u, devs in units.items()}
+    pipes: dict[tuple[str, str], dict[str, float]] = {}
+    for a, b in itertools.permutations(units, 2):
+        found: dict[str, float] = {}
+        for da in reps[a]:
+            for db in reps[b]:
+                link = cluster.link(da, db)
+                found[link.resource] = max(found.get(link.resource, 0.0), _peak_bandwidth(link))
+        pipes[(a, b)] = found
+    return _Topology(
+        islands=tuple(islands), nodes_of={i: tuple(v) for i, v in nodes_of.items()},
+        capacity={u: sum(device_samples_per_s(cluster, model, d, global_batch) for d in devs)
+                  for u, devs in units.items()},
+        memory_bytes={u: sum(cluster.memory_bytes(d) for d in devs) for u, devs in units.items()},
+        pipes=pipes,
+    )
 
 
 # ---------------------------------------------------------------------------------------
@@ -193,11 +223,10 @@ class SubsetBound:
 def solve_subset(topo: _Topology, subset: Sequence[str], c_min: float) -> SubsetBound:
     """Maximise ``T`` for the islands ``subset`` (HiGHS via :func:`scipy.optimize.linprog`).
 
-    Variables ``[T, y_n for each node]``; every constraint is a row of ``A_ub`` so that the
+    Variables ``[T, y_i for each island]``; every constraint is a row of ``A_ub`` so that the
     dual values (marginals) say which one binds.
     """
-    nodes = [n for i in subset for n in topo.nodes_of[i]]
-    k = len(nodes)
+    k = len(subset)
     rows: list[np.ndarray] = []
     rhs: list[float] = []
     labels: list[tuple[str, str]] = []
@@ -210,14 +239,11 @@ def solve_subset(topo: _Topology, subset: Sequence[str], c_min: float) -> Subset
         rhs.append(bound)
         labels.append(label)
 
-    add({0: 1.0, **{j + 1: -1.0 for j in range(k)}}, 0.0, ("total", "T <= sum of node work"))
-    for j, n in enumerate(nodes):
-        add({j + 1: 1.0}, topo.capacity[n], ("compute", f"{n} {topo.capacity[n]:.1f} samples/s"))
+    add({0: 1.0, **{j + 1: -1.0 for j in range(k)}}, 0.0, ("total", "T <= sum of island work"))
+    for j, i in enumerate(subset):
+        cap = sum(topo.capacity[n] for n in topo.nodes_of[i])
+        add({j + 1: 1.0}, cap, ("compute", f"{i} {cap:.1f} samples/s"))
     if c_min > 0 and k > 1:
-        for j, n in enumerate(nodes):
-            bw = topo.bandwidth([n], [m for m in nodes if m != n])
-            add({j + 1: c_min}, bw, ("node cut", f"{n} {fmt_rate(bw)} both ways"))
-    if c_min > 0 and len(subset) > 1:
         for i in subset:
             rest = [m for j in subset if j != i for m in topo.nodes_of[j]]
             bw = topo.bandwidth(topo.nodes_of[i], rest)
@@ -242,7 +268,12 @@ def solve_subset(topo: _Topology, subset: Sequence[str], c_min: float) -> Subset
 
 
 def _islands(cluster: Cluster) -> dict[str, tuple[str, ...]]:
-    return cluster.island_devices()
+    """Islands as the planner sees them (:func:`deepcee.planner.grouping.group_devices`).
+
+    deepcee places each stage inside one of these islands, which is what makes the
+    island-cut constraint hold for its plans.
+    """
+    return {isl.name: isl.devices for isl in group_devices(cluster).islands}
 
 
 def upper_bound(cluster: Cluster, model: ModelProfile, global_batch: int) -> Bound:
