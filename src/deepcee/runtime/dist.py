@@ -1,0 +1,129 @@
+"""Process-group set-up: the only module of the library that reads environment variables.
+
+Two ways in:
+
+- a local launch (:mod:`deepcee.runtime.launch`): the parent passes rank, world size and a
+  ``FileStore`` path in a temporary directory (no ports, nothing left behind);
+- ``torchrun`` (env://): ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``,
+  ``MASTER_PORT``; under torchrun's agent (``TORCHELASTIC_USE_AGENT_STORE=True``) the agent
+  hosts the TCP store and every worker is a client, otherwise rank 0 hosts it.
+
+Either way the runtime holds the store itself (a ``PrefixStore`` per use) to exchange
+start-up metadata with timeouts. Backend: ``gloo`` on CPU, ``nccl`` when the run uses CUDA.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from deepcee.errors import RuntimeSetupError
+
+log = logging.getLogger(__name__)
+
+THREAD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TorchrunEnv:
+    """What ``torchrun`` tells a worker."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+    agent_store: bool
+
+
+def torchrun_env() -> TorchrunEnv | None:
+    """The torchrun environment, or ``None`` when this process was not started by torchrun."""
+    env = os.environ
+    if "RANK" not in env or "WORLD_SIZE" not in env:
+        return None
+    try:
+        return TorchrunEnv(
+            rank=int(env["RANK"]), world_size=int(env["WORLD_SIZE"]), local_rank=int(env.get("LOCAL_RANK", "0")),
+            master_addr=env.get("MASTER_ADDR", "127.0.0.1"), master_port=int(env.get("MASTER_PORT", "29500")),
+            agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true",
+        )
+    except ValueError as exc:
+        raise RuntimeSetupError(f"bad torchrun environment: {exc}") from None
+
+
+def child_env() -> dict[str, str]:
+    """Environment for worker subprocesses: the parent's plus one thread per process (PLATFORM.md)."""
+    return {**os.environ, **THREAD_ENV}
+
+
+@contextlib.contextmanager
+def thread_env() -> Iterator[None]:
+    """While starting worker processes that inherit ``os.environ``: one thread each; restored after."""
+    saved = {k: os.environ.get(k) for k in THREAD_ENV}
+    os.environ.update(THREAD_ENV)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def single_thread() -> None:
+    """One intra-op thread: on a shared 2-core machine more threads only slow everyone down."""
+    torch.set_num_threads(1)
+    os.environ.update(THREAD_ENV)
+
+
+def backend_for(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def pick_device(use_cuda: bool, local_rank: int) -> torch.device:
+    """``cuda:<local rank>`` when asked and available, else CPU."""
+    if use_cuda and torch.cuda.is_available():
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def file_store(path: str, world_size: int, timeout_s: float) -> dist.Store:
+    store = dist.FileStore(path, world_size)
+    store.set_timeout(timedelta(seconds=timeout_s))
+    return store
+
+
+def tcp_store(env: TorchrunEnv, timeout_s: float) -> dist.Store:
+    is_master = env.rank == 0 and not env.agent_store
+    try:
+        return dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master,
+                             timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+    except (RuntimeError, OSError) as exc:
+        raise RuntimeSetupError(
+            f"rank {env.rank}: cannot reach the store at {env.master_addr}:{env.master_port}: {exc}"
+        ) from None
+
+
+def init_process_group(*, store: dist.Store, rank: int, world_size: int, backend: str, timeout_s: float,
+                       device: torch.device) -> None:
+    """Join the default process group through ``store`` (prefix ``pg``)."""
+    kwargs = {"device_id": device} if device.type == "cuda" else {}
+    try:
+        dist.init_process_group(backend, store=dist.PrefixStore("pg", store), rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=timeout_s), **kwargs)
+    except (RuntimeError, dist.DistBackendError) as exc:
+        raise RuntimeSetupError(f"rank {rank}: process group ({backend}, {world_size} ranks) did not form: {exc}") from None
+    log.debug("rank %d/%d joined (%s)", rank, world_size, backend)
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

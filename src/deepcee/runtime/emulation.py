@@ -1,0 +1,211 @@
+"""Emulated devices and links on one machine (honest, visible, dilated time).
+
+Devices: one process per emulated device, one thread, real computation. After each compute
+action the process sleeps until ``wall = start + cpu_s x slowdown x D``, where ``cpu_s`` is
+the action's CPU time (``time.thread_time``, which stays put when other processes compete
+for the cores) and ``D`` is a global *time dilation*. ``D`` is chosen so that the emulated
+devices together need at most ``cores`` CPU cores (``sum(1 / (slowdown x D)) <= cores``,
+about 1.2 on a 2-core machine; see PLATFORM.md), so contention does not distort them.
+
+Links: a transfer of ``n`` bytes on link ``src -> dst`` is delivered at
+``max(send time, resource free) + D x n / bandwidth + D x latency`` and occupies the link's
+*resource* (:attr:`deepcee.cluster.Link.resource`, shared by transfers between the same two
+nodes) for ``D x n / bandwidth``, first come first served. The sender sends the real tensor
+at once with its delivery time in a header; the receiver does not hand it over before that
+time. Transfers of several processes on one resource share a :class:`FileLedger` (an
+``flock``-ed file per resource), so queueing is global; unit tests use :class:`MemoryLedger`
+and an injected clock. Bandwidth traces are read at the transfer's start in emulated time.
+
+Intra-stage gradient all-reduce: after the real all-reduce, each rank waits ``D x`` the
+ring alpha-beta time on the stage's slowest link (:func:`ring_allreduce_s`), a model-based
+delay rather than per-message shaping; reports say so.
+
+Every figure reported from an emulated run is wall time divided by ``D``.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import struct
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal, Protocol
+
+from deepcee.cluster import Cluster, Link
+from deepcee.errors import SpecError
+
+Mode = Literal["emulated", "real"]
+DEFAULT_CORES = 1.2
+
+EMULATED_FIGURES: tuple[str, ...] = (
+    "device compute speed (CPU time x slowdown x D)",
+    "link latency and bandwidth (delivery delayed, FIFO per link resource)",
+    "intra-stage all-reduce time (ring alpha-beta model on the stage's slowest link)",
+)
+
+
+def choose_dilation(slowdowns: Iterable[float], cores: float = DEFAULT_CORES) -> float:
+    """Smallest ``D >= 1`` with ``sum(1 / (slowdown x D)) <= cores``."""
+    if cores <= 0:
+        raise SpecError(f"cores must be > 0, got {cores!r}", field="cores")
+    demand = sum(1.0 / s for s in slowdowns)
+    return max(1.0, demand / cores)
+
+
+def padded_wall_s(cpu_s: float, slowdown: float, dilation: float) -> float:
+    """Wall time an emulated compute action must take: ``cpu_s x slowdown x D``."""
+    return cpu_s * slowdown * dilation
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Clock:
+    """Time sources, injectable for tests. ``wall`` must be shared by all processes of a run."""
+
+    wall: Callable[[], float] = time.monotonic
+    """``CLOCK_MONOTONIC`` is system-wide on Linux, so it is comparable across local processes."""
+    cpu: Callable[[], float] = time.thread_time
+    sleep: Callable[[float], None] = time.sleep
+
+    def sleep_until(self, t: float) -> float:
+        """Sleep until wall time ``t``; returns the seconds slept."""
+        delay = t - self.wall()
+        if delay > 0:
+            self.sleep(delay)
+            return delay
+        return 0.0
+
+
+@dataclass(slots=True)
+class ComputeTiming:
+    cpu_s: float = 0.0
+    wall_s: float = 0.0
+
+
+class DevicePacer:
+    """Runs compute at an emulated device's speed (``slowdown x D`` slower than this core)."""
+
+    def __init__(self, *, slowdown: float, dilation: float, enabled: bool = True, clock: Clock | None = None) -> None:
+        if slowdown <= 0 or dilation < 1:
+            raise SpecError(f"need slowdown > 0 and dilation >= 1, got {slowdown!r}, {dilation!r}")
+        self.slowdown, self.dilation, self.enabled = slowdown, dilation, enabled
+        self.clock = clock or Clock()
+
+    def run(self, fn: Callable[[], object]) -> tuple[object, ComputeTiming]:
+        """Call ``fn``; when enabled, pad its wall time to ``cpu time x slowdown x D``."""
+        c = self.clock
+        wall0, cpu0 = c.wall(), c.cpu()
+        result = fn()
+        cpu_s = c.cpu() - cpu0
+        if self.enabled:
+            c.sleep_until(wall0 + padded_wall_s(cpu_s, self.slowdown, self.dilation))
+        return result, ComputeTiming(cpu_s=cpu_s, wall_s=c.wall() - wall0)
+
+
+# -- links ------------------------------------------------------------------------------
+
+
+class Ledger(Protocol):
+    """When each link resource is next free (wall seconds); ``reserve`` is atomic."""
+
+    def reserve(self, resource: str, ready_at: float, busy_s: float) -> float:
+        """Book ``busy_s`` on ``resource`` at or after ``ready_at``; returns the start time."""
+        ...
+
+
+@dataclass(slots=True)
+class MemoryLedger:
+    """In-process ledger (one process, or tests)."""
+
+    free_at: dict[str, float] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def reserve(self, resource: str, ready_at: float, busy_s: float) -> float:
+        with self._lock:
+            start = max(ready_at, self.free_at.get(resource, float("-inf")))
+            self.free_at[resource] = start + busy_s
+            return start
+
+
+class FileLedger:
+    """Ledger shared by the processes of one machine: one ``flock``-ed 8-byte file per resource."""
+
+    def __init__(self, directory: str | Path) -> None:
+        self.dir = Path(directory)
+        self.dir.mkdir(parents=True, exist_ok=True)
+
+    def _path(self, resource: str) -> Path:
+        # a stable name (str hash() differs between processes)
+        return self.dir / f"{hashlib.sha1(resource.encode()).hexdigest()[:16]}.link"
+
+    def reserve(self, resource: str, ready_at: float, busy_s: float) -> float:
+        fd = os.open(self._path(resource), os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            raw = os.pread(fd, 8, 0)
+            free_at = struct.unpack("d", raw)[0] if len(raw) == 8 else float("-inf")
+            start = max(ready_at, free_at)
+            os.pwrite(fd, struct.pack("d", start + busy_s), 0)
+            return start
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+
+
+class LinkShaper:
+    """Delivery times of transfers on emulated links. See the module docstring."""
+
+    def __init__(self, *, dilation: float, ledger: Ledger, epoch: float, clock: Clock | None = None) -> None:
+        self.dilation, self.ledger, self.epoch = dilation, ledger, epoch
+        self.clock = clock or Clock()
+
+    def emulated_now_s(self, wall: float | None = None) -> float:
+        """Emulated seconds since the run's epoch (for bandwidth traces and reports)."""
+        return ((self.clock.wall() if wall is None else wall) - self.epoch) / self.dilation
+
+    def deliver_at(self, link: Link, nbytes: int, ready_at: float | None = None) -> float:
+        """Book a transfer of ``nbytes`` ready at wall time ``ready_at``; returns its delivery wall time."""
+        ready = self.clock.wall() if ready_at is None else ready_at
+        bandwidth = link.bandwidth_at(self.emulated_now_s(ready))
+        busy = self.dilation * nbytes / bandwidth
+        start = self.ledger.reserve(link.resource, ready, busy)
+        return start + busy + self.dilation * link.latency_s
+
+
+def ring_allreduce_s(nbytes: float, links: Sequence[Link]) -> float:
+    """Ring all-reduce of ``nbytes`` over ``len(links)`` devices: ``2(k-1)`` steps on the slowest link."""
+    k = len(links)
+    if k < 2:
+        return 0.0
+    latency = max(lk.latency_s for lk in links)
+    bandwidth = min(lk.bandwidth_bytes_per_s for lk in links)
+    return 2 * (k - 1) * (latency + nbytes / k / bandwidth)
+
+
+def ring_links(cluster: Cluster, devices: Sequence[str]) -> list[Link]:
+    """The links of the ring ``devices[0] -> devices[1] -> ... -> devices[0]``."""
+    if len(devices) < 2:
+        return []
+    return [cluster.link(a, b) for a, b in zip(devices, [*devices[1:], devices[0]])]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EmulationInfo:
+    """What every report of a run states about emulation."""
+
+    mode: Mode
+    dilation: float
+    cores: float
+    emulated: tuple[str, ...]
+
+    def to_dict(self) -> dict[str, object]:
+        return {"mode": self.mode, "dilation": self.dilation, "cores": self.cores, "emulated": list(self.emulated)}
+
+
+def emulation_info(mode: Mode, dilation: float, cores: float = DEFAULT_CORES) -> EmulationInfo:
+    return EmulationInfo(mode=mode, dilation=dilation if mode == "emulated" else 1.0, cores=cores,
+                         emulated=EMULATED_FIGURES if mode == "emulated" else ())

@@ -1,0 +1,430 @@
+"""One rank's training run: composes topology, stage, transport, executor, sync, optimizer.
+
+:func:`run_jobs_on_rank` is what every process runs (local launch or torchrun): it joins the
+process group once and runs one or more :class:`Job`\\ s in order (tests batch several plans
+into one launch). For each job, :class:`Trainer` builds this rank's stage from the plan,
+agrees boundary shapes with its peers, then per step: runs its row of the lowered schedule
+(:mod:`deepcee.runtime.executor`), all-reduces the stage's gradients over the stage's
+devices, steps the optimizer, gathers metrics on rank 0 and checkpoints.
+
+[Note: loss weighting]
+Each device scales its per-microbatch mean loss by ``share / global_batch``
+(:meth:`Topology.loss_scale`), so the sum over devices and microbatches is the mean over the
+global batch, and so are the gradients. The all-reduce inside a stage is therefore a plain
+SUM, which gives every device of the stage exactly the full-batch gradient of its layers.
+DDP's hooks are not used: they do not fire with split backward (PLATFORM.md).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import statistics
+import time
+import traceback
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from deepcee import nets
+from deepcee.cluster import Cluster, cluster_from_dict
+from deepcee.errors import DeepceeError, RuntimeSetupError, SpecError
+from deepcee.plan import Plan, plan_from_dict, save_json_atomic
+from deepcee.runtime import checkpoint as ckpt
+from deepcee.runtime import dist as rdist
+from deepcee.runtime.data import Dataset, dataset_for
+from deepcee.runtime.emulation import (
+    DEFAULT_CORES, Clock, DevicePacer, FileLedger, LinkShaper, Mode, choose_dilation, emulation_info,
+    ring_allreduce_s, ring_links,
+)
+from deepcee.runtime.executor import Feeds, StepRecord, run_step, schedule_for
+from deepcee.runtime.p2p import P2P, TensorMeta, exchange_metadata
+from deepcee.runtime.partition import Topology
+from deepcee.runtime.stage import StageRunner
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class OptimizerConfig:
+    """Per-parameter optimizers only (no global norms), so per-stage optimizers equal a whole-model one."""
+
+    name: Literal["adamw", "sgd"] = "adamw"
+    lr: float = 1e-3
+    momentum: float = 0.0
+    """SGD only."""
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+
+    def __post_init__(self) -> None:
+        if self.name not in ("adamw", "sgd"):
+            raise SpecError(f"unknown optimizer {self.name!r} (known: adamw, sgd)", field="optimizer")
+        if self.lr <= 0:
+            raise SpecError(f"must be > 0, got {self.lr!r}", field="optimizer.lr")
+
+    def build(self, params: Sequence[nn.Parameter]) -> torch.optim.Optimizer:
+        if self.name == "sgd":
+            return torch.optim.SGD(params, lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay)
+        return torch.optim.AdamW(params, lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TrainConfig:
+    """How to train (the plan says where and in what order)."""
+
+    steps: int
+    seed: int = 0
+    dtype: Literal["float32", "float64"] = "float32"
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    mode: Mode = "emulated"
+    """``emulated``: devices and links emulated on this machine; ``real``: run as fast as it goes."""
+    cores: float = DEFAULT_CORES
+    """CPU cores the emulated devices may use together (sets the dilation)."""
+    dilation: float | None = None
+    """Force the time dilation ``D`` (default: from ``cores``)."""
+    timeout_s: float = 60.0
+    """Limit on every receive, collective and start-up wait."""
+    checkpoint_every: int = 0
+    keep_checkpoints: int = 2
+    resume: bool = False
+    capture: bool = False
+    """Save step-0 gradients and final parameters of every rank (tests compare them)."""
+    trace: bool = False
+    """Record every action's start and end in the metrics."""
+    use_cuda: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.steps, int) or self.steps < 1:
+            raise SpecError(f"must be an integer >= 1, got {self.steps!r}", field="steps")
+        if self.dtype not in ("float32", "float64"):
+            raise SpecError(f"must be float32 or float64, got {self.dtype!r}", field="dtype")
+        if self.mode not in ("emulated", "real"):
+            raise SpecError(f"must be 'emulated' or 'real', got {self.mode!r}", field="mode")
+        if self.timeout_s <= 0 or self.cores <= 0:
+            raise SpecError(f"timeout_s and cores must be > 0, got {self.timeout_s!r}, {self.cores!r}")
+        if self.dilation is not None and self.dilation < 1:
+            raise SpecError(f"must be >= 1, got {self.dilation!r}", field="dilation")
+        if self.mode == "emulated" and self.use_cuda:
+            raise SpecError("device emulation paces CPU workers; use mode 'real' with CUDA", field="mode")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Job:
+    """One training run of a plan. Plan and cluster travel as dicts (plain pickles, stable)."""
+
+    name: str
+    plan: dict[str, Any]
+    cluster: dict[str, Any]
+    model: str | Sequence[nn.Module]
+    """A built-in net's name, or the user's blocks (see :func:`deepcee.nets.as_blocks`)."""
+    config: TrainConfig
+    run_dir: str
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    dataset: Dataset | None = None
+    checkpoint_dir: str | None = None
+
+
+def plan_digest(plan: Plan) -> str:
+    d = plan.to_dict()
+    d.pop("estimate", None)
+    d.pop("explanation", None)
+    return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
+
+@dataclass(slots=True)
+class _Worker:
+    rank: int
+    world_size: int
+    store: dist.Store
+    device: torch.device
+
+
+class Trainer:
+    """Runs one job on one rank. See the module docstring."""
+
+    def __init__(self, job: Job, w: _Worker) -> None:
+        self.job, self.w, self.cfg = job, w, job.config
+        self.plan: Plan = plan_from_dict(job.plan)
+        self.cluster: Cluster = cluster_from_dict(job.cluster)
+        self.digest = plan_digest(self.plan)
+        self.topo = Topology(self.plan, w.world_size)
+        self.clock = Clock()
+        self.run_dir = Path(job.run_dir)
+        timeout = timedelta(seconds=self.cfg.timeout_s)
+        # Every rank creates every group, in the same order (torch.distributed requires it).
+        active = list(range(self.topo.num_active))
+        self.job_group = dist.new_group(active, timeout=timeout) if len(active) < w.world_size else None
+        self.stage_groups = {
+            s: dist.new_group(list(self.topo.stage_ranks(s)), timeout=timeout)
+            for s in range(self.plan.num_stages) if len(self.topo.stage_ranks(s)) > 1
+        }
+
+    @property
+    def active(self) -> bool:
+        return self.topo.is_active(self.w.rank)
+
+    # -- set-up --------------------------------------------------------------------------
+    def _blocks(self) -> tuple[list[nn.Module], Callable]:
+        dtype = getattr(torch, self.cfg.dtype)
+        if isinstance(self.job.model, str):
+            blocks, loss_fn = nets.build(self.job.model, self.cfg.seed, dtype=dtype)
+            loss_fn = self.job.loss_fn or loss_fn
+        else:
+            blocks, loss_fn = [b.to(dtype) for b in nets.as_blocks(self.job.model)], self.job.loss_fn
+        self.plan.check_against(num_layers=len(blocks), device_names=self.cluster.device_names)
+        return blocks, loss_fn
+
+    def setup(self) -> None:
+        p = self.placement = self.topo.placement(self.w.rank)
+        st = self.plan.stages[p.stage]
+        blocks, loss_fn = self._blocks()
+        last = p.stage == self.plan.num_stages - 1
+        if last and loss_fn is None:
+            raise SpecError("a user model needs a loss_fn", field="loss_fn")
+        self.stage = StageRunner(blocks[st.layer_start:st.layer_stop], stage=p.stage, is_first=p.stage == 0,
+                                 is_last=last, loss_fn=loss_fn, device=self.w.device, dtype=getattr(torch, self.cfg.dtype))
+        self.dataset = self.job.dataset or dataset_for(self.job.model, self.cfg.seed)
+        self.schedule = schedule_for(self.plan)
+        self.actions = self.schedule[p.stage]
+        in_meta, out_meta = exchange_metadata(
+            self.w.store, self.topo, self.w.rank, job=self.job.name, plan_digest=self.digest,
+            output_meta=self._dry_run, timeout_s=self.cfg.timeout_s,
+        )
+        emulated = self.cfg.mode == "emulated"
+        slowdowns = [self.cluster.device(d).slowdown for d in self.plan.devices]
+        self.dilation = (self.cfg.dilation or choose_dilation(slowdowns, self.cfg.cores)) if emulated else 1.0
+        self.info = emulation_info(self.cfg.mode, self.dilation, self.cfg.cores)
+        self.pacer = DevicePacer(slowdown=self.cluster.device(p.device).slowdown, dilation=self.dilation,
+                                 enabled=emulated, clock=self.clock)
+        self.epoch = self._epoch()
+        shaper = None
+        if emulated:
+            shaper = LinkShaper(dilation=self.dilation, ledger=FileLedger(self.run_dir / "links"),
+                                epoch=self.epoch, clock=self.clock)
+        self.p2p = P2P(topology=self.topo, rank=self.w.rank, device=self.w.device, timeout_s=self.cfg.timeout_s,
+                       in_meta=in_meta, out_meta=out_meta, cluster=self.cluster, shaper=shaper, clock=self.clock,
+                       prepost=self.w.device.type != "cuda")
+        self.optimizer = self.cfg.optimizer.build(self.stage.params)
+        self.start_step = self._resume()
+
+    def _dry_run(self, in_meta: TensorMeta | None) -> TensorMeta | None:
+        """Per-sample output meta of this stage (``None`` on the last), from a one-sample forward."""
+        if self.stage.is_first:
+            x = self.dataset.batch(0, 1).inputs
+        else:
+            x = torch.zeros((1, *in_meta.shape), dtype=in_meta.torch_dtype)
+            if x.is_floating_point() and x.dtype != self.stage.dtype:
+                raise RuntimeSetupError(f"receives {in_meta.dtype}, runs {self.stage.dtype}")
+        if self.stage.is_last:
+            return None
+        with torch.no_grad():
+            out = self.stage.module(self.stage._prepare_input(x))
+        return TensorMeta.of(out)
+
+    def _epoch(self) -> float:
+        key = f"{self.job.name}/epoch"
+        if self.w.rank == 0:
+            self.w.store.set(key, repr(self.clock.wall()))
+        self.w.store.wait([key], timedelta(seconds=self.cfg.timeout_s))
+        return float(self.w.store.get(key).decode())
+
+    def _ckpt_root(self) -> Path:
+        return Path(self.job.checkpoint_dir) if self.job.checkpoint_dir else self.run_dir / "checkpoints"
+
+    def _resume(self) -> int:
+        if not self.cfg.resume:
+            return 0
+        info = ckpt.latest(self._ckpt_root())
+        if info is None:
+            return 0
+        state = ckpt.load_stage(self._ckpt_root(), info, self.placement.stage, self.digest)
+        self.stage.module.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        log.info("rank %d resumes at step %d", self.w.rank, info.step)
+        return info.step
+
+    # -- steps ---------------------------------------------------------------------------
+    def _feeds(self, step: int) -> Feeds:
+        batch = self.dataset.batch(step, self.plan.global_batch)
+        r = self.w.rank
+
+        def piece(t: torch.Tensor) -> Callable[[int], torch.Tensor]:
+            return lambda m: t[slice(*self.topo.global_samples(r, m))]
+
+        return Feeds(inputs=piece(batch.inputs) if self.stage.is_first else None,
+                     targets=piece(batch.targets) if self.stage.is_last else None,
+                     loss_scale=self.topo.loss_scale(r))
+
+    def _sync_gradients(self) -> float:
+        """SUM all-reduce of the stage's gradients ([Note: loss weighting]); returns wall seconds."""
+        group = self.stage_groups.get(self.placement.stage)
+        if group is None:
+            return 0.0
+        t0 = self.clock.wall()
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.stage.params]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        work = dist.all_reduce(flat, group=group, async_op=True)
+        try:
+            work.wait(timedelta(seconds=self.cfg.timeout_s))
+        except RuntimeError as exc:
+            peers = ", ".join(self.topo.describe(q) for q in self.topo.stage_ranks(self.placement.stage))
+            raise RuntimeSetupError(f"{self.topo.describe(self.w.rank)}: gradient all-reduce with {peers} "
+                                    f"did not complete within {self.cfg.timeout_s:g} s: {str(exc)[:160]}") from None
+        offset = 0
+        for p, g in zip(self.stage.params, grads):
+            p.grad = flat[offset:offset + g.numel()].view_as(g)
+            offset += g.numel()
+        if self.cfg.mode == "emulated":
+            devices = self.plan.stages[self.placement.stage].devices
+            model_s = ring_allreduce_s(flat.numel() * flat.element_size(), ring_links(self.cluster, devices))
+            self.clock.sleep_until(self.clock.wall() + model_s * self.dilation)
+        return self.clock.wall() - t0
+
+    def _gather(self, obj: Any) -> list[Any] | None:
+        out = [None] * self.topo.num_active if self.w.rank == 0 else None
+        dist.gather_object(obj, out, dst=0, group=self.job_group)
+        return out
+
+    def _named(self, tensors: Callable[[nn.Parameter], torch.Tensor | None]) -> dict[str, torch.Tensor]:
+        start = self.plan.stages[self.placement.stage].layer_start
+        out = {}
+        for name, p in self.stage.module.named_parameters():
+            idx, rest = name.split(".", 1)
+            t = tensors(p)
+            out[f"{start + int(idx)}.{rest}"] = None if t is None else t.detach().cpu().clone()
+        return out
+
+    def _checkpoint(self, step_done: int) -> None:
+        root = self._ckpt_root()
+        if self.placement.index == 0:
+            ckpt.save_stage(root, step_done, self.placement.stage,
+                            {"model": self.stage.module.state_dict(), "optimizer": self.optimizer.state_dict(),
+                             "step": step_done, "plan_digest": self.digest})
+        self._barrier()
+        if self.w.rank == 0:
+            ckpt.commit(root, ckpt.CheckpointInfo(step=step_done, plan_digest=self.digest,
+                                                  num_stages=self.plan.num_stages), keep=self.cfg.keep_checkpoints)
+
+    def _barrier(self) -> None:
+        if self.w.device.type == "cpu":
+            dist.monitored_barrier(group=self.job_group, timeout=timedelta(seconds=self.cfg.timeout_s), wait_all_ranks=True)
+        else:
+            dist.barrier(group=self.job_group)
+
+    def train(self) -> dict[str, Any] | None:
+        """Run the steps; rank 0 returns the result record (also written to ``result.json``)."""
+        writer = ckpt.MetricsWriter(self.run_dir / "metrics.jsonl", append=self.start_step > 0) if self.w.rank == 0 else None
+        capture: dict[str, Any] = {}
+        records: list[dict[str, Any]] = []
+        self._barrier()
+        t_prev = self.clock.wall()
+        for step in range(self.start_step, self.cfg.steps):
+            self.stage.zero_grad()
+            rec = run_step(self.actions, self.stage, self.p2p, self._feeds(step), self.pacer, trace=self.cfg.trace)
+            sync_s = self._sync_gradients()
+            if self.cfg.capture and step == self.start_step:
+                capture["grads"] = self._named(lambda p: p.grad)
+            self.optimizer.step()
+            mine = self._rank_record(rec, sync_s)
+            gathered = self._gather(mine)
+            now = self.clock.wall()
+            step_s, t_prev = now - t_prev, now
+            if self.cfg.checkpoint_every and (step + 1) % self.cfg.checkpoint_every == 0:
+                self._checkpoint(step + 1)
+            if writer is not None:
+                records.append(self._step_record(step, gathered, step_s))
+                writer.write(records[-1])
+        if self.cfg.capture:
+            capture["params"] = self._named(lambda p: p)
+            (self.run_dir / "capture").mkdir(parents=True, exist_ok=True)
+            torch.save(capture, self.run_dir / "capture" / f"rank{self.w.rank}.pt")
+        if writer is None:
+            return None
+        writer.close()
+        result = self._result(records)
+        save_json_atomic(self.run_dir / "result.json", result)
+        return result
+
+    def _rank_record(self, rec: StepRecord, sync_s: float) -> dict[str, Any]:
+        return {"rank": self.w.rank, "stage": self.placement.stage, "device": self.placement.device,
+                "loss": rec.loss, "compute_s": rec.compute_s, "cpu_s": rec.cpu_s, "wait_s": rec.wait_s,
+                "sync_s": sync_s, "peak_in_flight": rec.peak_in_flight, "bytes": dict(self.p2p.stats.bytes_sent),
+                "trace": rec.trace}
+
+    def _step_record(self, step: int, ranks: list[dict[str, Any]], step_wall_s: float) -> dict[str, Any]:
+        d = self.dilation
+        stages: dict[int, dict[str, float]] = defaultdict(lambda: {"compute_s": 0.0, "wait_s": 0.0, "sync_s": 0.0})
+        links: dict[str, int] = defaultdict(int)
+        for r in ranks:
+            s = stages[r["stage"]]
+            for k in ("compute_s", "wait_s", "sync_s"):
+                s[k] = max(s[k], r[k] / d)  # the stage's slowest device
+            for link, n in r["bytes"].items():
+                links[link] += n
+        out = {
+            "step": step, "loss": sum(r["loss"] for r in ranks), "step_s": step_wall_s / d,
+            "samples_per_s": self.plan.global_batch / (step_wall_s / d),
+            **self.info.to_dict(),
+            "stages": [{"stage": s, **v} for s, v in sorted(stages.items())],
+            "link_bytes": dict(links),
+            "cpu_s": {r["device"]: r["cpu_s"] for r in ranks},
+        }
+        if self.cfg.trace:
+            out["trace"] = {r["device"]: [(a, (t0 - self.epoch) / d, (t1 - self.epoch) / d) for a, t0, t1 in r["trace"]]
+                            for r in ranks}
+        return out
+
+    def _result(self, records: list[dict[str, Any]]) -> dict[str, Any]:
+        steady = [r["step_s"] for r in records[1:]] or [r["step_s"] for r in records]
+        median = statistics.median(steady) if steady else float("nan")
+        return {
+            "format": "deepcee.train-result", "schema_version": 1, "job": self.job.name,
+            "plan_digest": self.digest, "system": self.plan.system, "schedule": self.plan.schedule,
+            "global_batch": self.plan.global_batch, "start_step": self.start_step, "steps": self.cfg.steps,
+            "losses": [r["loss"] for r in records], "step_s": [r["step_s"] for r in records],
+            "median_step_s": median, "samples_per_s": self.plan.global_batch / median if steady else float("nan"),
+            **self.info.to_dict(), "run_dir": str(self.run_dir),
+        }
+
+
+def run_jobs_on_rank(jobs: Sequence[Job], rank: int, world_size: int, store: dist.Store, *,
+                     local_rank: int = 0) -> list[dict[str, Any] | None]:
+    """Join the process group and run ``jobs`` in order on this rank; rank 0 gets the results."""
+    rdist.single_thread()
+    use_cuda = any(j.config.use_cuda for j in jobs)
+    device = rdist.pick_device(use_cuda, local_rank)
+    timeout = max(j.config.timeout_s for j in jobs)
+    rdist.init_process_group(store=store, rank=rank, world_size=world_size, backend=rdist.backend_for(device),
+                             timeout_s=timeout, device=device)
+    results = []
+    try:
+        for job in jobs:
+            Path(job.run_dir).mkdir(parents=True, exist_ok=True)
+            trainer = Trainer(job, _Worker(rank=rank, world_size=world_size, store=store, device=device))
+            if trainer.active:
+                trainer.setup()
+                results.append(trainer.train())
+            else:
+                results.append(None)
+    finally:
+        rdist.shutdown()
+    return results
+
+
+def write_error(run_dir: str | Path, rank: int, exc: BaseException) -> None:
+    """Record a rank's failure for the launcher (first failure by time is the likely cause)."""
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
+    domain = isinstance(exc, DeepceeError)
+    save_json_atomic(Path(run_dir) / f"error-rank{rank}.json", {
+        "rank": rank, "time": time.time(), "type": type(exc).__name__, "domain": domain,
+        "message": str(exc), "traceback": "" if domain else traceback.format_exc(),
+    })
