@@ -1,0 +1,447 @@
+"""deepcee against the baselines and the upper bound on one cluster (torch-free).
+
+:func:`compare` plans with deepcee (:func:`deepcee.planner.search.plan_training`), builds the
+baselines (:func:`deepcee.planner.baselines.build_baselines`) and the bound
+(:func:`deepcee.planner.bound.upper_bound`), and scores every plan with the same simulator,
+so each ratio is like for like. Every figure is *simulated* on the analytic cost model with
+datasheet device speeds (or on the emulated cluster / measured profile when those are
+given); :attr:`CompareReport.source` says which, and the JSON carries it.
+
+When leaving slow devices out is best (deepcee's plan excludes devices, or a baseline on one
+island or one node comes within 1% of deepcee), the report says so and computes the
+**crossover**: it sweeps the global batch and the bandwidth of the links that join the kept
+devices to the left-out ones, and finds where the best plan that uses the left-out devices
+starts to beat the best plan without them. See [Note: crossover].
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from deepcee.cluster import Cluster, LinkEntry, LinkSpec
+from deepcee.errors import DeepceeError, InfeasiblePlanError
+from deepcee.plan import Plan
+from deepcee.planner.baselines import BaselineResult, build_baselines
+from deepcee.planner.bound import Bound, upper_bound
+from deepcee.profile import ModelProfile
+from deepcee.simulator.engine import simulate, to_estimate
+from deepcee.units import GIB, fmt_rate
+
+log = logging.getLogger(__name__)
+
+SCHEMA_VERSION = 1
+LEAVE_OUT_TOLERANCE = 0.01
+"""A baseline on one island or node within 1% of deepcee counts as "leaving devices out is best"."""
+SWEEP_BATCHES: tuple[int, ...] = tuple(2**k for k in range(4, 13))
+"""16 .. 4096."""
+SWEEP_BANDWIDTHS_BYTES_PER_S: tuple[float, ...] = tuple(
+    m * 1e6 / 8 for m in (10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
+)
+"""10 Mbit/s .. 10 Gbit/s, about x2 per step."""
+SINGLE_PLACE_BASELINES = ("ddp-best-island", "best-single-node")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CompareRow:
+    """One system's simulated figures (all 0 / empty with a reason when it has no plan)."""
+
+    system: str
+    description: str
+    samples_per_s: float
+    iteration_s: float
+    speedup: float
+    """deepcee's samples/s over this system's (``inf`` when the system has no plan)."""
+    peak_memory_bytes: float
+    peak_memory_device: str
+    bottleneck: str
+    devices_used: int
+    reason: str = ""
+    plan: Plan | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "system": self.system,
+            "description": self.description,
+            "samples_per_s": self.samples_per_s,
+            "iteration_s": self.iteration_s if self.plan is not None else None,
+            "speedup_of_deepcee": self.speedup if math.isfinite(self.speedup) else None,
+            "peak_memory_bytes": self.peak_memory_bytes,
+            "peak_memory_device": self.peak_memory_device,
+            "bottleneck": self.bottleneck,
+            "devices_used": self.devices_used,
+            "reason": self.reason,
+            "plan": self.plan.to_dict() if self.plan is not None else None,
+        }
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SweepPoint:
+    value: float
+    """Global batch (samples) or link bandwidth (bytes/s)."""
+    with_samples_per_s: float
+    """Best plan that uses the left-out devices (0 when none fits)."""
+    without_samples_per_s: float
+    """Best plan on the kept devices only (0 when none fits)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Sweep:
+    parameter: str
+    """``global_batch`` or ``bandwidth_bytes_per_s``."""
+    points: tuple[SweepPoint, ...]
+    crossover: float | None
+    """Where the plan with the left-out devices starts to win (log-interpolated), or ``None``."""
+    note: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Crossover:
+    """The crossover study. See [Note: crossover]."""
+
+    kept_devices: tuple[str, ...]
+    left_out_devices: tuple[str, ...]
+    slow_links: tuple[str, ...]
+    """The links swept, as ``a<->b`` (islands or nodes)."""
+    batch: Sweep
+    bandwidth: Sweep
+
+    def to_dict(self) -> dict[str, Any]:
+        def sweep(s: Sweep) -> dict[str, Any]:
+            return {
+                "parameter": s.parameter,
+                "crossover": s.crossover,
+                "note": s.note,
+                "points": [{"value": p.value, "with_left_out_samples_per_s": p.with_samples_per_s,
+                            "without_left_out_samples_per_s": p.without_samples_per_s} for p in s.points],
+            }
+
+        return {
+            "kept_devices": list(self.kept_devices),
+            "left_out_devices": list(self.left_out_devices),
+            "slow_links": list(self.slow_links),
+            "global_batch_sweep": sweep(self.batch),
+            "bandwidth_sweep": sweep(self.bandwidth),
+        }
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CompareReport:
+    cluster: str
+    model: str
+    global_batch: int
+    source: str
+    """How every figure was obtained (simulated; analytic or measured; datasheet or emulated)."""
+    bound: Bound
+    rows: tuple[CompareRow, ...]
+    """deepcee first, then the baselines."""
+    fraction_of_bound: float
+    """deepcee's samples/s over the bound's."""
+    leave_out: str = ""
+    """A plain line when leaving slow devices out is best; empty otherwise."""
+    crossover: Crossover | None = None
+    planning_s: float = 0.0
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    def row(self, system: str) -> CompareRow:
+        for r in self.rows:
+            if r.system == system:
+                return r
+        raise DeepceeError(f"no row {system!r} in the comparison (have {[r.system for r in self.rows]})")
+
+    @property
+    def deepcee(self) -> CompareRow:
+        return self.rows[0]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema_version": SCHEMA_VERSION,
+            "format": "deepcee.compare",
+            "cluster": self.cluster,
+            "model": self.model,
+            "global_batch": self.global_batch,
+            "source": self.source,
+            "bound": {**self.bound.to_dict(), "source": "fluid relaxation (LP) on the same profile and cluster"},
+            "fraction_of_bound": self.fraction_of_bound,
+            "rows": [{**r.to_dict(), "source": self.source} for r in self.rows],
+            "leave_out": self.leave_out,
+            "crossover": None if self.crossover is None else {**self.crossover.to_dict(), "source": self.source},
+            "planning_s": self.planning_s,
+            "notes": list(self.notes),
+        }
+
+
+def report_from_dict(d: dict[str, Any]) -> dict[str, Any]:
+    """Check a compare JSON's header and return it (the report is read back as plain data)."""
+    if d.get("format") != "deepcee.compare" or d.get("schema_version") != SCHEMA_VERSION:
+        raise DeepceeError(f"expected format 'deepcee.compare' schema_version {SCHEMA_VERSION}, got "
+                           f"{d.get('format')!r} {d.get('schema_version')!r}")
+    return d
+
+
+# ---------------------------------------------------------------------------------------
+# rows
+# ---------------------------------------------------------------------------------------
+
+
+def figure_source(cluster: Cluster, model: ModelProfile) -> str:
+    """The label every figure of the report carries."""
+    cost = "measured profile" if model.measured else "analytic cost model"
+    speeds = f"emulated cluster ({cluster.emulation})" if cluster.emulation else "datasheet device speeds"
+    return f"simulated on the {cost} / {speeds}"
+
+
+def _row(system: str, description: str, plan: Plan | None, reason: str, deepcee_sps: float) -> CompareRow:
+    if plan is None or plan.estimate is None:
+        return CompareRow(system=system, description=description, samples_per_s=0.0, iteration_s=0.0,
+                          speedup=math.inf, peak_memory_bytes=0.0, peak_memory_device="", bottleneck="",
+                          devices_used=0, reason=reason or "no plan")
+    est = plan.estimate
+    dev, peak = max(est.peak_memory_bytes.items(), key=lambda kv: kv[1]) if est.peak_memory_bytes else ("", 0.0)
+    return CompareRow(system=system, description=description, samples_per_s=est.samples_per_s,
+                      iteration_s=est.iteration_s, speedup=deepcee_sps / est.samples_per_s,
+                      peak_memory_bytes=peak, peak_memory_device=dev, bottleneck=est.bottleneck,
+                      devices_used=len(plan.devices), reason=reason, plan=plan)
+
+
+def simulated(plan: Plan, cluster: Cluster, model: ModelProfile) -> Plan:
+    """``plan`` with the simulator's estimate (deepcee's plan is re-scored like the baselines)."""
+    result = simulate(plan, cluster, model, record=False)
+    return plan.replace(estimate=to_estimate(result, plan, cluster))
+
+
+def _deepcee(cluster: Cluster, model: ModelProfile, global_batch: int) -> tuple[Plan, float]:
+    from deepcee.planner.search import plan_training
+
+    t0 = time.perf_counter()
+    result = plan_training(cluster, model, global_batch)
+    return simulated(result.plan, cluster, model), time.perf_counter() - t0
+
+
+# ---------------------------------------------------------------------------------------
+# [Note: crossover]
+# "Without" is the best plan on the kept devices alone: deepcee planning on the sub-cluster,
+# or any baseline that stays on them. "With" is the best plan that uses at least one
+# left-out device: deepcee's plan on the whole cluster when it uses one, otherwise the
+# baselines that use every device. The bandwidth sweep overrides every link between a kept
+# island (or node) and a left-out one with the swept bandwidth, latency unchanged; the batch
+# sweep keeps the links as they are. The crossover is the first sweep value where "with"
+# beats "without" after a value where it did not, interpolated on log scales.
+# ---------------------------------------------------------------------------------------
+
+
+def _best_sps(results: Sequence[float]) -> float:
+    return max([r for r in results if r > 0], default=0.0)
+
+
+def _planned_sps(cluster: Cluster, model: ModelProfile, batch: int) -> tuple[float, Plan | None]:
+    try:
+        plan, _ = _deepcee(cluster, model, batch)
+    except InfeasiblePlanError:
+        return 0.0, None
+    return plan.estimate.samples_per_s, plan
+
+
+def with_without(cluster: Cluster, model: ModelProfile, batch: int, kept: Sequence[str]) -> tuple[float, float]:
+    """(best samples/s using a left-out device, best samples/s on the kept devices only)."""
+    kept_set = set(kept)
+    sub = cluster.subset(kept)
+    without = [_planned_sps(sub, model, batch)[0]]
+    with_ = []
+    sps, plan = _planned_sps(cluster, model, batch)
+    if plan is not None:
+        (without if set(plan.devices) <= kept_set else with_).append(sps)
+    for b in build_baselines(cluster, model, batch):
+        if b.plan is not None:
+            (without if set(b.plan.devices) <= kept_set else with_).append(b.samples_per_s)
+    return _best_sps(with_), _best_sps(without)
+
+
+def slow_link_entries(cluster: Cluster, kept: Sequence[str], bandwidth_bytes_per_s: float
+                      ) -> tuple[list[LinkEntry], list[str]]:
+    """Link entries that set every kept-to-left-out link to ``bandwidth_bytes_per_s``.
+
+    Between islands when the two devices are in different islands, else between their nodes.
+    """
+    kept_set = set(kept)
+    out = [d for d in cluster.device_names if d not in kept_set]
+    entries: dict[tuple[str, str], LinkEntry] = {}
+    for a in kept:
+        for b in out:
+            da, db = cluster.device(a), cluster.device(b)
+            ends = (da.island, db.island) if da.island != db.island else (da.node, db.node)
+            if ends in entries or ends[::-1] in entries:
+                continue
+            link = cluster.link(a, b)
+            entries[ends] = LinkEntry(a=ends[0], b=ends[1], spec=LinkSpec(
+                latency_s=link.latency_s, bandwidth_bytes_per_s=bandwidth_bytes_per_s))
+    return list(entries.values()), [f"{a}<->{b}" for a, b in entries]
+
+
+def find_crossover(values: Sequence[float], with_sps: Sequence[float], without_sps: Sequence[float]
+                   ) -> float | None:
+    """First value where ``with`` overtakes ``without`` (log-interpolated ratio = 1), or ``None``."""
+    for k in range(1, len(values)):
+        before = with_sps[k - 1] / without_sps[k - 1] if without_sps[k - 1] > 0 else math.inf
+        after = with_sps[k] / without_sps[k] if without_sps[k] > 0 else math.inf
+        if before <= 1.0 < after:
+            if not (math.isfinite(after) and before > 0):
+                return float(values[k])
+            lo, hi = math.log(values[k - 1]), math.log(values[k])
+            frac = -math.log(before) / (math.log(after) - math.log(before))
+            return float(math.exp(lo + frac * (hi - lo)))
+    return None
+
+
+def _sweep(parameter: str, values: Sequence[float], evaluate: Callable[[float], tuple[float, float]],
+           fmt: Callable[[float], str]) -> Sweep:
+    points = []
+    for v in values:
+        w, wo = evaluate(v)
+        points.append(SweepPoint(value=float(v), with_samples_per_s=w, without_samples_per_s=wo))
+    cross = find_crossover(values, [p.with_samples_per_s for p in points], [p.without_samples_per_s for p in points])
+    if cross is not None:
+        note = f"the left-out devices start to pay off at {parameter} ~ {fmt(cross)}"
+    elif points and all(p.with_samples_per_s > p.without_samples_per_s for p in points):
+        note = f"the left-out devices pay off over the whole {parameter} range swept"
+    else:
+        note = f"leaving the devices out stays best over the whole {parameter} range swept ({fmt(values[0])} .. {fmt(values[-1])})"
+    return Sweep(parameter=parameter, points=tuple(points), crossover=cross, note=note)
+
+
+def crossover_study(cluster: Cluster, model: ModelProfile, global_batch: int, kept: Sequence[str], *,
+                    batches: Sequence[int] = SWEEP_BATCHES,
+                    bandwidths_bytes_per_s: Sequence[float] = SWEEP_BANDWIDTHS_BYTES_PER_S) -> Crossover:
+    """Sweep the global batch and the kept-to-left-out bandwidth. See [Note: crossover]."""
+    left_out = tuple(d for d in cluster.device_names if d not in set(kept))
+    if not left_out:
+        raise DeepceeError("crossover needs left-out devices; every device is kept")
+    _, links = slow_link_entries(cluster, kept, 1.0)
+
+    def at_bandwidth(bw: float) -> tuple[float, float]:
+        entries, _ = slow_link_entries(cluster, kept, bw)
+        return with_without(cluster.with_links(entries), model, global_batch, kept)
+
+    batch = _sweep("global_batch", batches, lambda b: with_without(cluster, model, int(b), kept), lambda v: f"{v:.0f}")
+    bandwidth = _sweep("bandwidth_bytes_per_s", bandwidths_bytes_per_s, at_bandwidth, fmt_rate)
+    return Crossover(kept_devices=tuple(kept), left_out_devices=left_out, slow_links=tuple(links),
+                     batch=batch, bandwidth=bandwidth)
+
+
+# ---------------------------------------------------------------------------------------
+# the comparison
+# ---------------------------------------------------------------------------------------
+
+
+def _leave_out(deepcee: Plan, baselines: Sequence[BaselineResult], cluster: Cluster) -> tuple[str, tuple[str, ...]]:
+    """The plain line and the devices to keep, when leaving devices out is best."""
+    sps = deepcee.estimate.samples_per_s
+    if deepcee.excluded_devices:
+        return (f"Leaving devices out is best: deepcee's plan uses {len(deepcee.devices)} of "
+                f"{len(cluster.device_names)} devices and leaves out {', '.join(deepcee.excluded_devices)}.",
+                deepcee.devices)
+    for b in baselines:
+        if b.name in SINGLE_PLACE_BASELINES and b.plan is not None and b.samples_per_s >= sps * (1 - LEAVE_OUT_TOLERANCE):
+            return (f"Leaving devices out is as good: {b.name} on {len(b.plan.devices)} device(s) reaches "
+                    f"{b.samples_per_s / sps:.1%} of deepcee's samples/s without the other "
+                    f"{len(b.plan.excluded_devices)} devices.", b.plan.devices)
+    return "", ()
+
+
+def compare(cluster: Cluster, model: ModelProfile, global_batch: int, *, crossover: bool = True) -> CompareReport:
+    """deepcee, every baseline and the upper bound on ``cluster``. See the module docstring.
+
+    ``crossover=False`` skips the crossover sweeps (they plan ~40 more times).
+    """
+    plan, planning_s = _deepcee(cluster, model, global_batch)
+    baselines = build_baselines(cluster, model, global_batch)
+    bound = upper_bound(cluster, model, global_batch)
+    sps = plan.estimate.samples_per_s
+    rows = [_row("deepcee", "deepcee: network-aware groups, uneven split and shares, planned schedule",
+                 plan, "", sps)]
+    rows += [_row(b.name, b.description, b.plan, b.reason, sps) for b in baselines]
+    notes = []
+    if sps > bound.samples_per_s * (1 + 1e-9):
+        # a plan above the bound means a modelling bug: say so loudly rather than hide it
+        notes.append(f"BUG: deepcee's {sps:.4g} samples/s exceeds the upper bound {bound.samples_per_s:.4g}")
+        log.error(notes[-1])
+    line, kept = _leave_out(plan, baselines, cluster)
+    study = None
+    if line and crossover:
+        study = crossover_study(cluster, model, global_batch, kept)
+    return CompareReport(
+        cluster=cluster.name, model=model.name, global_batch=global_batch, source=figure_source(cluster, model),
+        bound=bound, rows=tuple(rows), fraction_of_bound=sps / bound.samples_per_s, leave_out=line,
+        crossover=study, planning_s=planning_s, notes=tuple(notes),
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# output
+# ---------------------------------------------------------------------------------------
+
+
+def format_table(report: CompareReport) -> str:
+    """The comparison as plain text: the bound, then one line per system."""
+    b = report.bound
+    lines = [
+        f"{report.model} on {report.cluster}, global batch {report.global_batch} "
+        f"(all figures {report.source})",
+        f"upper bound: {b.samples_per_s:.2f} samples/s on islands {{{', '.join(b.islands)}}}, bound by {b.binding}; "
+        f"deepcee reaches {report.fraction_of_bound:.1%} of it",
+    ]
+    if report.leave_out:
+        lines.append(report.leave_out)
+    header = f"{'system':<18} {'iter (s)':>10} {'samples/s':>11} {'deepcee x':>10} {'peak mem':>16}  bottleneck"
+    lines += [header, "-" * len(header)]
+    for r in report.rows:
+        if r.plan is None:
+            lines.append(f"{r.system:<18} {'-':>10} {'-':>11} {'-':>10} {'-':>16}  {r.reason}")
+            continue
+        mem = f"{r.peak_memory_bytes / GIB:.1f} GiB {r.peak_memory_device}"
+        speed = "1.00" if r.system == "deepcee" else f"{r.speedup:.2f}"
+        lines.append(f"{r.system:<18} {r.iteration_s:>10.4g} {r.samples_per_s:>11.2f} {speed:>10} {mem:>16}  "
+                     f"{r.bottleneck}")
+    if report.crossover is not None:
+        c = report.crossover
+        lines.append(f"crossover (left out: {', '.join(c.left_out_devices)}; swept links: {', '.join(c.slow_links)}):")
+        lines += [f"  {c.batch.note}", f"  {c.bandwidth.note}"]
+    lines += list(report.notes)
+    return "\n".join(lines)
+
+
+def plot_crossover(report: CompareReport, path: str | Path) -> None:
+    """PNG: samples/s with and without the left-out devices vs global batch and vs bandwidth."""
+    if report.crossover is None:
+        raise DeepceeError("this comparison has no crossover study (leaving devices out is not best)")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    c = report.crossover
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for ax, sweep, scale, label in (
+        (axes[0], c.batch, 1.0, "global batch (samples)"),
+        (axes[1], c.bandwidth, 8e-6, "bandwidth of the kept-to-left-out links (Mbit/s)"),
+    ):
+        xs = [p.value * scale for p in sweep.points]
+        ax.plot(xs, [p.with_samples_per_s for p in sweep.points], "o-", label="with the left-out devices")
+        ax.plot(xs, [p.without_samples_per_s for p in sweep.points], "s--", label="without them")
+        if sweep.crossover is not None:
+            ax.axvline(sweep.crossover * scale, color="k", linestyle=":", label="crossover")
+        ax.set_xscale("log", base=2 if sweep.parameter == "global_batch" else 10)
+        ax.set_xlabel(label)
+        ax.set_ylabel("samples/s")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"{report.model} on {report.cluster}: {report.source}", fontsize=9)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

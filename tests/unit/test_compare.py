@@ -1,0 +1,124 @@
+"""The compare report: rows, JSON round trip, the leave-out line and the crossover."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from deepcee.cluster import Cluster, cluster_from_toml_dict
+from deepcee.planner import compare as compare_mod
+from deepcee.planner.baselines import build_baselines
+from deepcee.planner.compare import (
+    SWEEP_BANDWIDTHS_BYTES_PER_S,
+    compare,
+    find_crossover,
+    format_table,
+    plot_crossover,
+    report_from_dict,
+    slow_link_entries,
+)
+from deepcee.profile import LayerProfile, ModelProfile
+from deepcee.scenarios import load_scenario
+
+EFF_FLOPS = 10e12 * 0.5
+FLOPS_PER_SAMPLE = 6e12
+PARAMS = 50_000_000
+LATENCY_S = 0.01
+
+
+def pair(bandwidth_mbit_per_s: float = 100.0) -> Cluster:
+    """Two islands of one device each, joined by one link."""
+    return cluster_from_toml_dict({
+        "name": "pair",
+        "kinds": {"k": {"peak_tflops": 10.0, "memory_gib": 16.0, "achievable_fraction": 0.5,
+                        "per_layer_overhead_us": 0}},
+        "islands": {"a": {"latency_us": 10, "bandwidth_gbit_per_s": 10},
+                    "b": {"latency_us": 10, "bandwidth_gbit_per_s": 10}},
+        "nodes": [{"name": "na", "island": "a", "kind": "k", "devices": 1},
+                  {"name": "nb", "island": "b", "kind": "k", "devices": 1}],
+        "links": [{"between": ["a", "b"], "latency_ms": LATENCY_S * 1e3, "bandwidth_mbit_per_s": bandwidth_mbit_per_s}],
+    })
+
+
+def one_layer_model() -> ModelProfile:
+    """One layer: every plan is data parallel, so the crossover has a closed form."""
+    f = FLOPS_PER_SAMPLE / 3
+    return ModelProfile(
+        name="one-layer",
+        layers=(LayerProfile(name="l0", forward_flops=f, input_grad_flops=f, weight_grad_flops=f,
+                             parameter_count=PARAMS, activation_bytes=1e5, output_bytes=1e3),),
+        input_bytes=1e3,
+    )
+
+
+def best_baseline_planner(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Stand in for deepcee's search: the fastest baseline (keeps these tests about compare)."""
+
+    def plan(cluster, model, batch):
+        fits = [b.plan for b in build_baselines(cluster, model, batch) if b.plan is not None]
+        if not fits:
+            raise compare_mod.InfeasiblePlanError("nothing fits")
+        best = max(fits, key=lambda p: p.estimate.samples_per_s)
+        return best.replace(system="deepcee"), 0.0
+
+    monkeypatch.setattr(compare_mod, "_deepcee", plan)
+
+
+def test_find_crossover_interpolates_on_log_scales() -> None:
+    assert find_crossover([1, 2, 4], [1, 1, 4], [2, 2, 2]) == pytest.approx(2 * 2 ** (math.log(2) / math.log(4)))
+    assert find_crossover([1, 2, 4], [1, 1, 1], [2, 2, 2]) is None
+    assert find_crossover([1, 2], [0, 5], [1, 0]) == 2.0
+
+
+def test_slow_link_entries_override_the_links_to_left_out_devices() -> None:
+    c = load_scenario("cee-testbed")
+    kept = [d for d in c.device_names if c.device(d).island == "cloud"]
+    entries, names = slow_link_entries(c, kept, 1e9 / 8)
+    assert sorted(names) == ["cloud<->edge", "cloud<->end"]
+    fast = c.with_links(entries)
+    assert fast.link("cloud0:0", "edge1:1").bandwidth_bytes_per_s == pytest.approx(125e6)
+    assert fast.link("cloud0:0", "edge1:1").latency_s == pytest.approx(0.02)
+    assert fast.link("edge0:0", "end0:0").bandwidth_bytes_per_s == pytest.approx(125e6)  # unchanged
+
+
+def test_crossover_found_where_the_closed_form_puts_it(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    best_baseline_planner(monkeypatch)
+    model, batch = one_layer_model(), 64
+    # one device: t(B); two devices data parallel: t(B/2) + ring of 2 = 2 (latency + G/2 / bw)
+    grad_bytes = PARAMS * 2.0
+    t = lambda n: n * FLOPS_PER_SAMPLE / EFF_FLOPS  # noqa: E731
+    bw_star = grad_bytes / (t(batch) - t(batch / 2) - 2 * LATENCY_S)
+    report = compare(pair(10.0), model, batch)
+    assert "Leaving devices out" in report.leave_out
+    c = report.crossover
+    assert c is not None and c.left_out_devices == ("nb:0",) and c.slow_links == ("a<->b",)
+    grid = list(SWEEP_BANDWIDTHS_BYTES_PER_S)
+    k = next(i for i, v in enumerate(grid) if v > bw_star)
+    assert grid[k - 1] <= c.bandwidth.crossover <= grid[k], (bw_star, c.bandwidth)
+    # over the batch at 10 Mbit/s: the two devices win once t(B) - t(B/2) > 2 latency + G / bw
+    b_star = 2 * (2 * LATENCY_S + grad_bytes / (10e6 / 8)) * EFF_FLOPS / FLOPS_PER_SAMPLE
+    assert c.batch.crossover is not None
+    assert b_star / 2 <= c.batch.crossover <= b_star * 2, (b_star, c.batch)
+    text = format_table(report)
+    assert "crossover" in text and "Leaving devices out" in text
+    png = tmp_path / "x.png"
+    plot_crossover(report, png)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_report_json_round_trips_and_names_its_source(monkeypatch: pytest.MonkeyPatch) -> None:
+    best_baseline_planner(monkeypatch)
+    report = compare(load_scenario("local-small"), one_layer_model(), 16, crossover=False)
+    d = json.loads(json.dumps(report.to_dict()))
+    assert report_from_dict(d) == report.to_dict()
+    assert d["format"] == "deepcee.compare" and d["schema_version"] == 1
+    assert d["source"].startswith("simulated on the analytic cost model / emulated cluster")
+    assert all(r["source"] == d["source"] for r in d["rows"])
+    assert [r["system"] for r in d["rows"]][0] == "deepcee"
+    assert d["bound"]["samples_per_s"] >= max(r["samples_per_s"] for r in d["rows"])
+    with pytest.raises(compare_mod.DeepceeError, match="deepcee.compare"):
+        report_from_dict({**d, "format": "other"})
+    datasheet = compare_mod.figure_source(load_scenario("cee-testbed"), one_layer_model())
+    assert datasheet == "simulated on the analytic cost model / datasheet device speeds"
