@@ -107,7 +107,7 @@ class Plan:
     schedule: str
     actions: tuple[tuple[str, ...], ...] = ()
     """Per-stage compute actions in string form (``"1F0"``). Required for ``compact``;
-    otherwise empty and rebuilt from ``schedule`` by :func:`deepcee.schedule.build`."""
+    otherwise empty and rebuilt from ``schedule`` by :func:`deepcee.schedule.build_schedule`."""
     sync: str = "allreduce-ring"
     excluded_devices: tuple[str, ...] = ()
     estimate: Estimate | None = None
