@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,7 +30,8 @@ from deepcee.plan import Plan
 from deepcee.planner.baselines import BaselineResult, build_baselines
 from deepcee.planner.bound import Bound, upper_bound
 from deepcee.profile import ModelProfile
-from deepcee.simulator.engine import simulate, to_estimate
+from deepcee.schedule.ir import ActionKind
+from deepcee.simulator.engine import simulate, stage_schedule, to_estimate
 from deepcee.units import GIB, fmt_rate
 
 log = logging.getLogger(__name__)
@@ -146,6 +147,8 @@ class CompareReport:
     """A plain line when leaving slow devices out is best; empty otherwise."""
     crossover: Crossover | None = None
     planning_s: float = 0.0
+    deepcee_breakdown: Mapping[str, float] = field(default_factory=dict)
+    """Shares of deepcee's iteration: bubble, sync, receive_wait, per_layer_overhead (see :func:`breakdown`)."""
     notes: tuple[str, ...] = field(default_factory=tuple)
 
     def row(self, system: str) -> CompareRow:
@@ -172,6 +175,7 @@ class CompareReport:
             "leave_out": self.leave_out,
             "crossover": None if self.crossover is None else {**self.crossover.to_dict(), "source": self.source},
             "planning_s": self.planning_s,
+            "deepcee_breakdown": dict(self.deepcee_breakdown),
             "notes": list(self.notes),
         }
 
@@ -213,6 +217,41 @@ def simulated(plan: Plan, cluster: Cluster, model: ModelProfile) -> Plan:
     """``plan`` with the simulator's estimate (deepcee's plan is re-scored like the baselines)."""
     result = simulate(plan, cluster, model, record=False)
     return plan.replace(estimate=to_estimate(result, plan, cluster))
+
+
+def _fixed_s(model: ModelProfile, cluster: Cluster, device: str, start: int, stop: int, kind: ActionKind) -> float:
+    """Per-microbatch fixed cost (per-layer overheads) of one compute action on ``device``."""
+    dk = cluster.kind_of(device)
+    passes = {ActionKind.B: ("I", "W")}.get(kind, (kind.value,))
+    timings = model.measured.get(dk.name)
+    if timings is None:
+        fixed = len(passes) * (stop - start) * dk.per_layer_overhead_s
+    else:
+        fixed = sum(max(0.0, t.time_s(p, 0)) for t in timings[start:stop] for p in passes)
+    return fixed * cluster.device(device).slowdown
+
+
+def breakdown(plan: Plan, cluster: Cluster, model: ModelProfile) -> dict[str, float]:
+    """Where a plan's iteration goes, as shares of the iteration time (the worst device each).
+
+    ``bubble`` is the simulator's bubble fraction; ``sync`` and ``receive_wait`` the largest
+    per-device time in gradient synchronisation and blocked receives; ``per_layer_overhead``
+    the largest per-device sum of fixed per-layer costs (what the upper bound leaves out).
+    """
+    result = simulate(plan, cluster, model, record=False)
+    it = result.iteration_s
+    sched = stage_schedule(plan)
+    overhead = 0.0
+    for s, st in enumerate(plan.stages):
+        for d in st.devices:
+            overhead = max(overhead, sum(_fixed_s(model, cluster, d, st.layer_start, st.layer_stop, a.kind)
+                                         for a in sched[s] if a.kind.is_compute))
+    return {
+        "bubble": result.bubble_fraction,
+        "sync": max(result.sync_s.values(), default=0.0) / it if it > 0 else 0.0,
+        "receive_wait": max(result.comm_wait_s.values(), default=0.0) / it if it > 0 else 0.0,
+        "per_layer_overhead": overhead / it if it > 0 else 0.0,
+    }
 
 
 def _deepcee(cluster: Cluster, model: ModelProfile, global_batch: int) -> tuple[Plan, float]:
@@ -377,7 +416,8 @@ def compare(cluster: Cluster, model: ModelProfile, global_batch: int, *, crossov
     return CompareReport(
         cluster=cluster.name, model=model.name, global_batch=global_batch, source=figure_source(cluster, model),
         bound=bound, rows=tuple(rows), fraction_of_bound=sps / bound.samples_per_s, leave_out=line,
-        crossover=study, planning_s=planning_s, notes=tuple(notes),
+        crossover=study, planning_s=planning_s, deepcee_breakdown=breakdown(plan, cluster, model),
+        notes=tuple(notes),
     )
 
 
@@ -395,6 +435,9 @@ def format_table(report: CompareReport) -> str:
         f"upper bound: {b.samples_per_s:.2f} samples/s on islands {{{', '.join(b.islands)}}}, bound by {b.binding}; "
         f"deepcee reaches {report.fraction_of_bound:.1%} of it",
     ]
+    if report.deepcee_breakdown:
+        lines.append("deepcee's iteration (worst device): " + ", ".join(
+            f"{v:.0%} {k.replace('_', ' ')}" for k, v in report.deepcee_breakdown.items()))
     if report.leave_out:
         lines.append(report.leave_out)
     header = f"{'system':<18} {'iter (s)':>10} {'samples/s':>11} {'deepcee x':>10} {'peak mem':>16}  bottleneck"
