@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
@@ -149,7 +148,7 @@ class AdapterPolicy:
                  retune: CandidateGenerator | None = None, config: PolicyConfig | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.scorer, self.model, self.planner = scorer, model, planner
-        self.retune = retune or retune_candidates
+        self.retune = retune or (lambda plan, cluster: retune_candidates(plan, cluster, model))
         self.config = config or PolicyConfig()
         self._clock = clock
         self._streak = 0  # consecutive checks with a qualifying candidate
@@ -291,9 +290,11 @@ def proportional_shares(samples: int, weights: Sequence[float]) -> tuple[int, ..
     return tuple(int(s) + 1 for s in shares)
 
 
-def retune_candidates(plan: Plan, cluster: Cluster) -> list[Plan]:
-    """Plans with the same stages and every other microbatch count that divides the batch, each
-    with shares proportional to the current ones and proportional to device speed.
+def retune_candidates(plan: Plan, cluster: Cluster, model: ModelProfile | None = None) -> list[Plan]:
+    """Plans with the same stages and every microbatch count that divides the batch (leaving
+    each device a sample), each with shares proportional to the current ones, to device speed,
+    and (given ``model``) to each device's pipeline rate on the current links
+    (:func:`device_rates`, which moves samples away from a device behind a slowed link).
 
     Plans with explicit actions (``compact``) are built for their microbatch count, so only
     their shares vary. Memory and schedule feasibility are left to the scorer.
@@ -301,21 +302,45 @@ def retune_candidates(plan: Plan, cluster: Cluster) -> list[Plan]:
     gb, widest = plan.global_batch, max(len(st.devices) for st in plan.stages)
     counts = [plan.num_microbatches] if plan.actions else \
         [m for m in range(1, gb + 1) if gb % m == 0 and gb // m >= widest]
+    weightings: list[list[Sequence[float]]] = [
+        [st.shares for st in plan.stages],
+        [[cluster.effective_flops_per_s(d) for d in st.devices] for st in plan.stages],
+    ]
+    if model is not None:
+        weightings.append(device_rates(plan, cluster, model))
     out = []
     for m in counts:
         size = gb // m
-        for weights in ("current", "speed"):
-            stages = []
-            for st in plan.stages:
-                w = st.shares if weights == "current" else [cluster.effective_flops_per_s(d) for d in st.devices]
-                shares = proportional_shares(size, w)
-                if shares is None:
-                    break
-                stages.append(StagePlan(layer_start=st.layer_start, layer_stop=st.layer_stop,
-                                        devices=st.devices, shares=shares))
-            else:
-                out.append(plan.replace(microbatch_size=size, num_microbatches=m, stages=tuple(stages),
-                                        estimate=None))
+        for weights in weightings:
+            shares = [proportional_shares(size, w) for w in weights]
+            if any(s is None for s in shares):
+                continue
+            stages = tuple(StagePlan(layer_start=st.layer_start, layer_stop=st.layer_stop, devices=st.devices,
+                                     shares=sh) for st, sh in zip(plan.stages, shares, strict=True))
+            out.append(plan.replace(microbatch_size=size, num_microbatches=m, stages=stages, estimate=None))
+    return out
+
+
+def device_rates(plan: Plan, cluster: Cluster, model: ModelProfile) -> list[list[float]]:
+    """Per stage, each device's samples per second as the slower of its compute and its
+    boundary transfers: ``1 / max(compute s per sample, bytes per sample / bandwidth of each
+    link to and from the neighbouring stages' devices)``. Compute and transfers overlap in a
+    pipeline, so the slower one sets the device's rate."""
+    out = []
+    for s, st in enumerate(plan.stages):
+        rates = []
+        for d, share in zip(st.devices, st.shares, strict=True):
+            kind, slow = cluster.kind_of(d), cluster.device(d).slowdown
+            per_sample = (model.time_s(st.layer_start, st.layer_stop, "F", share, kind, slow)
+                          + model.time_s(st.layer_start, st.layer_stop, "B", share, kind, slow)) / share
+            for peer_stage, nbytes in ((s - 1, model.boundary_bytes(st.layer_start)),
+                                       (s + 1, model.boundary_bytes(st.layer_stop))):
+                if 0 <= peer_stage < plan.num_stages:
+                    for peer in plan.stages[peer_stage].devices:
+                        for a, b in ((peer, d), (d, peer)):
+                            per_sample = max(per_sample, nbytes / cluster.link(a, b).bandwidth_bytes_per_s)
+            rates.append(1.0 / per_sample if per_sample > 0 else 1.0)
+        out.append(rates)
     return out
 
 
@@ -336,7 +361,7 @@ def state_movement(old: Plan, new: Plan, cluster: Cluster, model: ModelProfile) 
     """
     per_param = max(0.0, model.state_bytes_per_parameter - model.gradient_bytes_per_parameter)
     holders = {layer: st.devices for st in old.stages for layer in range(st.layer_start, st.layer_stop)}
-    load: dict[str, float] = defaultdict(float)
+    load: dict[str, float] = {}
     latency: dict[str, float] = {}
     bandwidth: dict[str, float] = {}
     moved = 0.0
@@ -349,8 +374,8 @@ def state_movement(old: Plan, new: Plan, cluster: Cluster, model: ModelProfile) 
                 if d in holders[layer]:
                     continue
                 link = min((cluster.link(src, d) for src in holders[layer]),
-                           key=lambda lk: lk.latency_s + (load[lk.resource] + nbytes) / lk.bandwidth_bytes_per_s)
-                load[link.resource] += nbytes
+                           key=lambda lk: lk.latency_s + (load.get(lk.resource, 0.0) + nbytes) / lk.bandwidth_bytes_per_s)
+                load[link.resource] = load.get(link.resource, 0.0) + nbytes
                 latency[link.resource] = max(latency.get(link.resource, 0.0), link.latency_s)
                 bandwidth[link.resource] = link.bandwidth_bytes_per_s
                 moved += nbytes
