@@ -56,8 +56,9 @@ def one_layer_model() -> ModelProfile:
 def best_baseline_planner(monkeypatch: pytest.MonkeyPatch) -> None:
     """Stand in for deepcee's search: the fastest baseline (keeps these tests about compare)."""
 
-    def plan(cluster, model, batch):
-        fits = [b.plan for b in build_baselines(cluster, model, batch) if b.plan is not None]
+    def plan(cluster, model, batch, *, use_all_devices=False):
+        fits = [b.plan for b in build_baselines(cluster, model, batch) if b.plan is not None
+                and (not use_all_devices or set(b.plan.devices) == set(cluster.device_names))]
         if not fits:
             raise compare_mod.InfeasiblePlanError("nothing fits")
         best = max(fits, key=lambda p: p.estimate.samples_per_s)
@@ -122,3 +123,61 @@ def test_report_json_round_trips_and_names_its_source(monkeypatch: pytest.Monkey
         report_from_dict({**d, "format": "other"})
     datasheet = compare_mod.figure_source(load_scenario("cee-testbed"), one_layer_model())
     assert datasheet == "simulated on the analytic cost model / datasheet device speeds"
+
+
+# ---------------------------------------------------------------------------------------
+# with deepcee's real search
+# ---------------------------------------------------------------------------------------
+
+
+def test_deepcee_beats_ddp_on_the_testbed_and_stays_under_the_bound() -> None:
+    pytest.importorskip("deepcee.planner.search")
+    from deepcee.models import get_model
+
+    cluster = load_scenario("cee-testbed")
+    report = compare(cluster, get_model("gpt2"), 32, crossover=False)
+    dc, ddp = report.deepcee, report.row("ddp")
+    assert dc.plan is not None and dc.plan.estimate.source == "simulator"
+    assert ddp.plan is not None and dc.samples_per_s > 2.8 * ddp.samples_per_s
+    assert ddp.speedup == pytest.approx(dc.samples_per_s / ddp.samples_per_s)
+    assert 0 < report.fraction_of_bound <= 1.0
+    for row in report.rows:
+        assert row.samples_per_s <= report.bound.samples_per_s
+        if row.plan is not None:
+            assert row.peak_memory_bytes <= cluster.memory_bytes(row.peak_memory_device)
+    assert set(report.deepcee_breakdown) == {"bubble", "sync", "receive_wait", "per_layer_overhead"}
+    text = format_table(report)
+    assert "upper bound" in text and "deepcee" in text and "ddp" in text
+
+
+@pytest.mark.parametrize(("scenario", "name", "batch"), [
+    ("cee-testbed-500m", "bert-small", 128), ("local-small", "gpt-tiny", 16), ("scale-4", "resnet50", 64),
+])
+def test_bound_is_never_beaten_by_deepcee(scenario: str, name: str, batch: int) -> None:
+    pytest.importorskip("deepcee.planner.search")
+    from deepcee.models import get_model
+
+    report = compare(load_scenario(scenario), get_model(name), batch, crossover=False)
+    assert not report.notes, report.notes
+    assert report.deepcee.samples_per_s <= report.bound.samples_per_s
+    assert max(r.samples_per_s for r in report.rows) <= report.bound.samples_per_s
+
+
+def test_bound_is_never_beaten_by_deepcee_on_random_clusters() -> None:
+    pytest.importorskip("deepcee.planner.search")
+    import random
+
+    from test_bound import random_cluster, toy_model
+
+    from deepcee.planner.bound import upper_bound
+    from deepcee.planner.search import plan_training
+
+    rng = random.Random(11)
+    for trial in range(8):
+        cluster = random_cluster(rng, f"r{trial}")
+        model = toy_model(rng.randint(2, 8), params=rng.choice([1_000_000, 20_000_000]),
+                          out=rng.choice([1e4, 1e6]), act=rng.choice([1e5, 1e7]))
+        batch = rng.choice([8, 32, 64])
+        bound = upper_bound(cluster, model, batch)
+        plan = compare_mod.simulated(plan_training(cluster, model, batch).plan, cluster, model)
+        assert plan.estimate.samples_per_s <= bound.samples_per_s * (1 + 1e-9), (trial, bound, plan)

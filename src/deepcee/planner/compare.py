@@ -254,11 +254,14 @@ def breakdown(plan: Plan, cluster: Cluster, model: ModelProfile) -> dict[str, fl
     }
 
 
-def _deepcee(cluster: Cluster, model: ModelProfile, global_batch: int) -> tuple[Plan, float]:
-    from deepcee.planner.search import plan_training
+def _deepcee(cluster: Cluster, model: ModelProfile, global_batch: int, *,
+             use_all_devices: bool = False) -> tuple[Plan, float]:
+    """deepcee's plan, re-simulated, and the planning time; ``use_all_devices`` forbids leaving any out."""
+    from deepcee.planner.search import PlannerOptions, plan_training
 
     t0 = time.perf_counter()
-    result = plan_training(cluster, model, global_batch)
+    options = PlannerOptions(allow_exclusion=not use_all_devices)
+    result = plan_training(cluster, model, global_batch, options=options)
     return simulated(result.plan, cluster, model), time.perf_counter() - t0
 
 
@@ -266,8 +269,9 @@ def _deepcee(cluster: Cluster, model: ModelProfile, global_batch: int) -> tuple[
 # [Note: crossover]
 # "Without" is the best plan on the kept devices alone: deepcee planning on the sub-cluster,
 # or any baseline that stays on them. "With" is the best plan that uses at least one
-# left-out device: deepcee's plan on the whole cluster when it uses one, otherwise the
-# baselines that use every device. The bandwidth sweep overrides every link between a kept
+# left-out device: deepcee planning on the whole cluster with exclusion forbidden (every
+# device used), deepcee's free plan when it uses one, and the baselines that use one. The
+# bandwidth sweep overrides every link between a kept
 # island (or node) and a left-out one with the swept bandwidth, latency unchanged; the batch
 # sweep keeps the links as they are. The crossover is the first sweep value where "with"
 # beats "without" after a value where it did not, interpolated on log scales.
@@ -278,23 +282,23 @@ def _best_sps(results: Sequence[float]) -> float:
     return max([r for r in results if r > 0], default=0.0)
 
 
-def _planned_sps(cluster: Cluster, model: ModelProfile, batch: int) -> tuple[float, Plan | None]:
+def _planned(cluster: Cluster, model: ModelProfile, batch: int, *, use_all_devices: bool = False) -> Plan | None:
     try:
-        plan, _ = _deepcee(cluster, model, batch)
+        plan, _ = _deepcee(cluster, model, batch, use_all_devices=use_all_devices)
     except InfeasiblePlanError:
-        return 0.0, None
-    return plan.estimate.samples_per_s, plan
+        return None
+    return plan
 
 
 def with_without(cluster: Cluster, model: ModelProfile, batch: int, kept: Sequence[str]) -> tuple[float, float]:
     """(best samples/s using a left-out device, best samples/s on the kept devices only)."""
     kept_set = set(kept)
-    sub = cluster.subset(kept)
-    without = [_planned_sps(sub, model, batch)[0]]
-    with_ = []
-    sps, plan = _planned_sps(cluster, model, batch)
-    if plan is not None:
-        (without if set(plan.devices) <= kept_set else with_).append(sps)
+    without: list[float] = []
+    with_: list[float] = []
+    for plan in (_planned(cluster.subset(kept), model, batch), _planned(cluster, model, batch),
+                 _planned(cluster, model, batch, use_all_devices=True)):
+        if plan is not None:
+            (without if set(plan.devices) <= kept_set else with_).append(plan.estimate.samples_per_s)
     for b in build_baselines(cluster, model, batch):
         if b.plan is not None:
             (without if set(b.plan.devices) <= kept_set else with_).append(b.samples_per_s)
