@@ -8,7 +8,13 @@ from torch import nn
 
 from deepcee import nets
 from deepcee.errors import SpecError
-from deepcee.runtime.data import ByteTextDataset, PatternImageDataset, dataset_for, generate_corpus, load_corpus
+from deepcee.runtime.data import (
+    ByteTextDataset,
+    PatternImageDataset,
+    dataset_for,
+    generate_corpus,
+    load_corpus,
+)
 
 torch.set_num_threads(1)
 
@@ -70,8 +76,8 @@ def test_build_is_deterministic_and_seeded():
     b, _ = nets.build("resnet-tiny", seed=1)
     c, _ = nets.build("resnet-tiny", seed=2)
     pa, pb, pc = ([p for blk in m for p in blk.parameters()] for m in (a, b, c))
-    assert all(torch.equal(x, y) for x, y in zip(pa, pb))
-    assert not all(torch.equal(x, y) for x, y in zip(pa, pc))
+    assert all(torch.equal(x, y) for x, y in zip(pa, pb, strict=True))
+    assert not all(torch.equal(x, y) for x, y in zip(pa, pc, strict=True))
     with pytest.raises(SpecError, match="unknown net"):
         nets.build("nope")
 

@@ -56,7 +56,7 @@ def _run_pipeline(name: str, split: int, split_backward: bool, microbatches: int
 def test_stage_gradients_match_reference(name, split, split_backward):
     _, grads, ref = _run_pipeline(name, split, split_backward)
     assert len(grads) == len(ref)
-    for g, r in zip(grads, ref):
+    for g, r in zip(grads, ref, strict=True):
         torch.testing.assert_close(g, r, rtol=1e-10, atol=1e-13)
 
 
@@ -85,7 +85,7 @@ def test_weight_used_twice_is_not_counted_twice():
     model.zero_grad()
     xr = x.clone().requires_grad_(True)
     model(xr).backward(gy)
-    for g, r in zip(split, [p.grad for p in model.parameters()]):
+    for g, r in zip(split, [p.grad for p in model.parameters()], strict=True):
         torch.testing.assert_close(g, r, rtol=1e-12, atol=1e-14)
     torch.testing.assert_close(gx, xr.grad, rtol=1e-12, atol=1e-14)
 

@@ -180,7 +180,7 @@ class PatternImageDataset:
         shifts = rng.integers(0, self.image_size, size=(batch_size, 2))
         contrast = rng.uniform(0.5, 1.5, size=batch_size).astype(np.float32)
         images = np.stack([
-            np.roll(self.templates[c], (int(dy), int(dx)), axis=(1, 2)) for c, (dy, dx) in zip(labels, shifts)
+            np.roll(self.templates[c], (int(dy), int(dx)), axis=(1, 2)) for c, (dy, dx) in zip(labels, shifts, strict=True)
         ]) * contrast[:, None, None, None]
         images += rng.normal(0.0, self.noise_std, size=images.shape).astype(np.float32)
         return Batch(inputs=torch.from_numpy(images.astype(np.float32)), targets=torch.from_numpy(labels.astype(np.int64)))

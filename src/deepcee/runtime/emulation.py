@@ -190,7 +190,7 @@ def ring_links(cluster: Cluster, devices: Sequence[str]) -> list[Link]:
     """The links of the ring ``devices[0] -> devices[1] -> ... -> devices[0]``."""
     if len(devices) < 2:
         return []
-    return [cluster.link(a, b) for a, b in zip(devices, [*devices[1:], devices[0]])]
+    return [cluster.link(a, b) for a, b in zip(devices, [*devices[1:], devices[0]], strict=True)]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -21,7 +21,7 @@ from deepcee.plan import Plan
 from deepcee.runtime.emulation import DevicePacer
 from deepcee.schedule.builders import build_schedule
 from deepcee.schedule.ir import Action, ActionKind, Schedule, parse_schedule
-from deepcee.schedule.passes import lower
+from deepcee.schedule.passes import lower, validate
 
 K = ActionKind
 
@@ -32,10 +32,12 @@ def schedule_for(plan: Plan) -> Schedule:
         compute = parse_schedule(plan.actions)
     else:
         compute = build_schedule(plan.schedule, plan.num_stages, plan.num_microbatches)
-    for s, row in enumerate(compute):
-        bad = [str(a) for a in row if a.stage != s]
-        if bad:
-            raise ScheduleError(f"stage {s}'s row holds actions of other stages: {bad[:3]}")
+    if len(compute) != plan.num_stages:
+        raise ScheduleError(f"schedule has {len(compute)} stage rows, the plan {plan.num_stages} stages")
+    validate(compute)  # also rejects schedules that would deadlock
+    used = 1 + max(a.microbatch for row in compute for a in row)
+    if used != plan.num_microbatches:
+        raise ScheduleError(f"schedule covers {used} microbatches, the plan has {plan.num_microbatches}")
     return lower(compute)
 
 
@@ -112,8 +114,8 @@ def run_step(actions: Sequence[Action], stage: StageLike, transport: TransportLi
                     rec.loss += float(result)
                 else:
                     outs[m] = result
-            elif a.kind in (K.I, K.B) and result is not None:
-                grads_out[m] = result
+            elif a.kind in (K.I, K.B) and result is not None and feeds.inputs is None:
+                grads_out[m] = result  # the first stage has nobody to send its input gradient to
             rec.peak_in_flight = max(rec.peak_in_flight, getattr(stage, "in_flight", 0))
         rec.actions += 1
         if trace:

@@ -67,10 +67,10 @@ class TrainResult:
         )
 
 
-def _entry(rank: int, world_size: int, store_path: str, jobs: Sequence[Job], error_dir: str, timeout_s: float) -> None:
+def _child(target: Callable[..., None], rank: int, world_size: int, store_path: str, args: tuple[Any, ...],
+           error_dir: str) -> None:
     try:
-        store = rdist.file_store(store_path, world_size, timeout_s)
-        run_jobs_on_rank(jobs, rank, world_size, store)
+        target(rank, world_size, store_path, *args)
     except BaseException as exc:  # report every failure to the parent, then exit non-zero
         write_error(error_dir, rank, exc)
         raise SystemExit(1) from None
@@ -94,8 +94,8 @@ def launch(target: Callable[..., None], args: tuple[Any, ...], *, world_size: in
            grace_s: float = 2.0) -> None:
     """Run ``target(rank, world_size, store_path, *args)`` in ``world_size`` processes under a deadline.
 
-    ``target`` must be importable (a module-level function). Failures are recorded with
-    :func:`write_error` into the ``error_dir`` this function appends to ``args``.
+    ``target`` must be importable (a module-level function); ``store_path`` is a fresh
+    ``FileStore`` path. A rank's exception is re-raised here (see the module docstring).
     """
     tmp = Path(tempfile.mkdtemp(prefix="deepcee-launch-"))
     ctx = mp.get_context("spawn")
@@ -103,7 +103,7 @@ def launch(target: Callable[..., None], args: tuple[Any, ...], *, world_size: in
     try:
         with rdist.thread_env():
             for rank in range(world_size):
-                p = ctx.Process(target=target, args=(rank, world_size, str(tmp / "store"), *args, str(tmp)),
+                p = ctx.Process(target=_child, args=(target, rank, world_size, str(tmp / "store"), args, str(tmp)),
                                 name=f"deepcee-rank{rank}")
                 p.start()
                 procs.append(p)
@@ -146,9 +146,8 @@ def _supervise(procs: list, error_dir: Path, *, deadline_s: float, grace_s: floa
         raise RuntimeSetupError(f"ranks exited abnormally without an error record: {bad} (killed by a signal?)")
 
 
-def _jobs_entry(rank: int, world_size: int, store_path: str, jobs: Sequence[Job], timeout_s: float,
-                error_dir: str) -> None:
-    _entry(rank, world_size, store_path, jobs, error_dir, timeout_s)
+def _jobs_entry(rank: int, world_size: int, store_path: str, jobs: Sequence[Job], timeout_s: float) -> None:
+    run_jobs_on_rank(jobs, rank, world_size, rdist.file_store(store_path, world_size, timeout_s))
 
 
 def launch_jobs(jobs: Sequence[Job], *, world_size: int | None = None, deadline_s: float = 600.0) -> list[TrainResult]:

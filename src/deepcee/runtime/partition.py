@@ -68,7 +68,7 @@ class Topology:
             raise PlanError(f"plan has {len(plan.devices)} devices, only {self.world_size} ranks were started")
         self._placements: list[Placement] = []
         for s, st in enumerate(plan.stages):
-            for k, (dev, (lo, hi)) in enumerate(zip(st.devices, share_ranges(st.shares))):
+            for k, (dev, (lo, hi)) in enumerate(zip(st.devices, share_ranges(st.shares), strict=True)):
                 self._placements.append(Placement(rank=len(self._placements), stage=s, index=k, device=dev, lo=lo, hi=hi))
         self._by_stage = {s: [p.rank for p in self._placements if p.stage == s] for s in range(plan.num_stages)}
 

@@ -282,7 +282,7 @@ def _replacer(grads: tuple[torch.Tensor | None, ...]) -> Callable:
 
 
 def _accumulate(params: Sequence[nn.Parameter], grads: Sequence[torch.Tensor | None]) -> None:
-    for p, g in zip(params, grads):
+    for p, g in zip(params, grads, strict=True):
         if g is None:
             continue
         if p.grad is None:
@@ -293,7 +293,7 @@ def _accumulate(params: Sequence[nn.Parameter], grads: Sequence[torch.Tensor | N
 
 def _group_backward(g: WeightGroup) -> None:
     edges, seeds = [], []
-    for node, grads in zip(g.intermediates, g.saved):
+    for node, grads in zip(g.intermediates, g.saved, strict=True):
         for k, grad in enumerate(grads or ()):
             if grad is not None:
                 edges.append(GradientEdge(node, k))
@@ -301,7 +301,7 @@ def _group_backward(g: WeightGroup) -> None:
     if not edges:
         return
     # Clamp: a path from one intermediate through another must not count twice.
-    handles = [node.register_prehook(_replacer(grads)) for node, grads in zip(g.intermediates, g.saved)
+    handles = [node.register_prehook(_replacer(grads)) for node, grads in zip(g.intermediates, g.saved, strict=True)
                if grads is not None and len(g.intermediates) > 1]
     try:
         weight_edges = [GradientEdge(grad_node(p), 0) for p in g.params]

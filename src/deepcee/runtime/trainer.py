@@ -42,8 +42,16 @@ from deepcee.runtime import checkpoint as ckpt
 from deepcee.runtime import dist as rdist
 from deepcee.runtime.data import Dataset, dataset_for
 from deepcee.runtime.emulation import (
-    DEFAULT_CORES, Clock, DevicePacer, FileLedger, LinkShaper, Mode, choose_dilation, emulation_info,
-    ring_allreduce_s, ring_links,
+    DEFAULT_CORES,
+    Clock,
+    DevicePacer,
+    FileLedger,
+    LinkShaper,
+    Mode,
+    choose_dilation,
+    emulation_info,
+    ring_allreduce_s,
+    ring_links,
 )
 from deepcee.runtime.executor import Feeds, StepRecord, run_step, schedule_for
 from deepcee.runtime.p2p import P2P, TensorMeta, exchange_metadata
@@ -224,11 +232,9 @@ class Trainer:
             x = torch.zeros((1, *in_meta.shape), dtype=in_meta.torch_dtype)
             if x.is_floating_point() and x.dtype != self.stage.dtype:
                 raise RuntimeSetupError(f"receives {in_meta.dtype}, runs {self.stage.dtype}")
-        if self.stage.is_last:
-            return None
         with torch.no_grad():
             out = self.stage.module(self.stage._prepare_input(x))
-        return TensorMeta.of(out)
+        return None if self.stage.is_last else TensorMeta.of(out)
 
     def _epoch(self) -> float:
         key = f"{self.job.name}/epoch"
@@ -280,7 +286,7 @@ class Trainer:
             raise RuntimeSetupError(f"{self.topo.describe(self.w.rank)}: gradient all-reduce with {peers} "
                                     f"did not complete within {self.cfg.timeout_s:g} s: {str(exc)[:160]}") from None
         offset = 0
-        for p, g in zip(self.stage.params, grads):
+        for p, g in zip(self.stage.params, grads, strict=True):
             p.grad = flat[offset:offset + g.numel()].view_as(g)
             offset += g.numel()
         if self.cfg.mode == "emulated":
