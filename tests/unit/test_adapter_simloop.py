@@ -163,3 +163,31 @@ def test_plot_and_json(drop_runs, tmp_path) -> None:
     assert data["adaptive"]["adapt"] is True and data["static"]["trace"] == "drop-5x"
     assert len(data["adaptive"]["iterations"]) == 14
     assert data["adaptive"]["optimum"]["samples_per_s"] > data["static"]["iterations"][-1]["samples_per_s"]
+
+
+def test_with_the_project_planner_replans_around_the_slow_link(cluster) -> None:
+    """The production wiring: plan_training as planner and for the optimum, simulator scorer.
+
+    With 2 M parameters per layer a data-parallel stage is too costly over the wide area, so
+    the planner pipelines a -> b; after the drop its optimum routes a -> c -> b instead.
+    """
+    search = pytest.importorskip("deepcee.planner.search")
+    layers = tuple(LayerProfile(name=f"l{i}", forward_flops=4e9, input_grad_flops=4e9, weight_grad_flops=4e9,
+                                parameter_count=2_000_000, activation_bytes=1e5, output_bytes=2.5e5)
+                   for i in range(4))
+    big = ModelProfile(name="toy-2m", layers=layers, input_bytes=1e4)
+    start = search.plan_training(cluster, big, 64).plan
+    used = {cluster.link(a, b).resource for x, y in zip(start.stages, start.stages[1:], strict=False)
+            for a in x.devices
+            for b in y.devices}
+    assert "n0->n1" in used  # the starting plan crosses the link that will slow down
+    runs = compare_adaptation(start, cluster, big, load_named_trace("drop-5x"), iterations=16, between=AB,
+                              time_scale=TIME_SCALE)
+    adaptive, static = runs.adaptive, runs.static
+    assert [d.kind.value for d in adaptive.decisions] == ["replan"]
+    opt = adaptive.optimum.samples_per_s
+    assert adaptive.iterations[-1].samples_per_s >= 0.9 * opt
+    assert static.iterations[-1].samples_per_s < 0.5 * opt
+    # one iteration to detect, two checks to confirm, one iteration carrying the state move
+    assert adaptive.recovery_iterations(DROP_S, 0.9) <= 4
+    assert adaptive.samples_per_s > 1.5 * static.samples_per_s

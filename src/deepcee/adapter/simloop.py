@@ -22,6 +22,7 @@ on that frozen cluster.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -160,12 +161,13 @@ def simulate_adaptive(plan: Plan, cluster: Cluster, model: ModelProfile, trace: 
                       scorer: Scorer | None = None, between: Iterable[tuple[str, str]] | None = None,
                       relative: bool = True, time_scale: float = 1.0, optimum_at_s: float | None = None,
                       monitor_config: MonitorConfig | None = None, policy_config: PolicyConfig | None = None,
-                      simulate_fn: SimulateFn | None = None) -> AdaptiveRun:
+                      simulate_fn: SimulateFn | None = None, with_optimum: bool = True) -> AdaptiveRun:
     """Train ``plan`` for ``iterations`` iterations in the simulator while ``trace`` plays on the
     slow links (see :func:`deepcee.traces.with_trace` for ``between``, ``relative`` and
     ``time_scale``; ``trace=None`` uses the traces already on ``cluster``). See the module
     docstring. ``planner="default"`` uses :func:`default_planner`; ``None`` disables re-plans
-    and the optimum. ``scorer`` defaults to one simulated iteration."""
+    and the optimum (as does ``with_optimum=False``). ``scorer`` defaults to one simulated
+    iteration."""
     if not isinstance(iterations, int) or iterations < 1:
         raise ValueError(f"iterations must be an integer >= 1, got {iterations!r}")
     if simulate_fn is None:
@@ -217,7 +219,7 @@ def simulate_adaptive(plan: Plan, cluster: Cluster, model: ModelProfile, trace: 
                 if monitor.estimate(resource) is None:
                     monitor.set_prior(resource, spec)
     optimum = None
-    if planner is not None:
+    if planner is not None and with_optimum:
         optimum = optimum_for(planner, traced, model, now[0] if optimum_at_s is None else optimum_at_s,
                               simulate_fn=simulate_fn)
     return AdaptiveRun(adapt=adapt, trace=trace.name if trace is not None else "", iterations=tuple(records),
@@ -255,10 +257,13 @@ class AdaptationComparison:
 
 def compare_adaptation(plan: Plan, cluster: Cluster, model: ModelProfile, trace: BandwidthTrace | None, *,
                        iterations: int, **kwargs: Any) -> AdaptationComparison:
-    """:func:`simulate_adaptive` with ``adapt=False`` and ``adapt=True`` (same arguments)."""
-    return AdaptationComparison(
-        static=simulate_adaptive(plan, cluster, model, trace, iterations=iterations, adapt=False, **kwargs),
-        adaptive=simulate_adaptive(plan, cluster, model, trace, iterations=iterations, adapt=True, **kwargs))
+    """:func:`simulate_adaptive` with ``adapt=False`` and ``adapt=True`` (same arguments). The
+    optimum is computed once, for the conditions at the end of the adaptive run (or at
+    ``optimum_at_s``), and attached to both runs."""
+    adaptive = simulate_adaptive(plan, cluster, model, trace, iterations=iterations, adapt=True, **kwargs)
+    static = simulate_adaptive(plan, cluster, model, trace, iterations=iterations, adapt=False,
+                               **{**kwargs, "with_optimum": False})
+    return AdaptationComparison(static=dataclasses.replace(static, optimum=adaptive.optimum), adaptive=adaptive)
 
 
 def plot_adaptation(runs: Sequence[AdaptiveRun], path: str | Path, *, title: str = "") -> Path:
