@@ -306,3 +306,18 @@ def test_config_checks() -> None:
         PolicyConfig(confirm_checks=0)
     with pytest.raises(ValueError, match="iterations_left"):
         AdapterState(plan=plan_with(4), cluster=None, iterations_left=-1)
+
+
+def test_production_scorers_agree_roughly_and_reject_plans_that_do_not_fit(cluster, model) -> None:
+    pytest.importorskip("deepcee.planner.cost_model")
+    from deepcee.adapter.policy import cost_model_scorer, simulator_scorer
+
+    plan = plan_with(4)
+    analytic, simulated = cost_model_scorer(model)(plan, cluster), simulator_scorer(model)(plan, cluster)
+    assert 0 < analytic < float("inf") and 0 < simulated < float("inf")
+    assert analytic == pytest.approx(simulated, rel=0.5)
+    huge = ModelProfile(name="huge", input_bytes=1e4, layers=tuple(
+        LayerProfile(name=f"h{i}", forward_flops=1e9, input_grad_flops=1e9, weight_grad_flops=1e9,
+                     parameter_count=2_000_000_000, activation_bytes=1e5, output_bytes=1e5) for i in range(4)))
+    assert cost_model_scorer(huge)(plan, cluster) == float("inf")  # 2 layers x 32 GB of state on 8 GiB
+    assert simulator_scorer(huge)(plan, cluster) == float("inf")
