@@ -1,0 +1,199 @@
+"""Analytic cost model: closed forms, the dry-run model, the simulator, memory, range tables."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from deepcee.cluster import Cluster, Device, DeviceKind, Island, LinkEntry, LinkSpec, Node
+from deepcee.models import get_model
+from deepcee.plan import Plan, StagePlan
+from deepcee.planner.cost_model import (
+    AnalyticCostModel,
+    RangeTables,
+    SimulatorCostModel,
+    largest_remainder_shares,
+    pipeline_timing,
+    stage_compute_s,
+)
+from deepcee.profile import LayerProfile, ModelProfile
+from deepcee.scenarios import load_scenario
+from deepcee.schedule.builders import build_schedule
+from deepcee.schedule.passes import dry_run
+from deepcee.simulator.collectives import allreduce_s
+from deepcee.simulator.engine import optimizer_step_s
+from deepcee.simulator.memory import device_memory_bytes
+
+FIXED = ("gpipe", "1f1b", "zb-h1", "zb-h2")
+
+
+def _chain_cluster(num: int, *, wan_bytes_per_s: float = 12.5e6, per_node: int = 1) -> Cluster:
+    """``num`` nodes of ``per_node`` devices, one island each, joined by one WAN spec."""
+    kinds = {"gpu": DeviceKind(name="gpu", peak_flops_per_s=10e12, memory_bytes=8e9, achievable_fraction=0.5,
+                               per_layer_overhead_s=0.0)}
+    fast = LinkSpec(latency_s=1e-5, bandwidth_bytes_per_s=1e10)
+    islands, nodes, devices, links = [], [], [], []
+    for i in range(num):
+        names = tuple(f"n{i}:{k}" for k in range(per_node))
+        islands.append(Island(name=f"i{i}", intra=fast))
+        nodes.append(Node(name=f"n{i}", island=f"i{i}", kind="gpu", devices=names, intra=fast))
+        devices += [Device(name=n, kind="gpu", node=f"n{i}", island=f"i{i}") for n in names]
+    for i in range(num):
+        for j in range(i + 1, num):
+            links.append(LinkEntry(a=f"i{i}", b=f"i{j}",
+                                   spec=LinkSpec(latency_s=0.01, bandwidth_bytes_per_s=wan_bytes_per_s)))
+    return Cluster(name="chain", kinds=kinds, islands=tuple(islands), nodes=tuple(nodes), devices=tuple(devices),
+                   links=tuple(links))
+
+
+def _uniform_model(layers: int, *, flops: float = 1e9, params: int = 1000, act: float = 1e6,
+                   out: float = 1e5) -> ModelProfile:
+    return ModelProfile(name="uniform", input_bytes=out, layers=tuple(
+        LayerProfile(name=f"l{k}", forward_flops=flops, input_grad_flops=flops, weight_grad_flops=flops,
+                     parameter_count=params, activation_bytes=act, output_bytes=out) for k in range(layers)))
+
+
+def _plan(cluster: Cluster, split: list[int], stages: list[tuple[str, ...]], n: int, m: int, schedule: str,
+          sync: str = "allreduce-ring") -> Plan:
+    st = tuple(StagePlan(layer_start=split[k], layer_stop=split[k + 1], devices=devs,
+                         shares=largest_remainder_shares(devs, [1.0] * len(devs), n))
+               for k, devs in enumerate(stages))
+    return Plan(system="test", cluster=cluster.name, model="m", global_batch=n * m, microbatch_size=n,
+                num_microbatches=m, stages=st, schedule=schedule, sync=sync)
+
+
+@pytest.mark.parametrize("s,m", [(1, 1), (2, 3), (4, 4), (4, 9), (6, 3)])
+def test_unit_cost_closed_forms(s: int, m: int):
+    """gpipe and 1f1b: (M + S - 1)(F + B); zb-h1 with F = I = W = 1 and M >= S: 3M + 2(S - 1)."""
+    for name in ("gpipe", "1f1b"):
+        t = pipeline_timing(build_schedule(name, s, m), [1.0] * s, [1.0] * s, [1.0] * s,
+                            [(0.0, 0.0)] * (s - 1), [(0.0, 0.0)] * (s - 1))
+        assert t.makespan_s == pytest.approx((m + s - 1) * 3.0)
+    if m >= s:
+        t = pipeline_timing(build_schedule("zb-h1", s, m), [1.0] * s, [1.0] * s, [1.0] * s,
+                            [(0.0, 0.0)] * (s - 1), [(0.0, 0.0)] * (s - 1))
+        assert t.makespan_s == pytest.approx(3 * m + 2 * (s - 1))
+
+
+def test_unit_cost_closed_form_with_uniform_comm():
+    """gpipe with F = 1, B = 2 and a pure-latency link c: (M + S - 1)(F + B) + 2 (S - 1) c."""
+    s, m, c = 4, 8, 0.25
+    t = pipeline_timing(build_schedule("gpipe", s, m), [1.0] * s, [1.0] * s, [1.0] * s,
+                        [(c, 0.0)] * (s - 1), [(c, 0.0)] * (s - 1))
+    assert t.makespan_s == pytest.approx((m + s - 1) * 3.0 + 2 * (s - 1) * c)
+
+
+def test_recurrence_equals_dry_run_on_random_costs():
+    rng = random.Random(7)
+    for _ in range(60):
+        s, m, name = rng.randint(1, 5), rng.randint(1, 8), rng.choice(FIXED)
+        f, i, w = ([rng.uniform(0.1, 2) for _ in range(s)] for _ in range(3))
+        cf = [(rng.uniform(0, 1), rng.uniform(0, 1)) for _ in range(s - 1)]
+        cb = [(rng.uniform(0, 1), rng.uniform(0, 1)) for _ in range(s - 1)]
+        sched = build_schedule(name, s, m)
+        ref = dry_run(sched, forward_s=f, input_grad_s=i, weight_grad_s=w, comm_forward=cf, comm_backward=cb)
+        got = pipeline_timing(sched, f, i, w, cf, cb)
+        assert got.makespan_s == pytest.approx(ref.makespan_s, rel=1e-12)
+        assert got.busy_s == pytest.approx(ref.busy_s)
+
+
+@pytest.mark.parametrize("schedule", FIXED)
+def test_one_device_stages_match_the_simulator(schedule: str):
+    c, m = load_scenario("cee-testbed"), get_model("gpt2")
+    p = Plan(system="t", cluster=c.name, model=m.name, global_batch=32, microbatch_size=4, num_microbatches=8,
+             stages=tuple(StagePlan(layer_start=a, layer_stop=b, devices=(d,), shares=(4,))
+                          for a, b, d in ((0, 4, "cloud0:0"), (4, 8, "cloud1:0"), (8, 11, "edge0:0"),
+                                          (11, 14, "end0:0"))),
+             schedule=schedule)
+    est = AnalyticCostModel().estimate(p, c, m)
+    sim = SimulatorCostModel().estimate(p, c, m)
+    assert est.iteration_s == pytest.approx(sim.iteration_s, rel=1e-9)
+    assert est.peak_memory_bytes == pytest.approx(dict(sim.peak_memory_bytes))
+    assert est.source == "cost-model" and sim.source == "simulator"
+
+
+def test_data_parallel_plan_is_compute_plus_allreduce_plus_optimizer():
+    c = _chain_cluster(1, per_node=4)
+    model = _uniform_model(3, params=10**6)
+    devs = tuple(d.name for d in c.devices)
+    p = _plan(c, [0, 3], [devs], 8, 2, "1f1b")
+    cost = AnalyticCostModel().breakdown(p, c, model)
+    per_mb = sum(model.time_s(0, 3, x, 2, c.kinds["gpu"]) for x in "FIW")
+    ar = allreduce_s(c, devs, model.gradient_bytes(0, 3), "allreduce-ring")
+    opt = optimizer_step_s(model, 0, 3, c.kinds["gpu"])
+    assert cost.iteration_s == pytest.approx(2 * per_mb + ar + opt)
+    assert ar > 0 and cost.allreduce_s == (pytest.approx(ar),)
+
+
+@pytest.mark.parametrize("schedule,expect", [
+    ("gpipe", lambda s, S, M: M), ("1f1b", lambda s, S, M: min(S - s, M)),
+    ("zb-h1", lambda s, S, M: min(S - s, M)), ("zb-h2", lambda s, S, M: min(2 * (S - s) - 1, M))])
+def test_memory_uses_the_schedule_in_flight_counts(schedule, expect):
+    c = _chain_cluster(4)
+    model = _uniform_model(8)
+    p = _plan(c, [0, 2, 4, 6, 8], [(f"n{k}:0",) for k in range(4)], 2, 5, schedule)
+    cost = AnalyticCostModel().breakdown(p, c, model)
+    for s, st in enumerate(p.stages):
+        k = expect(s, 4, 5)
+        assert cost.in_flight[s] == k
+        assert cost.memory_bytes[st.devices[0]] == pytest.approx(
+            device_memory_bytes(model, st.layer_start, st.layer_stop, share=2, in_flight=k))
+    assert cost.fits
+
+
+def test_out_of_memory_is_reported():
+    c = _chain_cluster(2)
+    model = _uniform_model(4, act=3e9)  # 3 GB per sample per layer: two layers x 2 samples > 8 GB
+    p = _plan(c, [0, 2, 4], [("n0:0",), ("n1:0",)], 2, 2, "gpipe")
+    cost = AnalyticCostModel().breakdown(p, c, model)
+    assert not cost.fits and set(cost.shortfall_bytes) == {"n0:0", "n1:0"}
+    assert "out of memory on n" in cost.bottleneck
+
+
+def test_bottleneck_names_the_slow_link():
+    c = _chain_cluster(2, wan_bytes_per_s=1e6)
+    model = _uniform_model(4, out=1e6)  # 1 MB per sample at 1 MB/s: the link dominates
+    p = _plan(c, [0, 2, 4], [("n0:0",), ("n1:0",)], 2, 4, "1f1b")
+    est = AnalyticCostModel().estimate(p, c, model)
+    assert est.bottleneck.startswith("link n0->n1")
+    assert est.iteration_s > 4 * 2.0  # four microbatches of 2 MB at 1 MB/s
+
+
+def test_boundary_resources_are_shared():
+    """Two senders on one node to one receiver on another: one pipe, so bytes add up."""
+    c = _chain_cluster(2, per_node=2)
+    model = _uniform_model(2, out=1e6)
+    p = _plan(c, [0, 1, 2], [("n0:0", "n0:1"), ("n1:0",)], 2, 1, "gpipe")
+    cost = AnalyticCostModel().breakdown(p, c, model)
+    lat, ser = cost.boundaries[0].forward
+    assert ser == pytest.approx(2 * 1e6 / 12.5e6)
+    assert lat == pytest.approx(0.01)
+
+
+def test_largest_remainder_shares():
+    assert largest_remainder_shares("ab", [2.0, 1.0], 6) == (4, 2)
+    assert largest_remainder_shares("ab", [10.0, 1.0], 11) == (10, 1)
+    assert largest_remainder_shares("abc", [100.0, 1.0, 1.0], 4) == (2, 1, 1)
+    assert sum(largest_remainder_shares("abcde", [3.0, 1.0, 1.0, 2.0, 5.0], 17)) == 17
+    with pytest.raises(ValueError, match="at least one"):
+        largest_remainder_shares("abc", [1.0, 1.0, 1.0], 2)
+
+
+def test_range_tables_match_direct_terms():
+    c, m = load_scenario("local-small"), get_model("gpt2")
+    devs = ("edge0:0", "edge0:1")
+    shares = largest_remainder_shares(devs, [c.effective_flops_per_s(d) for d in devs], 5)
+    rc = RangeTables(c, m, ("allreduce-ring", "allreduce-hier")).costs(devs, shares)
+    for a, b in ((0, 3), (2, 14), (5, 6), (0, 14)):
+        f, i, w = stage_compute_s(m, c, StagePlan(layer_start=a, layer_stop=b, devices=devs, shares=shares))
+        assert rc.compute_s[a, b] == pytest.approx(f + i + w)
+        need = max(device_memory_bytes(m, a, b, share=x, in_flight=2) - c.memory_bytes(d)
+                   for d, x in zip(devs, shares, strict=True))
+        assert rc.memory_excess(2)[a, b] == pytest.approx(need)
+        exact = min(allreduce_s(c, devs, m.gradient_bytes(a, b), s) for s in ("allreduce-ring", "allreduce-hier"))
+        assert exact <= rc.allreduce_s[a, b] <= exact * 1.05
+    assert np.all(np.triu(rc.optimizer_s) >= 0)
+    assert rc.optimizer_s[0, 14] == pytest.approx(max(
+        optimizer_step_s(m, 0, 14, c.kind_of(d), c.device(d).slowdown) for d in devs))
