@@ -27,7 +27,7 @@ The systems, as users run them on **all** devices (file order, no knowledge of t
   each stage's speed (a min-max partition over the splits that fit device memory), shares
   proportional to device speed, ``1f1b``;
   it searches its own small space (every stage count, microbatch counts near ``S``, ``2S``
-  and ``4S`` and the smallest microbatch) with the simulator and keeps its best plan that fits.
+  and ``4S``, more only when those do not fit memory) with the simulator and keeps its best plan that fits.
 
 And the obvious ways to avoid slow links:
 
@@ -292,10 +292,13 @@ def _metis_candidates(cluster: Cluster, model: ModelProfile, global_batch: int,
         groups = [tuple(order[a:b]) for a, b in zip(bounds, bounds[1:], strict=False)]
         stage_speed = [sum(speed[d] for d in g) for g in groups]
         valid = [m for m in divisors(global_batch) if global_batch // m >= max(sizes)]
-        # near S, 2S and 4S microbatches, and the smallest microbatch (least activation memory)
-        preferred = {max([m for m in valid if m <= f * s_count], default=0) for f in (1, 2, 4)} - {0}
-        preferred |= set(valid[-1:])
-        for m in sorted(preferred):
+        # near S, 2S and 4S microbatches; more (smaller ones) only when none of those fits memory
+        preferred = sorted({max([m for m in valid if m <= f * s_count], default=0) for f in (1, 2, 4)} - {0})
+        more = [m for m in valid if m > max(preferred, default=0)]
+        found = []
+        for m in preferred + more:
+            if found and m in more:
+                break
             mb = global_batch // m
             shares = [proportional_shares(mb, [speed[d] for d in g]) for g in groups]
             in_flight = in_flight_per_stage(build_schedule("1f1b", s_count, m))
@@ -306,9 +309,10 @@ def _metis_candidates(cluster: Cluster, model: ModelProfile, global_batch: int,
                 continue
             stages = [StagePlan(layer_start=a, layer_stop=b, devices=g, shares=sh)
                       for (a, b), g, sh in zip(split, groups, shares, strict=True)]
-            out.append(_plan("metis-hetpipe", cluster, model, global_batch, stages, m, "1f1b", "allreduce-ring",
-                             f"metis-hetpipe: {s_count} stages of speed-sorted devices, memory-aware "
-                             f"compute-balanced layer split, speed-proportional shares, {m} microbatches of {mb}"))
+            found.append(_plan("metis-hetpipe", cluster, model, global_batch, stages, m, "1f1b", "allreduce-ring",
+                               f"metis-hetpipe: {s_count} stages of speed-sorted devices, memory-aware "
+                               f"compute-balanced layer split, speed-proportional shares, {m} microbatches of {mb}"))
+        out += found
     return out
 
 
