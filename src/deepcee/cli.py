@@ -143,6 +143,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     cluster, _ = _load_cluster(args.cluster, None, fallback=plan.cluster)
     model, _ = _load_model(plan.model, args.profile)
     plan.check_against(num_layers=model.num_layers, device_names=cluster.device_names, file=args.plan)
+    if args.adapt:
+        return _simulate_adaptive(args, plan, cluster, model)
     if args.link_trace:
         cluster = _apply_trace(cluster, args.link_trace, args.trace_links)
     result = simulate(plan, cluster, model, iterations=args.iterations)
@@ -165,25 +167,45 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _apply_trace(cluster, trace_path: str, between: str | None):
-    """Put a bandwidth trace on the busiest inter-island links (or the ``--trace-links`` pair)."""
-    from deepcee.cluster import LinkEntry, LinkSpec, load_trace
+def _apply_trace(cluster, trace_ref: str, between: str | None):
+    """Put a bandwidth trace (built-in name or file) on the wide-area links, rescaled to each
+    link's nominal speed (or only on the ``--trace-links a,b`` island pair)."""
+    from deepcee.traces import load_named_trace, with_trace
 
-    trace = load_trace(Path(trace_path))
+    pairs = None
     if between:
         a, _, b = between.partition(",")
         pairs = [(a, b)]
-    else:
-        islands = list(cluster.island_devices())
-        pairs = [(a, b) for i, a in enumerate(islands) for b in islands[i + 1:]]
-    entries = []
-    for a, b in pairs:
-        da, db = cluster.island_devices()[a][0], cluster.island_devices()[b][0]
-        link = cluster.link(da, db)
-        entries.append(LinkEntry(a=a, b=b, spec=LinkSpec(latency_s=link.latency_s,
-                                                         bandwidth_bytes_per_s=link.bandwidth_bytes_per_s,
-                                                         trace=trace)))
-    return cluster.with_links(entries)
+    return with_trace(cluster, load_named_trace(trace_ref), between=pairs)
+
+
+def _simulate_adaptive(args: argparse.Namespace, plan, cluster, model) -> int:
+    from deepcee.adapter.simloop import compare_adaptation, plot_adaptation
+    from deepcee.traces import load_named_trace
+
+    if not args.link_trace:
+        raise SpecError("--adapt needs --link-trace (a built-in trace name or a trace file)", field="--adapt")
+    trace = load_named_trace(args.link_trace)
+    between = [tuple(args.trace_links.split(",", 1))] if args.trace_links else None
+    iterations = max(args.iterations, 2)
+    with _progress(f"simulating {iterations} iterations with and without the adapter"):
+        cmp = compare_adaptation(plan, cluster, model, trace, iterations=iterations, between=between)
+    for run in (cmp.static, cmp.adaptive):
+        label = "with adapter   " if run.adapt else "without adapter"
+        print(f"{label}: mean {run.samples_per_s:.2f} samples/s over {iterations} iterations, "
+              f"{len(run.decisions)} plan changes")
+        for d in run.decisions:
+            print(f"    at {d.at_s:.1f} s: {d.kind.value}: {d.reason}")
+    if cmp.adaptive.optimum is not None:
+        print(f"optimum for the final conditions: {cmp.adaptive.optimum.samples_per_s:.2f} samples/s")
+    print("all figures simulated (link trace applied in the simulator)")
+    if args.json:
+        _write_json(args.json, cmp.to_dict())
+        print(f"wrote {args.json}")
+    if args.plot:
+        plot_adaptation([cmp.static, cmp.adaptive], args.plot, title=f"{plan.model} on {plan.cluster}")
+        print(f"wrote {args.plot}")
+    return 0
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
@@ -255,7 +277,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cluster", help="cluster file (default: the plan's scenario)")
     p.add_argument("--profile", help="measured profile JSON (default: the plan's model)")
     p.add_argument("--iterations", type=int, default=1)
-    p.add_argument("--link-trace", help="bandwidth trace JSON applied to the inter-island links")
+    p.add_argument("--link-trace", help="bandwidth trace (built-in name such as drop-5x, or a JSON file) "
+                   "applied to the inter-island links")
+    p.add_argument("--adapt", action="store_true",
+                   help="simulate iteration by iteration with and without the adapter (needs --link-trace)")
+    p.add_argument("--json", help="with --adapt: write the per-iteration results as JSON")
     p.add_argument("--trace-links", help="apply the trace only between these two islands: a,b")
     p.add_argument("--timeline", help="write a Chrome-trace JSON timeline")
     p.add_argument("--plot", help="write a PNG timeline")
@@ -288,6 +314,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except DeepceeError as exc:
         print(f"deepcee {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # output piped into `head` and closed early
+        sys.stderr.close()
+        return 0
     except KeyboardInterrupt:
         print(f"deepcee {args.command}: interrupted", file=sys.stderr)
         return 130
