@@ -1,0 +1,292 @@
+"""``deepcee profile``: one process per device of a cluster; each probes its device and the network.
+
+:func:`profile_cluster` launches one process per device with the runtime's launcher
+(:func:`deepcee.runtime.launch.launch`: ``FileStore`` in a temporary directory, one thread per
+process, hard deadline, the first failing rank's error re-raised). Rank ``r`` is device
+``cluster.devices[r]``. Every rank
+
+1. probes its device for the model (:func:`deepcee.profiler.device.probe_device`); in
+   emulated mode through a :class:`~deepcee.runtime.emulation.DevicePacer` with the device's
+   stated slowdown and the dilation the runtime would choose for all devices
+   (:func:`~deepcee.runtime.emulation.choose_dilation`), so the figures are what the emulated
+   device delivers (reported as emulated);
+2. joins the collective network probe (:func:`deepcee.profiler.network.probe_network`), over
+   the cluster's declared links emulated by the runtime's link shaper in emulated mode (with
+   the devices' time dilation unless ``network_dilation`` says otherwise, so the real software
+   cost of a transfer shrinks by the same factor as in the runtime), over the real transport
+   otherwise;
+3. writes its raw results to ``<out_dir>/raw/``.
+
+The parent then builds the measured profile and cluster and groups the devices
+(:func:`deepcee.planner.grouping.group_devices`), and writes (formats in ``docs/profiler.md``):
+
+- ``cluster.json``: ``deepcee.cluster`` v1 with explicit per-device-pair links and measured
+  slowdowns and kinds (:func:`measured_cluster`);
+- ``profile.json``: ``deepcee.profile`` v1 with measured per-layer timings per device kind;
+- ``probes.json``: ``deepcee.probes`` v1, every raw figure behind the two (medians, spreads,
+  pacing ratios, memory, compute scores, link fits with their spread);
+- ``groups.txt``: islands and groups, one line per cut.
+
+The network probe runs over gloo between host processes (CPU tensors) even when the devices
+are GPUs: it measures host-to-host paths, not NVLink/PCIe peer copies.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from deepcee.cluster import Cluster, Device, Node, cluster_from_dict
+from deepcee.errors import ProfileError
+from deepcee.plan import save_json_atomic
+from deepcee.planner.grouping import (
+    DEFAULT_ISLAND_THRESHOLD_S,
+    DEFAULT_SPEED_RATIO,
+    Grouping,
+    group_devices,
+)
+from deepcee.profile import ModelProfile
+from deepcee.profiler.device import (
+    DeviceProbe,
+    ProbeConfig,
+    net_source,
+    probe_device,
+    probe_from_dict,
+    probe_to_dict,
+)
+from deepcee.profiler.model import base_profile, measured_kind, measured_profile, measured_slowdowns
+from deepcee.profiler.network import LinkFit, NetworkBudget, PairMode, link_entries, probe_network
+from deepcee.runtime import dist as rdist
+from deepcee.runtime.emulation import (
+    DEFAULT_CORES,
+    Clock,
+    DevicePacer,
+    FileLedger,
+    LinkShaper,
+    choose_dilation,
+)
+from deepcee.runtime.launch import launch
+
+log = logging.getLogger(__name__)
+
+PROBES_SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ProfileJob:
+    """What every rank of a profiling run needs (pickled to the spawned processes)."""
+
+    cluster: dict[str, Any]
+    model: str | Sequence[nn.Module]
+    raw_dir: str
+    emulated: bool
+    dilation: float
+    network_dilation: float
+    device_config: ProbeConfig
+    network_budget: NetworkBudget
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    dataset: Any = None
+    use_cuda: bool = False
+    log_level: int = logging.WARNING
+    probe_devices: bool = True
+    """False: links only (:func:`probe_links`)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ProfileResult:
+    """What :func:`profile_cluster` measured and wrote."""
+
+    cluster: Cluster
+    profile: ModelProfile
+    grouping: Grouping
+    probes: tuple[DeviceProbe, ...]
+    links: tuple[LinkFit, ...]
+    pair_mode: PairMode
+    files: dict[str, str] = field(default_factory=dict)
+    wall_s: float = 0.0
+
+
+def _rank_main(rank: int, world_size: int, store_path: str, job: ProfileJob) -> None:
+    """What every profiling process runs (see the module docstring)."""
+    logging.basicConfig(level=job.log_level, format=f"%(asctime)s rank {rank} %(name)s: %(message)s")
+    rdist.single_thread()
+    cluster = cluster_from_dict(job.cluster)
+    devices = cluster.device_names
+    me = cluster.device(devices[rank])
+    device = rdist.pick_device(job.use_cuda, rank)
+    timeout = job.network_budget.timeout_s
+    store = rdist.file_store(store_path, world_size, timeout)
+    # gloo even for GPUs: the network probe moves host tensors (see the module docstring)
+    rdist.init_process_group(store=store, rank=rank, world_size=world_size, backend="gloo", timeout_s=timeout,
+                             device=torch.device("cpu"))
+    raw = Path(job.raw_dir)
+    try:
+        if job.probe_devices:
+            _device_phase(rank, me, device, job, raw)
+            dist.barrier()
+        clock = Clock()
+        shaper = None
+        if job.emulated:
+            shaper = LinkShaper(dilation=job.network_dilation, ledger=FileLedger(raw / "link-ledger"),
+                                epoch=_epoch(store, rank, clock), clock=clock)
+        fits, mode = probe_network(rank, devices, cluster=cluster, shaper=shaper, clock=clock,
+                                   budget=job.network_budget)
+        save_json_atomic(raw / f"links-{rank}.json", {"mode": mode, "fits": [f.to_dict() for f in fits]})
+    finally:
+        rdist.shutdown()
+
+
+def _device_phase(rank: int, me: Device, device: torch.device, job: ProfileJob, raw: Path) -> None:
+    pacer = None
+    if job.emulated and device.type == "cpu":
+        pacer = DevicePacer(slowdown=me.slowdown, dilation=job.dilation)
+    source = net_source(job.model, loss_fn=job.loss_fn, dataset=job.dataset)
+    log.info("probing device %s (%s%s)", me.name, device, f", emulated slowdown {me.slowdown:g}" if pacer else "")
+    probe = probe_device(source, device_name=me.name, kind=me.kind, device=device, config=job.device_config,
+                         pacer=pacer)
+    save_json_atomic(raw / f"device-{rank}.json", probe_to_dict(probe))
+    log.info("device %s probed in %.1f s; probing links", me.name, probe.wall_s)
+
+
+def _epoch(store: Any, rank: int, clock: Clock) -> float:
+    if rank == 0:
+        store.set("profile/epoch", repr(clock.wall()))
+    store.wait(["profile/epoch"], timedelta(seconds=30))
+    return float(store.get("profile/epoch").decode())
+
+
+# -- assembly (parent) ---------------------------------------------------------------------
+
+
+def measured_cluster(cluster: Cluster, probes: Sequence[DeviceProbe], fits: Sequence[LinkFit], mode: PairMode,
+                     profile: ModelProfile, *, emulated: bool) -> Cluster:
+    """``cluster`` with measured kinds, device slowdowns and links (see the module docstring)."""
+    slow = measured_slowdowns(probes)
+    kinds = {name: measured_kind(k, probes, profile) for name, k in cluster.kinds.items()}
+    entries, intra = link_entries(cluster, fits, mode)
+    nodes = tuple(Node(name=n.name, island=n.island, kind=n.kind, devices=n.devices, intra=intra.get(n.name, n.intra))
+                  for n in cluster.nodes)
+    devices = tuple(Device(name=d.name, kind=d.kind, node=d.node, island=d.island,
+                                slowdown=slow.get(d.name, d.slowdown)) for d in cluster.devices)
+    note = ("measured by deepcee profile: device speeds on emulated devices (CPU time x stated slowdown), links "
+            "over the in-process link shaper emulating the declared links" if emulated else "")
+    desc = f"{cluster.description} (measured by deepcee profile)".strip()
+    return Cluster(name=cluster.name, kinds=kinds, islands=cluster.islands, nodes=nodes, devices=devices,
+                   links=entries, description=desc, emulation=note)
+
+
+def _read_raw(raw: Path, world: int, *, devices: bool = True) -> tuple[list[DeviceProbe], list[LinkFit], PairMode]:
+    probes, fits, modes = [], [], set()
+    for r in range(world):
+        try:
+            if devices:
+                probes.append(probe_from_dict(json.loads((raw / f"device-{r}.json").read_text())))
+            d = json.loads((raw / f"links-{r}.json").read_text())
+        except OSError as exc:
+            raise ProfileError(f"rank {r} left no result: {exc.strerror}", file=str(raw)) from None
+        modes.add(d["mode"])
+        fits += [LinkFit.from_dict(f) for f in d["fits"]]
+    if len(modes) != 1:
+        raise ProfileError(f"ranks disagree on the pair mode: {sorted(modes)}")
+    return probes, fits, modes.pop()
+
+
+def groups_text(grouping: Grouping) -> str:
+    lines = list(grouping.explain())
+    for isl in grouping.islands:
+        for g in isl.groups:
+            speeds = ", ".join(f"{d} {f / 1e9:.3g} GFLOP/s" for d, f in zip(g.devices, g.flops_per_s, strict=True))
+            lines.append(f"group {g.name}: {speeds}")
+    return "\n".join(lines) + "\n"
+
+
+def probes_dict(cluster: Cluster, model: str, probes: Sequence[DeviceProbe], fits: Sequence[LinkFit], mode: PairMode,
+                *, emulated: bool, dilation: float, network_dilation: float, cores: float, config: ProbeConfig,
+                budget: NetworkBudget) -> dict[str, Any]:
+    return {
+        "format": "deepcee.probes", "schema_version": PROBES_SCHEMA_VERSION, "cluster": cluster.name, "model": model,
+        "emulated": emulated, "dilation": dilation, "network_dilation": network_dilation, "cores": cores,
+        "device_config": asdict(config), "network_budget": asdict(budget),
+        "slowdowns": measured_slowdowns(probes),
+        "devices": [probe_to_dict(p) for p in probes],
+        "links": {"mode": mode, "fits": [f.to_dict() for f in fits]},
+    }
+
+
+def profile_cluster(cluster: Cluster, model: str | Sequence[nn.Module] = "gpt-tiny", out_dir: str | Path = "profile",
+                    *, emulated: bool = True, cores: float = DEFAULT_CORES, device_config: ProbeConfig | None = None,
+                    network_budget: NetworkBudget | None = None, network_dilation: float | None = None,
+                    deadline_s: float = 600.0,
+                    loss_fn: Callable | None = None, dataset: Any = None, use_cuda: bool = False,
+                    island_threshold_s: float = DEFAULT_ISLAND_THRESHOLD_S,
+                    speed_ratio: float = DEFAULT_SPEED_RATIO) -> ProfileResult:
+    """Profile every device and link of ``cluster`` for ``model``; write the files into ``out_dir``."""
+    t0 = time.monotonic()
+    out = Path(out_dir)
+    raw = out / "raw"
+    raw.mkdir(parents=True, exist_ok=True)
+    for stale in raw.glob("*.json"):
+        stale.unlink()
+    config = device_config or ProbeConfig()
+    budget = network_budget or NetworkBudget()
+    dilation = choose_dilation([d.slowdown for d in cluster.devices], cores) if emulated else 1.0
+    net_dilation = (dilation if network_dilation is None else network_dilation) if emulated else 1.0
+    job = ProfileJob(cluster=cluster.to_dict(), model=model, raw_dir=str(raw), emulated=emulated, dilation=dilation,
+                     network_dilation=net_dilation,
+                     device_config=config, network_budget=budget, loss_fn=loss_fn, dataset=dataset,
+                     use_cuda=use_cuda, log_level=logging.getLogger("deepcee").getEffectiveLevel())
+    world = len(cluster.devices)
+    log.info("profiling %d devices of %s for %s (%s, dilation %.3g), deadline %g s", world, cluster.name,
+             model if isinstance(model, str) else "user blocks", "emulated" if emulated else "real", dilation,
+             deadline_s)
+    launch(_rank_main, (job,), world_size=world, deadline_s=deadline_s)
+    probes, fits, mode = _read_raw(raw, world)
+    name = model if isinstance(model, str) else "user"
+    source = net_source(model, loss_fn=loss_fn, dataset=dataset)
+    how = "emulated devices" if emulated else "real devices"
+    profile = measured_profile(base_profile(source), probes,
+                               source=f"measured by deepcee profile on {cluster.name} ({how}, {probes[0].timer})")
+    measured = measured_cluster(cluster, probes, fits, mode, profile, emulated=emulated)
+    grouping = group_devices(measured, island_threshold_s=island_threshold_s, speed_ratio=speed_ratio)
+    files = {"cluster": str(out / "cluster.json"), "profile": str(out / "profile.json"),
+             "probes": str(out / "probes.json"), "groups": str(out / "groups.txt")}
+    save_json_atomic(files["cluster"], measured.to_dict())
+    save_json_atomic(files["profile"], profile.to_dict())
+    save_json_atomic(files["probes"], probes_dict(measured, name, probes, fits, mode, emulated=emulated,
+                                                  dilation=dilation, network_dilation=net_dilation, cores=cores,
+                                                  config=config, budget=budget))
+    Path(files["groups"]).write_text(groups_text(grouping))
+    wall = time.monotonic() - t0
+    log.info("profile of %s written to %s in %.1f s", cluster.name, out, wall)
+    return ProfileResult(cluster=measured, profile=profile, grouping=grouping, probes=tuple(probes), links=tuple(fits),
+                         pair_mode=mode, files=files, wall_s=wall)
+
+
+
+def probe_links(cluster: Cluster, *, emulated: bool = True, dilation: float = 1.0,
+                budget: NetworkBudget | None = None, deadline_s: float = 300.0) -> tuple[tuple[LinkFit, ...], PairMode]:
+    """The network probe alone: one process per device of ``cluster``, no device probe, no files kept.
+
+    ``emulated``: the cluster's declared links are emulated by the runtime's link shaper with
+    time dilation ``dilation``; otherwise the real transport between the processes is measured.
+    """
+    budget = budget or NetworkBudget()
+    with tempfile.TemporaryDirectory(prefix="deepcee-links-") as tmp:
+        job = ProfileJob(cluster=cluster.to_dict(), model="", raw_dir=tmp, emulated=emulated, dilation=dilation,
+                         network_dilation=dilation if emulated else 1.0, device_config=ProbeConfig(),
+                         network_budget=budget, log_level=logging.getLogger("deepcee").getEffectiveLevel(),
+                         probe_devices=False)
+        launch(_rank_main, (job,), world_size=len(cluster.devices), deadline_s=deadline_s)
+        _, fits, mode = _read_raw(Path(tmp), len(cluster.devices), devices=False)
+    return tuple(fits), mode

@@ -1,0 +1,116 @@
+"""Measured profile: slowdowns, per-kind timings, JSON round trip and use by ModelProfile.time_s,
+measured kinds, and layer costs counted from a user's blocks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from deepcee.cluster import DeviceKind
+from deepcee.errors import ProfileError
+from deepcee.models import get_model
+from deepcee.profile import profile_from_dict
+from deepcee.profiler.device import (
+    MEMORY_CPU,
+    ComputeScore,
+    DeviceProbe,
+    LayerProbe,
+    PassFit,
+    net_source,
+)
+from deepcee.profiler.model import (
+    base_profile,
+    kind_timings,
+    measured_kind,
+    measured_profile,
+    measured_slowdowns,
+    profile_from_blocks,
+)
+from deepcee.runtime.data import Batch
+
+SIZES = (1, 2, 4, 8)
+KIND = DeviceKind(name="cpu-worker", peak_flops_per_s=5e10, memory_bytes=2**31)
+
+
+def _pass(fixed: float, slope: float) -> PassFit:
+    return PassFit(median_s=tuple(fixed + slope * n for n in SIZES), iqr_s=(0.0,) * 4, fixed_s=fixed,
+                   per_sample_s=slope, max_residual_fraction=0.0)
+
+
+def synthetic_probe(device: str, factor: float, *, layers: int = 6, kind: str = "cpu-worker",
+                    score: float = 4e10) -> DeviceProbe:
+    """Layer i: F = (1 + i) x 0.1 ms fixed + 0.2 ms per sample, I = 1.5 F, W = 1.2 F, all times ``factor``."""
+    out = []
+    for i in range(layers):
+        f = ((1 + i) * 1e-4 * factor, 2e-4 * factor)
+        out.append(LayerProbe(name=f"l{i}", microbatch_sizes=SIZES, rounds=5, peak_memory_bytes=1e6,
+                              activation_bytes_per_sample=1e4,
+                              passes={"F": _pass(*f), "I": _pass(1.5 * f[0], 1.5 * f[1]),
+                                      "W": _pass(1.2 * f[0], 1.2 * f[1])}))
+    return DeviceProbe(device=device, torch_device="cpu", kind=kind, timer="thread-cpu", memory_method=MEMORY_CPU,
+                       slowdown=1.0, dilation=1.0, emulated=False, layers=tuple(out),
+                       score=ComputeScore(flops_per_s=score / factor, benchmarks={}), wall_s=1.0)
+
+
+def test_slowdowns_are_relative_to_the_fastest_device_of_each_kind():
+    probes = [synthetic_probe("a", 1.0), synthetic_probe("b", 2.0), synthetic_probe("c", 3.0, kind="other"),
+              synthetic_probe("d", 1.5, kind="other")]
+    slow = measured_slowdowns(probes)
+    assert slow == pytest.approx({"a": 1.0, "b": 2.0, "c": 2.0, "d": 1.0})
+    t = kind_timings(probes, slow)
+    # every device, divided by its slowdown, is the kind's reference: the mean reproduces it exactly
+    assert t["cpu-worker"][0].forward == pytest.approx((1e-4, 2e-4))
+    assert t["other"][0].forward == pytest.approx((1.5e-4, 3e-4))
+
+
+def test_measured_profile_round_trips_and_drives_time_s():
+    base = get_model("gpt-tiny")
+    probes = [synthetic_probe("cloud0:0", 1.0), synthetic_probe("edge0:1", 2.0)]
+    prof = measured_profile(base, probes, source="test")
+    back = profile_from_dict(prof.to_dict())
+    assert back.measured == prof.measured and back.layers == base.layers and back.source == "test"
+    # layers [1, 4), 4 samples, slowdown 2: 2 x sum over layers of (fixed + per-sample x 4)
+    want_f = 2 * sum((1 + i) * 1e-4 + 2e-4 * 4 for i in range(1, 4))
+    assert back.time_s(1, 4, "F", 4, KIND, slowdown=2.0) == pytest.approx(want_f)
+    assert back.time_s(1, 4, "B", 4, KIND, slowdown=2.0) == pytest.approx((1.5 + 1.2) * want_f)
+    # a kind without measurements still uses the analytic FLOP-based estimate
+    other = DeviceKind(name="gpu", peak_flops_per_s=1e14, memory_bytes=1e10)
+    assert back.time_s(1, 4, "F", 4, other) == pytest.approx(
+        base.time_s(1, 4, "F", 4, other))
+    with pytest.raises(ProfileError, match="probed 4 layers"):
+        measured_profile(base, [synthetic_probe("x", 1.0, layers=4)], source="test")
+
+
+def test_measured_kind_reproduces_the_measured_speed():
+    base = get_model("gpt-tiny")
+    probes = [synthetic_probe("a", 1.0), synthetic_probe("b", 2.0)]
+    prof = measured_profile(base, probes, source="test")
+    kind = measured_kind(KIND, probes, prof)
+    assert kind.peak_flops_per_s == pytest.approx(4e10)  # the fastest device's benchmark score
+    per_sample_s = sum(t.time_s(p, 8) for t in prof.measured[KIND.name] for p in "FIW") / 8
+    assert kind.effective_flops_per_s * per_sample_s == pytest.approx(base.flops_per_sample())
+    assert kind.memory_bytes == KIND.memory_bytes and "measured by deepcee profile" in kind.source
+    assert kind.per_layer_overhead_s > 0
+
+
+class _Data:
+    def batch(self, step: int, n: int) -> Batch:
+        g = torch.Generator().manual_seed(step)
+        return Batch(inputs=torch.randn(n, 16, generator=g), targets=torch.randn(n, 3, generator=g))
+
+
+def test_user_blocks_are_counted_with_the_runtime_split():
+    torch.manual_seed(0)
+    blocks = [nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 3)]
+    src = net_source(blocks, loss_fn=nn.functional.mse_loss, dataset=_Data(), name="mlp")
+    prof = profile_from_blocks(src, samples=2)
+    first, act, last = prof.layers
+    assert prof.name == "mlp" and prof.num_layers == 3 and prof.input_bytes == 16 * 4
+    assert first.forward_flops == pytest.approx(2 * 16 * 32)
+    assert first.input_grad_flops == 0  # the first stage never computes an input gradient
+    assert first.weight_grad_flops == pytest.approx(2 * 16 * 32)
+    assert last.input_grad_flops == pytest.approx(2 * 32 * 3) and last.weight_grad_flops == pytest.approx(2 * 32 * 3)
+    assert first.parameter_count == 16 * 32 + 32 and act.parameter_count == 0
+    assert first.output_bytes == 32 * 4 and act.activation_bytes > 0
+    assert base_profile(net_source("gpt-tiny")).source == "analytic"
