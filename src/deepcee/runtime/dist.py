@@ -28,7 +28,15 @@ from deepcee.errors import RuntimeSetupError
 
 log = logging.getLogger(__name__)
 
-THREAD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+WORKER_ENV = {
+    "OMP_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+    # glibc otherwise mmaps every large tensor afresh and unmaps it on free; the page faults
+    # are charged to the computing thread (measured: about 40% of a tiny net's step, and
+    # more for split backward, which keeps the graph alive longer; benchmarks/split_backward.py).
+    "MALLOC_MMAP_THRESHOLD_": "1000000000",
+    "MALLOC_TRIM_THRESHOLD_": "1000000000",
+}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -59,15 +67,15 @@ def torchrun_env() -> TorchrunEnv | None:
 
 
 def child_env() -> dict[str, str]:
-    """Environment for worker subprocesses: the parent's plus one thread per process (PLATFORM.md)."""
-    return {**os.environ, **THREAD_ENV}
+    """Environment for worker subprocesses: the parent's plus :data:`WORKER_ENV`."""
+    return {**os.environ, **WORKER_ENV}
 
 
 @contextlib.contextmanager
-def thread_env() -> Iterator[None]:
-    """While starting worker processes that inherit ``os.environ``: one thread each; restored after."""
-    saved = {k: os.environ.get(k) for k in THREAD_ENV}
-    os.environ.update(THREAD_ENV)
+def worker_env() -> Iterator[None]:
+    """While starting worker processes that inherit ``os.environ``: :data:`WORKER_ENV`; restored after."""
+    saved = {k: os.environ.get(k) for k in WORKER_ENV}
+    os.environ.update(WORKER_ENV)
     try:
         yield
     finally:
@@ -81,7 +89,6 @@ def thread_env() -> Iterator[None]:
 def single_thread() -> None:
     """One intra-op thread: on a shared 2-core machine more threads only slow everyone down."""
     torch.set_num_threads(1)
-    os.environ.update(THREAD_ENV)
 
 
 def backend_for(device: torch.device) -> str:

@@ -1,6 +1,6 @@
 """Local multi-process launch on one machine, with a hard overall deadline.
 
-:func:`launch_jobs` starts one process per rank (``spawn``; one thread each; a ``FileStore``
+:func:`launch_jobs` starts one process per rank (``spawn``; one thread each and :data:`deepcee.runtime.dist.WORKER_ENV`; a ``FileStore``
 in a fresh temporary directory, so no ports are involved and nothing collides with other
 runs), runs :func:`deepcee.runtime.trainer.run_jobs_on_rank` in each, and waits. If a rank
 fails, the others are stopped after a short grace period and the *first* failure (by time:
@@ -101,7 +101,7 @@ def launch(target: Callable[..., None], args: tuple[Any, ...], *, world_size: in
     ctx = mp.get_context("spawn")
     procs = []
     try:
-        with rdist.thread_env():
+        with rdist.worker_env():
             for rank in range(world_size):
                 p = ctx.Process(target=_child, args=(target, rank, world_size, str(tmp / "store"), args, str(tmp)),
                                 name=f"deepcee-rank{rank}")
