@@ -56,7 +56,7 @@ def one_layer_model() -> ModelProfile:
 def best_baseline_planner(monkeypatch: pytest.MonkeyPatch) -> None:
     """Stand in for deepcee's search: the fastest baseline (keeps these tests about compare)."""
 
-    def plan(cluster, model, batch, *, use_all_devices=False):
+    def plan(cluster, model, batch, *, use_all_devices=False, light=False):
         fits = [b.plan for b in build_baselines(cluster, model, batch) if b.plan is not None
                 and (not use_all_devices or set(b.plan.devices) == set(cluster.device_names))]
         if not fits:
