@@ -74,11 +74,14 @@ def check(report: CompareReport, cluster: Cluster, model: ModelProfile) -> list[
     """Every target that applies to this case, with its value and a why-line for a MISS."""
     dc = report.deepcee
     baselines = tuple(r.system for r in report.rows[1:])
-    why_bound = f"bound {report.bound.samples_per_s:.4g} samples/s on {{{', '.join(report.bound.islands)}}} " \
-                f"bound by {report.bound.binding}; deepcee {dc.samples_per_s:.4g}, bottleneck {dc.bottleneck}; " \
-                "deepcee's iteration (worst device): " + ", ".join(
-                    f"{v:.0%} {k.replace('_', ' ')}" for k, v in report.deepcee_breakdown.items()) + \
-                " (the bound counts none of these)"
+    why_bound = (f"bound {report.bound.samples_per_s:.4g} samples/s on {{{', '.join(report.bound.islands)}}} "
+                 f"bound by {report.bound.binding}; ")
+    if dc.plan is None:
+        why_bound += dc.reason
+    else:
+        shares = ", ".join(f"{v:.0%} {k.replace('_', ' ')}" for k, v in report.deepcee_breakdown.items())
+        why_bound += (f"deepcee {dc.samples_per_s:.4g}, bottleneck {dc.bottleneck}; deepcee's iteration "
+                      f"(worst device): {shares} (the bound counts none of these)")
     out = []
 
     def add(name: str, value: float, target: float, best: str) -> None:

@@ -57,7 +57,8 @@ class CompareRow:
     samples_per_s: float
     iteration_s: float
     speedup: float
-    """deepcee's samples/s over this system's (``inf`` when the system has no plan)."""
+    """deepcee's samples/s over this system's (``inf`` when the system has no plan, ``nan``
+    when neither has one)."""
     peak_memory_bytes: float
     peak_memory_device: str
     bottleneck: str
@@ -203,7 +204,7 @@ def figure_source(cluster: Cluster, model: ModelProfile) -> str:
 def _row(system: str, description: str, plan: Plan | None, reason: str, deepcee_sps: float) -> CompareRow:
     if plan is None or plan.estimate is None:
         return CompareRow(system=system, description=description, samples_per_s=0.0, iteration_s=0.0,
-                          speedup=math.inf, peak_memory_bytes=0.0, peak_memory_device="", bottleneck="",
+                          speedup=math.inf if deepcee_sps > 0 else math.nan, peak_memory_bytes=0.0, peak_memory_device="", bottleneck="",
                           devices_used=0, reason=reason or "no plan")
     est = plan.estimate
     dev, peak = max(est.peak_memory_bytes.items(), key=lambda kv: kv[1]) if est.peak_memory_bytes else ("", 0.0)
@@ -410,27 +411,36 @@ def compare(cluster: Cluster, model: ModelProfile, global_batch: int, *, crossov
 
     ``crossover=False`` skips the crossover sweeps (they plan ~40 more times).
     """
-    plan, planning_s = _deepcee(cluster, model, global_batch)
+    t0 = time.perf_counter()
+    try:
+        plan, planning_s = _deepcee(cluster, model, global_batch)
+        reason = ""
+    except InfeasiblePlanError as exc:
+        # reported as a row without a plan, like a baseline that does not fit
+        plan, planning_s, reason = None, time.perf_counter() - t0, f"deepcee found no plan: {exc}"
+        log.warning(reason)
     baselines = build_baselines(cluster, model, global_batch)
     bound = upper_bound(cluster, model, global_batch)
-    sps = plan.estimate.samples_per_s
+    sps = plan.estimate.samples_per_s if plan is not None else 0.0
     rows = [_row("deepcee", "deepcee: network-aware groups, uneven split and shares, planned schedule",
-                 plan, "", sps)]
+                 plan, reason, sps)]
     rows += [_row(b.name, b.description, b.plan, b.reason, sps) for b in baselines]
     notes = []
-    if sps > bound.samples_per_s * (1 + 1e-9):
-        # a plan above the bound means a modelling bug: say so loudly rather than hide it
-        notes.append(f"BUG: deepcee's {sps:.4g} samples/s exceeds the upper bound {bound.samples_per_s:.4g}")
-        log.error(notes[-1])
-    line, kept = _leave_out(plan, baselines, cluster)
+    for r in rows:
+        if r.samples_per_s > bound.samples_per_s * (1 + 1e-9):
+            # a plan above the bound means a modelling bug: say so loudly rather than hide it
+            notes.append(f"BUG: {r.system}'s {r.samples_per_s:.4g} samples/s exceeds the upper bound "
+                         f"{bound.samples_per_s:.4g}")
+            log.error(notes[-1])
+    line, kept = _leave_out(plan, baselines, cluster) if plan is not None else ("", ())
     study = None
     if line and crossover:
         study = crossover_study(cluster, model, global_batch, kept)
     return CompareReport(
         cluster=cluster.name, model=model.name, global_batch=global_batch, source=figure_source(cluster, model),
         bound=bound, rows=tuple(rows), fraction_of_bound=sps / bound.samples_per_s, leave_out=line,
-        crossover=study, planning_s=planning_s, deepcee_breakdown=breakdown(plan, cluster, model),
-        notes=tuple(notes),
+        crossover=study, planning_s=planning_s,
+        deepcee_breakdown=breakdown(plan, cluster, model) if plan is not None else {}, notes=tuple(notes),
     )
 
 
