@@ -181,3 +181,17 @@ def test_bound_is_never_beaten_by_deepcee_on_random_clusters() -> None:
         bound = upper_bound(cluster, model, batch)
         plan = compare_mod.simulated(plan_training(cluster, model, batch).plan, cluster, model)
         assert plan.estimate.samples_per_s <= bound.samples_per_s * (1 + 1e-9), (trial, bound, plan)
+
+
+def test_deepcee_without_a_plan_is_a_row_with_its_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+    def fail(cluster, model, batch, **_):
+        raise compare_mod.InfeasiblePlanError("needs 30 GiB on n:0, has 16 GiB")
+
+    monkeypatch.setattr(compare_mod, "_deepcee", fail)
+    report = compare(pair(100.0), one_layer_model(), 16)
+    dc = report.deepcee
+    assert dc.plan is None and "needs 30 GiB on n:0" in dc.reason
+    assert report.fraction_of_bound == 0.0 and report.crossover is None and not report.leave_out
+    assert report.row("ddp").plan is not None and report.row("ddp").speedup == 0.0
+    assert "deepcee found no plan" in format_table(report)
+    assert json.loads(json.dumps(report.to_dict()))["rows"][0]["plan"] is None
