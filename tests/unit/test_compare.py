@@ -77,11 +77,15 @@ def test_slow_link_entries_override_the_links_to_left_out_devices() -> None:
     c = load_scenario("cee-testbed")
     kept = [d for d in c.device_names if c.device(d).island == "cloud"]
     entries, names = slow_link_entries(c, kept, 1e9 / 8)
-    assert sorted(names) == ["cloud<->edge", "cloud<->end"]
+    assert sorted(names) == ["cloud<->edge", "cloud<->end", "edge<->end"]
     fast = c.with_links(entries)
     assert fast.link("cloud0:0", "edge1:1").bandwidth_bytes_per_s == pytest.approx(125e6)
     assert fast.link("cloud0:0", "edge1:1").latency_s == pytest.approx(0.02)
-    assert fast.link("edge0:0", "end0:0").bandwidth_bytes_per_s == pytest.approx(125e6)  # unchanged
+    assert fast.link("edge0:0", "end0:0").latency_s == pytest.approx(0.005)
+    assert fast.link("edge0:0", "edge1:0").bandwidth_bytes_per_s == pytest.approx(125e6)  # LAN, untouched
+    # a single kept node: its links to the other nodes of its island are swept, not the island's LAN
+    _, names = slow_link_entries(c, ["cloud0:0", "cloud0:1", "cloud0:2", "cloud0:3"], 1e6)
+    assert sorted(names) == ["cloud0<->cloud1", "cloud<->edge", "cloud<->end", "edge<->end"]
 
 
 def test_crossover_found_where_the_closed_form_puts_it(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:

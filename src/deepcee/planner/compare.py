@@ -9,8 +9,8 @@ given); :attr:`CompareReport.source` says which, and the JSON carries it.
 
 When leaving slow devices out is best (deepcee's plan excludes devices, or a baseline on one
 island or one node comes within 1% of deepcee), the report says so and computes the
-**crossover**: it sweeps the global batch and the bandwidth of the links that join the kept
-devices to the left-out ones, and finds where the best plan that uses the left-out devices
+**crossover**: it sweeps the global batch and the bandwidth of the slow links the left-out
+devices sit behind, and finds where the best plan that uses the left-out devices
 starts to beat the best plan without them. See [Note: crossover].
 """
 
@@ -278,13 +278,14 @@ def _deepcee(cluster: Cluster, model: ModelProfile, global_batch: int, *,
 # "Without" is the best plan on the kept devices alone: deepcee planning on the sub-cluster,
 # or any baseline that stays on them. "With" is the best plan that uses at least one
 # left-out device: deepcee planning on the whole cluster with exclusion forbidden (every
-# device used), deepcee's free plan when it uses one, and the baselines that use one. The
-# bandwidth sweep overrides every link between a kept
-# island (or node) and a left-out one with the swept bandwidth, latency unchanged; the batch
-# sweep keeps the links as they are. The sweeps plan with a lighter search (SWEEP_SEARCH:
-# fewer candidates refined and confirmed by the simulator) to keep ~60 plans affordable, so
-# their figures can sit slightly below a full search's. The crossover is the first sweep value where "with"
-# beats "without" after a value where it did not, interpolated on log scales.
+# device used), deepcee's free plan when it uses one, and the baselines that use one.
+# The bandwidth sweep sets every inter-island link that touches a left-out device's island
+# (and, inside an island, every link between a kept node and a left-out node) to the swept
+# bandwidth, latency unchanged; the batch sweep keeps the links as they are. The sweeps plan
+# with a lighter search (SWEEP_SEARCH: fewer candidates refined and confirmed by the
+# simulator) to keep ~60 plans affordable, so their figures can sit slightly below a full
+# search's. The crossover is the first sweep value where "with" beats "without" after a
+# value where it did not, interpolated on log scales.
 # ---------------------------------------------------------------------------------------
 
 
@@ -317,17 +318,24 @@ def with_without(cluster: Cluster, model: ModelProfile, batch: int, kept: Sequen
 
 def slow_link_entries(cluster: Cluster, kept: Sequence[str], bandwidth_bytes_per_s: float
                       ) -> tuple[list[LinkEntry], list[str]]:
-    """Link entries that set every kept-to-left-out link to ``bandwidth_bytes_per_s``.
+    """Link entries that set the links the left-out devices sit behind to ``bandwidth_bytes_per_s``.
 
-    Between islands when the two devices are in different islands, else between their nodes.
+    Every inter-island link that touches a left-out device's island, and, inside an island,
+    the links between a kept node and a left-out node; latency unchanged.
     """
     kept_set = set(kept)
     out = [d for d in cluster.device_names if d not in kept_set]
+    order = {isl.name: k for k, isl in enumerate(cluster.islands)}
     entries: dict[tuple[str, str], LinkEntry] = {}
-    for a in kept:
-        for b in out:
+    for b in out:
+        for a in cluster.device_names:
             da, db = cluster.device(a), cluster.device(b)
-            ends = (da.island, db.island) if da.island != db.island else (da.node, db.node)
+            if da.island != db.island:
+                ends = tuple(sorted((da.island, db.island), key=order.__getitem__))
+            elif a in kept_set and da.node != db.node:
+                ends = (da.node, db.node)
+            else:
+                continue
             if ends in entries or ends[::-1] in entries:
                 continue
             link = cluster.link(a, b)
