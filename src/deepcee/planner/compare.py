@@ -204,8 +204,8 @@ def figure_source(cluster: Cluster, model: ModelProfile) -> str:
 def _row(system: str, description: str, plan: Plan | None, reason: str, deepcee_sps: float) -> CompareRow:
     if plan is None or plan.estimate is None:
         return CompareRow(system=system, description=description, samples_per_s=0.0, iteration_s=0.0,
-                          speedup=math.inf if deepcee_sps > 0 else math.nan, peak_memory_bytes=0.0, peak_memory_device="", bottleneck="",
-                          devices_used=0, reason=reason or "no plan")
+                          speedup=math.inf if deepcee_sps > 0 else math.nan, peak_memory_bytes=0.0,
+                          peak_memory_device="", bottleneck="", devices_used=0, reason=reason or "no plan")
     est = plan.estimate
     dev, peak = max(est.peak_memory_bytes.items(), key=lambda kv: kv[1]) if est.peak_memory_bytes else ("", 0.0)
     return CompareRow(system=system, description=description, samples_per_s=est.samples_per_s,
@@ -289,10 +289,6 @@ def _deepcee(cluster: Cluster, model: ModelProfile, global_batch: int, *,
 # ---------------------------------------------------------------------------------------
 
 
-def _best_sps(results: Sequence[float]) -> float:
-    return max([r for r in results if r > 0], default=0.0)
-
-
 def _planned(cluster: Cluster, model: ModelProfile, batch: int, *, use_all_devices: bool = False) -> Plan | None:
     try:
         plan, _ = _deepcee(cluster, model, batch, use_all_devices=use_all_devices, light=True)
@@ -313,7 +309,7 @@ def with_without(cluster: Cluster, model: ModelProfile, batch: int, kept: Sequen
     for b in build_baselines(cluster, model, batch):
         if b.plan is not None:
             (without if set(b.plan.devices) <= kept_set else with_).append(b.samples_per_s)
-    return _best_sps(with_), _best_sps(without)
+    return max(with_, default=0.0), max(without, default=0.0)
 
 
 def slow_link_entries(cluster: Cluster, kept: Sequence[str], bandwidth_bytes_per_s: float
