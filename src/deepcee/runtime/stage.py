@@ -252,11 +252,12 @@ class StageRunner:
         st = self._get(microbatch, "W")
         if not st.input_grad_done:
             raise ScheduleError(f"stage {self.stage}: W of microbatch {microbatch} before its I")
+        if st.uncovered:
+            # Without groups (the first stage) this is the whole backward: let autograd free
+            # the graph as it goes, exactly like B.
+            torch.autograd.backward(st.output, st.output_grad, inputs=st.uncovered, retain_graph=bool(st.groups))
         for g in st.groups or ():
             _group_backward(g)
-        if st.uncovered:
-            grads = torch.autograd.grad(st.output, st.uncovered, st.output_grad, retain_graph=True, allow_unused=True)
-            _accumulate(st.uncovered, grads)
         del self._state[microbatch]
 
     def backward(self, microbatch: int, output_grad: torch.Tensor | None = None) -> torch.Tensor | None:
