@@ -109,6 +109,11 @@ def test_emulated_run_is_exact_and_labelled(runs):
         assert rec["link_bytes"]["edge0:1->cloud0:1"] == 2 * 1 * 32 * 16 * 16 * 8
     # a 20 ms (emulated) cloud->edge link each way bounds an emulated step from below
     assert min(result.step_s) > 0.04
+    # device pacing: stage 1 runs on edge0:1 (slowdown 2): its emulated compute time is at
+    # least its CPU time x 2 (padding never shortens, load can only lengthen)
+    for rec in result.metrics:
+        assert rec["stages"][1]["compute_s"] >= 0.99 * 2.0 * rec["cpu_s"]["edge0:1"]
+        assert rec["stages"][0]["compute_s"] >= 0.99 * max(rec["cpu_s"]["cloud0:0"], rec["cpu_s"]["cloud0:1"])
 
 
 def test_user_sequential_matches_reference(runs):
