@@ -88,7 +88,8 @@ def main() -> None:
     args = ap.parse_args()
 
     cluster = make_cluster(args.latency_ms, args.bandwidth_mbit)
-    root = Path(tempfile.mkdtemp(prefix="deepcee-bench-"))
+    tmp = tempfile.TemporaryDirectory(prefix="deepcee-bench-")
+    root = Path(tmp.name)
     jobs = []
     for rep in range(args.repeats):
         for sched in args.schedules:
@@ -144,6 +145,7 @@ def main() -> None:
     print("per-stage median action times (emulated ms): "
           + "; ".join(f"{k} " + "/".join(f"{1e3 * c:.1f}" for c in med_cost[k]) for k in sorted(med_cost)))
     print(f"wall time of the whole benchmark: {wall:.0f} s")
+    tmp.cleanup()
     save_json_atomic(Path(args.out), {
         "format": "deepcee.bench.runtime_schedules", "schema_version": 1, "mode": "emulated", "dilation": d,
         "emulated": list(results[0].emulated), "times": "emulated seconds (wall / dilation)",

@@ -43,7 +43,15 @@ def test_receiver_takes_agreed_meta_and_publishes_its_own():
     in_meta, out_meta = exchange_metadata(store, _topo(), 2, job="j", plan_digest="d1", timeout_s=1,
                                           output_meta=lambda m: seen.append(m) or None)
     assert in_meta == META and out_meta is None and seen == [META]
-    assert json.loads(store.get("j/hello/2")) == {"plan": "d1", "device": "c"}
+    hello = json.loads(store.get("j/hello/2"))
+    assert hello["plan"] == "d1" and hello["device"] == "c"
+
+
+def test_emulation_requires_one_host():
+    store = _store(j__hello__0=json.dumps({"plan": "d1", "device": "a", "host": "elsewhere"}), j__hello__1=_hello("b"))
+    with pytest.raises(RuntimeSetupError, match=r"emulation needs every rank on one machine.*rank 0 \(device a"):
+        exchange_metadata(store, _topo(), 2, job="j", plan_digest="d1", timeout_s=1, output_meta=lambda m: None,
+                          same_host=True)
 
 
 def test_different_plan_names_the_peer():

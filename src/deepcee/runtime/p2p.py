@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -82,21 +83,28 @@ def _store_get(store: dist.Store, key: str, timeout_s: float, what: str) -> str:
 
 def exchange_metadata(store: dist.Store, topology: Topology, rank: int, *, job: str, plan_digest: str,
                       output_meta: Callable[[TensorMeta | None], TensorMeta | None],
-                      timeout_s: float) -> tuple[TensorMeta | None, TensorMeta | None]:
+                      timeout_s: float, same_host: bool = False) -> tuple[TensorMeta | None, TensorMeta | None]:
     """Agree on the plan and on boundary shapes; returns ``(input meta, output meta)`` of this rank.
 
     Every active rank publishes the digest of its plan; then, stage by stage, each rank takes
     the per-sample output meta of its forward peers, checks they agree, dry-runs its stage
-    (``output_meta``) and publishes its own. Problems name the peer rank and device.
+    (``output_meta``) and publishes its own. Problems name the peer rank and device. With
+    ``same_host`` (emulation: one shared clock), every rank must run on this machine.
     """
     me = topology.describe(rank)
-    store.set(f"{job}/hello/{rank}", json.dumps({"plan": plan_digest, "device": topology.device_of(rank)}))
+    host = socket.gethostname()
+    store.set(f"{job}/hello/{rank}", json.dumps({"plan": plan_digest, "device": topology.device_of(rank), "host": host}))
     for peer in range(topology.num_active):
         hello = json.loads(_store_get(store, f"{job}/hello/{peer}", timeout_s, f"start-up message from {topology.describe(peer)} to {me}"))
         if hello["plan"] != plan_digest or hello["device"] != topology.device_of(peer):
             raise RuntimeSetupError(
                 f"{me}: {topology.describe(peer)} runs a different plan (digest {hello['plan']} device "
                 f"{hello['device']!r}, mine {plan_digest})"
+            )
+        if same_host and hello.get("host", host) != host:
+            raise RuntimeSetupError(
+                f"{me}: emulation needs every rank on one machine (one clock), but {topology.describe(peer)} "
+                f"runs on {hello['host']!r} and this rank on {host!r}; use mode 'real'"
             )
     in_meta = None
     for piece in topology.forward_recvs(rank):

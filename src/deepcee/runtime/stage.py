@@ -183,7 +183,8 @@ class StageRunner:
         except KeyError:
             raise ScheduleError(f"stage {self.stage}: {action} of microbatch {microbatch} before its F") from None
 
-    def _prepare_input(self, x: torch.Tensor) -> torch.Tensor:
+    def prepare_input(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` on this stage's device and dtype, detached; a leaf requiring grad unless first stage."""
         x = x.to(self.device)
         if x.is_floating_point():
             x = x.to(self.dtype)
@@ -207,7 +208,7 @@ class StageRunner:
         """``F``: returns the output to send (detached), or the weighted loss on the last stage."""
         if microbatch in self._state:
             raise ScheduleError(f"stage {self.stage}: F of microbatch {microbatch} twice")
-        x = self._prepare_input(inputs)
+        x = self.prepare_input(inputs)
         out = self.module(x)
         if self.is_last:
             if targets is None:

@@ -191,7 +191,17 @@ class Trainer:
         self.plan.check_against(num_layers=len(blocks), device_names=self.cluster.device_names)
         return blocks, loss_fn
 
+    def _check_sync(self) -> None:
+        multi = [s for s in range(self.plan.num_stages) if len(self.topo.stage_ranks(s)) > 1]
+        if self.plan.sync == "none" and multi:
+            raise RuntimeSetupError(f"plan has sync 'none' but stages {multi} run on several devices, "
+                                    "whose replicas would drift apart")
+        if self.plan.sync == "zero2" and self.w.rank == 0:
+            # Same gradients and parameters as an all-reduce; only memory and traffic differ.
+            log.warning("sync 'zero2' runs as a plain gradient all-reduce (optimizer states are not sharded)")
+
     def setup(self) -> None:
+        self._check_sync()
         p = self.placement = self.topo.placement(self.w.rank)
         st = self.plan.stages[p.stage]
         blocks, loss_fn = self._blocks()
@@ -205,7 +215,7 @@ class Trainer:
         self.actions = self.schedule[p.stage]
         in_meta, out_meta = exchange_metadata(
             self.w.store, self.topo, self.w.rank, job=self.job.name, plan_digest=self.digest,
-            output_meta=self._dry_run, timeout_s=self.cfg.timeout_s,
+            output_meta=self._dry_run, timeout_s=self.cfg.timeout_s, same_host=self.cfg.mode == "emulated",
         )
         emulated = self.cfg.mode == "emulated"
         slowdowns = [self.cluster.device(d).slowdown for d in self.plan.devices]
@@ -233,7 +243,7 @@ class Trainer:
             if x.is_floating_point() and x.dtype != self.stage.dtype:
                 raise RuntimeSetupError(f"receives {in_meta.dtype}, runs {self.stage.dtype}")
         with torch.no_grad():
-            out = self.stage.module(self.stage._prepare_input(x))
+            out = self.stage.module(self.stage.prepare_input(x))
         return None if self.stage.is_last else TensorMeta.of(out)
 
     def _epoch(self) -> float:
@@ -396,6 +406,7 @@ class Trainer:
             "format": "deepcee.train-result", "schema_version": 1, "job": self.job.name,
             "plan_digest": self.digest, "system": self.plan.system, "schedule": self.plan.schedule,
             "global_batch": self.plan.global_batch, "start_step": self.start_step, "steps": self.cfg.steps,
+            "sync": "none" if not self.stage_groups else "allreduce (gloo/nccl, SUM over each stage's devices)",
             "losses": [r["loss"] for r in records], "step_s": [r["step_s"] for r in records],
             "median_step_s": median, "samples_per_s": self.plan.global_batch / median if steady else float("nan"),
             **self.info.to_dict(), "run_dir": str(self.run_dir),
