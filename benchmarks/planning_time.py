@@ -1,0 +1,124 @@
+"""Planning time of :func:`deepcee.planner.search.plan_training` as clusters grow.
+
+Cases: the DeepCEE testbed (``cee-testbed``, GPT-2, global batch 64; target < 1 s) and
+synthetic clusters of 16, 64, 256 and 1,024 devices in up to 16 islands (target < 30 s at
+1,024). Synthetic clusters are seeded: islands get 4-GPU (or 2-GPU, 1-GPU) nodes of one of
+three device kinds (datasheet-style numbers, not measurements), 10 Gbit/s inside an island,
+and between islands 100 Mbit/s - 1 Gbit/s with 5-50 ms latency.
+
+Baseline measured in the same run: grouping alone (:func:`group_devices`), which every plan
+needs, so the table shows what the search itself adds.
+
+Both wall time and process CPU time are reported: the project machine has 2 cores shared
+with other work, so wall time can exceed CPU time by a lot.
+
+Run: ``python benchmarks/planning_time.py [--out reports/planning_time.json] [--quick]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+from pathlib import Path
+
+from deepcee.cluster import Cluster, Device, DeviceKind, Island, LinkEntry, LinkSpec, Node
+from deepcee.models import get_model
+from deepcee.plan import save_json_atomic
+from deepcee.planner.grouping import group_devices
+from deepcee.planner.search import plan_training
+from deepcee.scenarios import load_scenario
+from deepcee.units import GIB
+
+KINDS = {
+    "a100": DeviceKind(name="a100", peak_flops_per_s=312e12, memory_bytes=38 * GIB, achievable_fraction=0.45,
+                       source="datasheet-style figure for the benchmark"),
+    "rtx3090": DeviceKind(name="rtx3090", peak_flops_per_s=35.6e12, memory_bytes=22 * GIB, achievable_fraction=0.5,
+                          source="datasheet-style figure for the benchmark"),
+    "t4": DeviceKind(name="t4", peak_flops_per_s=65e12, memory_bytes=14 * GIB, achievable_fraction=0.25,
+                     source="datasheet-style figure for the benchmark"),
+}
+
+
+def synthetic_cluster(num_devices: int, num_islands: int, seed: int = 0) -> Cluster:
+    """``num_devices`` GPUs in ``num_islands`` islands (nodes of 4, 2 or 1 GPUs), seeded."""
+    rng = random.Random(seed)
+    kinds = sorted(KINDS)
+    per_island = [num_devices // num_islands + (1 if i < num_devices % num_islands else 0)
+                  for i in range(num_islands)]
+    islands, nodes, devices, links = [], [], [], []
+    for i, count in enumerate(per_island):
+        name = f"site{i}"
+        islands.append(Island(name=name, intra=LinkSpec(latency_s=50e-6, bandwidth_bytes_per_s=1.25e9)))
+        width = rng.choice([4, 4, 2, 1]) if count >= 4 else 1
+        left, k = count, 0
+        while left > 0:
+            w = min(width, left)
+            kind = rng.choice(kinds)
+            dnames = tuple(f"{name}n{k}:{j}" for j in range(w))
+            nodes.append(Node(name=f"{name}n{k}", island=name, kind=kind, devices=dnames,
+                              intra=LinkSpec(latency_s=10e-6, bandwidth_bytes_per_s=12.5e9)))
+            devices += [Device(name=d, kind=kind, node=f"{name}n{k}", island=name) for d in dnames]
+            left, k = left - w, k + 1
+    for i in range(num_islands):
+        for j in range(i + 1, num_islands):
+            mbit = rng.choice([100, 200, 500, 1000])
+            links.append(LinkEntry(a=f"site{i}", b=f"site{j}", spec=LinkSpec(
+                latency_s=rng.uniform(5e-3, 50e-3), bandwidth_bytes_per_s=mbit * 1e6 / 8)))
+    return Cluster(name=f"synthetic-{num_devices}x{num_islands}-s{seed}", kinds=KINDS, islands=tuple(islands),
+                   nodes=tuple(nodes), devices=tuple(devices), links=tuple(links),
+                   description="synthetic benchmark cluster (seeded)")
+
+
+def _time(fn):
+    w0, c0 = time.perf_counter(), time.process_time()
+    out = fn()
+    return out, time.perf_counter() - w0, time.process_time() - c0
+
+
+def run_case(name: str, cluster: Cluster, model_name: str, global_batch: int, target_s: float) -> dict:
+    model = get_model(model_name)
+    grouping, g_wall, g_cpu = _time(lambda: group_devices(cluster))
+    result, wall, cpu = _time(lambda: plan_training(cluster, model, global_batch))
+    est = result.plan.estimate
+    return {
+        "case": name, "devices": len(cluster.devices), "islands": len(grouping.islands),
+        "groups": len(grouping.groups), "model": model_name, "global_batch": global_batch,
+        "grouping_wall_s": g_wall, "grouping_cpu_s": g_cpu, "planning_wall_s": wall, "planning_cpu_s": cpu,
+        "candidates_evaluated": result.candidates_evaluated, "stages": result.plan.num_stages,
+        "devices_used": len(result.plan.devices), "iteration_s": est.iteration_s if est else None,
+        "target_s": target_s, "within_target": wall < target_s,
+    }
+
+
+CASES = [  # (name, devices, islands, model, global batch, target)
+    ("synthetic-16", 16, 4, "gpt2", 64, 30.0),
+    ("synthetic-64", 64, 8, "gpt2-xl", 256, 30.0),
+    ("synthetic-256", 256, 16, "gpt2-xl", 1024, 30.0),
+    ("synthetic-1024", 1024, 16, "llama-7b", 4096, 30.0),
+]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="reports/planning_time.json")
+    ap.add_argument("--quick", action="store_true", help="only the testbed and the 16-device case")
+    args = ap.parse_args(argv)
+    rows = [run_case("cee-testbed", load_scenario("cee-testbed"), "gpt2", 64, 1.0)]
+    for name, n, k, model, batch, target in CASES[:1] if args.quick else CASES:
+        rows.append(run_case(name, synthetic_cluster(n, k, seed=n), model, batch, target))
+    head = (f"{'case':<16}{'devices':>8}{'islands':>8}{'model':>10}{'batch':>7}{'group s':>9}{'plan s':>9}"
+            f"{'cpu s':>8}{'target':>8}{'ok':>4}{'cands':>7}{'stages':>7}{'used':>6}{'iter s':>10}")
+    print(head)
+    for r in rows:
+        print(f"{r['case']:<16}{r['devices']:>8}{r['islands']:>8}{r['model']:>10}{r['global_batch']:>7}"
+              f"{r['grouping_wall_s']:>9.3f}{r['planning_wall_s']:>9.3f}{r['planning_cpu_s']:>8.3f}"
+              f"{r['target_s']:>8.0f}{'yes' if r['within_target'] else 'NO':>4}{r['candidates_evaluated']:>7}"
+              f"{r['stages']:>7}{r['devices_used']:>6}{r['iteration_s']:>10.4g}")
+    save_json_atomic(Path(args.out), {"schema_version": 1, "format": "deepcee.bench.planning_time", "cases": rows})
+    print(f"wrote {args.out}")
+    return 0 if all(r["within_target"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
