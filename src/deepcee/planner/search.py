@@ -110,7 +110,7 @@ class PlannerOptions:
     model_top: int = 12
     """Configurations scored by the cost model for every schedule and sync (step 3)."""
     refine_top: int = 4
-    compact_top: int = 2
+    compact_top: int = 6
     confirm_top: int = 5
     """Plans confirmed with the simulator; 0 picks by the cost model alone."""
     confirm_max_work: int = 150_000
@@ -118,6 +118,8 @@ class PlannerOptions:
     best plans are confirmed in order while they fit (a plan alone above it is not simulated)."""
     compact_max_actions: int = 800
     """Build compact schedules only for plans with at most this many stages x microbatches."""
+    compact_budget: int = 400
+    """Stages x microbatches summed over the compact schedules built (after the first)."""
     cost_model: CostModel | None = None
     """Scores candidates (default :class:`AnalyticCostModel`)."""
     confirm_model: CostModel | None = None
@@ -247,7 +249,8 @@ def chain_layouts(grouping: Grouping, chain: Chain, max_stages: int) -> list[Sta
     return out
 
 
-def _island_distance(cluster: Cluster, grouping: Grouping) -> np.ndarray:
+def island_distances(cluster: Cluster, grouping: Grouping) -> np.ndarray:
+    """Symmetric 1 MB transfer time between islands (first devices, worse direction)."""
     n = len(grouping.islands)
     out = np.zeros((n, n))
     for i, j in itertools.combinations(range(n), 2):
@@ -779,7 +782,7 @@ def plan_training(cluster: Cluster, model: ModelProfile, global_batch: int, *,
                      tables=RangeTables(cluster, model, options.syncs), cost_model=options.cost_model
                      or AnalyticCostModel(), sizes=microbatch_sizes(global_batch, options), max_stages=max_stages)
     search.min_boundary_bytes = min((model.boundary_bytes(b) for b in range(1, model.num_layers)), default=0.0)
-    dist = _island_distance(cluster, grouping)
+    dist = island_distances(cluster, grouping)
     if len(grouping.islands) <= options.exhaustive_islands:
         _small_search(search, dist)
     else:
@@ -832,27 +835,33 @@ def _coverage(ranked: list[_Config]) -> list[_Config]:
 
 
 def _compacts(search: _Search, cands: list[Candidate]) -> list[Candidate]:
-    if "compact" not in search.options.schedules:
+    """Compact schedules for the best distinct pipelines (stages, split, shares), best first, up to
+    ``compact_top`` of them and ``compact_budget`` stages x microbatches in total (the first one
+    up to ``compact_max_actions``): the builder's cost grows with that product."""
+    opts = search.options
+    if "compact" not in opts.schedules:
         return []
-    out, done = [], set()
+    out, done, used, skipped = [], set(), 0, 0
     for c in cands:
-        key = (c.plan.stages, c.plan.sync)
-        if key in done or c.plan.num_stages < 2:
+        size = c.plan.num_stages * c.plan.num_microbatches
+        if c.plan.stages in done or c.plan.num_stages < 2:
             continue
-        if c.plan.num_stages * c.plan.num_microbatches > search.options.compact_max_actions:
-            search.notes.append(f"compact schedule not built for {c.plan.num_stages} stages x "
-                                f"{c.plan.num_microbatches} microbatches (above compact_max_actions "
-                                f"{search.options.compact_max_actions})")
+        if size > opts.compact_max_actions or (done and used + size > opts.compact_budget):
+            skipped += 1
             continue
-        done.add(key)
+        done.add(c.plan.stages)
+        used += size
         cost = AnalyticCostModel().breakdown(c.plan, search.cluster, search.model)
         plan = compact_plan(c.plan, search.cluster, search.model, cost, search.tables)
         if plan is not None:
             got = search.score(plan)
             if got is not None:
                 out.append(got)
-        if len(done) >= search.options.compact_top:
+        if len(done) >= opts.compact_top:
             break
+    if not done and skipped:
+        search.notes.append(f"no compact schedule built: the best pipelines exceed compact_max_actions "
+                            f"{opts.compact_max_actions} (stages x microbatches)")
     return out
 
 
