@@ -45,6 +45,7 @@ boundaries that share one resource are not queued behind each other.
 
 from __future__ import annotations
 
+import heapq
 from collections import defaultdict, deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -365,11 +366,16 @@ def largest_remainder_shares(devices: Sequence[str], speeds: Sequence[float], sa
     order = sorted(range(k), key=lambda j: (-(ideal[j] - out[j]), j))
     for j in order[: samples - sum(out)]:
         out[j] += 1
-    for j in range(k):  # a device rounded to 0 takes one sample from the most loaded device
-        if out[j] == 0:
-            donor = max(range(k), key=lambda x: ((out[x] - 1) / speeds[x] if out[x] > 1 else -1.0, -x))
+    zeros = [j for j in range(k) if out[j] == 0]
+    if zeros:  # each device rounded to 0 takes one sample from the most loaded device
+        heap = [(-(out[x] - 1) / speeds[x], x) for x in range(k) if out[x] > 1]
+        heapq.heapify(heap)
+        for j in zeros:
+            _, donor = heapq.heappop(heap)
             out[donor] -= 1
             out[j] = 1
+            if out[donor] > 1:
+                heapq.heappush(heap, (-(out[donor] - 1) / speeds[donor], donor))
     return tuple(out)
 
 
@@ -430,7 +436,7 @@ class RangeTables:
     """
 
     def __init__(self, cluster: Cluster, model: ModelProfile, syncs: Sequence[str] = ("allreduce-ring",),
-                 grid_points: int = 8) -> None:
+                 grid_points: int = 6) -> None:
         self.cluster, self.model, self.syncs, self.grid_points = cluster, model, tuple(syncs), grid_points
         n = model.num_layers
         params = np.concatenate([[0.0], np.cumsum([la.parameter_count for la in model.layers])])
@@ -481,7 +487,11 @@ class RangeTables:
             if len(devices) > 1 and grad.max() > 0:
                 positive = grad[grad > 0]
                 xs = np.unique(np.geomspace(positive.min(), positive.max(), self.grid_points))
-                ys = [min(allreduce_s(self.cluster, devices, float(x), s) for s in self.syncs) for x in xs]
+                nodes = [self.cluster.device(d).node for d in devices]
+                # hierarchical equals ring unless some node holds several of the devices and there are
+                # several nodes
+                syncs = self.syncs if 1 < len(set(nodes)) < len(nodes) else self.syncs[:1]
+                ys = [min(allreduce_s(self.cluster, devices, float(x), s) for s in syncs) for x in xs]
                 got = np.where(grad > 0, np.interp(grad, xs, ys), 0.0)
             self._allreduce[devices] = got
         return got

@@ -146,14 +146,29 @@ def _units(cluster: Cluster, threshold_s: float) -> list[tuple[str, ...]]:
 
 
 def _distance_matrix(cluster: Cluster, units: list[tuple[str, ...]]) -> np.ndarray:
-    """Symmetric 1 MB times between unit representatives (the worse direction)."""
+    """Symmetric 1 MB times between unit representatives (the worse direction).
+
+    Units whose node and devices no link entry names resolve their links from the declared
+    islands alone (see [Note: link resources] in :mod:`deepcee.cluster`), so one lookup per
+    pair of declared islands serves them all.
+    """
+    named = {e.a for e in cluster.links} | {e.b for e in cluster.links}
+    plain = [not (cluster.device(u[0]).node in named or any(d in named for d in u)) for u in units]
+    isl = [cluster.device(u[0]).island for u in units]
+    cache: dict[tuple[str, str], float] = {}
     n = len(units)
     dist = np.zeros((n, n))
     for i in range(n):
         a = units[i][0]
         for j in range(i + 1, n):
             b = units[j][0]
-            dist[i, j] = dist[j, i] = max(distance_s(cluster.link(a, b)), distance_s(cluster.link(b, a)))
+            key = (isl[i], isl[j]) if plain[i] and plain[j] else None
+            d = cache.get(key) if key else None
+            if d is None:
+                d = max(distance_s(cluster.link(a, b)), distance_s(cluster.link(b, a)))
+                if key:
+                    cache[key] = d
+            dist[i, j] = dist[j, i] = d
     return dist
 
 
