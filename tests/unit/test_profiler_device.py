@@ -75,6 +75,16 @@ def test_probe_on_a_tiny_net_is_positive_and_grows_with_the_microbatch():
         assert la.timing.time_s("B", 64) > la.timing.time_s("B", 1) > 0
     # the first layer has no input gradient in the runtime either: its I is only bookkeeping
     assert layers[0].passes["I"].per_sample_s < layers[0].passes["W"].per_sample_s
+    assert layers[0].first_stage == layers[0].passes
+    # any layer as part of a first stage: no input gradient, I shrinks to bookkeeping
+    first = layers[2].first_stage
+    assert first["I"].median_s[2] < 0.5 * layers[2].passes["I"].median_s[2]
+    assert first["W"].median_s[2] > 0
+    # a layer without parameters in a first stage has nothing to differentiate
+    assert layers[1].first_stage["I"].median_s == (0.0,) * 3 and layers[1].first_stage["W"].fixed_s == 0
+    # the fused backward (GPipe, 1F1B) is cheaper than the split one (I + W)
+    for la in (layers[2], layers[3]):
+        assert la.passes["B"].median_s[2] < la.passes["I"].median_s[2] + la.passes["W"].median_s[2]
     # memory: parameters + gradients at least; saved activations per sample positive for the linears
     params = sum(p.numel() * 4 for p in _mlp()[0].parameters())
     assert layers[0].peak_memory_bytes >= 2 * params

@@ -21,6 +21,7 @@ from deepcee.profiler.device import (
 )
 from deepcee.profiler.model import (
     base_profile,
+    kind_lines,
     kind_timings,
     measured_kind,
     measured_profile,
@@ -40,14 +41,17 @@ def _pass(fixed: float, slope: float) -> PassFit:
 
 def synthetic_probe(device: str, factor: float, *, layers: int = 6, kind: str = "cpu-worker",
                     score: float = 4e10) -> DeviceProbe:
-    """Layer i: F = (1 + i) x 0.1 ms fixed + 0.2 ms per sample, I = 1.5 F, W = 1.2 F, all times ``factor``."""
+    """Layer i: F = (1 + i) x 0.1 ms fixed + 0.2 ms per sample, I = 1.5 F, W = 1.2 F, fused B = 2 F
+    (first stage: I = 0.1 F fixed only, W = B / 0.9 = 2 F), all times ``factor``."""
     out = []
     for i in range(layers):
         f = ((1 + i) * 1e-4 * factor, 2e-4 * factor)
         out.append(LayerProbe(name=f"l{i}", microbatch_sizes=SIZES, rounds=5, peak_memory_bytes=1e6,
                               activation_bytes_per_sample=1e4,
                               passes={"F": _pass(*f), "I": _pass(1.5 * f[0], 1.5 * f[1]),
-                                      "W": _pass(1.2 * f[0], 1.2 * f[1])}))
+                                      "W": _pass(1.2 * f[0], 1.2 * f[1]), "B": _pass(2 * f[0], 2 * f[1])},
+                              first_stage={"F": _pass(*f), "I": _pass(0.1 * f[0], 0.0),
+                                           "W": _pass(2 * f[0], 2 * f[1]), "B": _pass(1.8 * f[0], 1.8 * f[1])}))
     return DeviceProbe(device=device, torch_device="cpu", kind=kind, timer="thread-cpu", memory_method=MEMORY_CPU,
                        slowdown=1.0, dilation=1.0, emulated=False, layers=tuple(out),
                        score=ComputeScore(flops_per_s=score / factor, benchmarks={}), wall_s=1.0)
@@ -62,6 +66,12 @@ def test_slowdowns_are_relative_to_the_fastest_device_of_each_kind():
     # every device, divided by its slowdown, is the kind's reference: the mean reproduces it exactly
     assert t["cpu-worker"][0].forward == pytest.approx((1e-4, 2e-4))
     assert t["other"][0].forward == pytest.approx((1.5e-4, 3e-4))
+    first = kind_timings(probes, slow, first_stage=True)
+    assert first["cpu-worker"][0].input_grad == pytest.approx((1e-5, 0.0))
+    assert first["cpu-worker"][0].weight_grad == pytest.approx((2e-4, 4e-4))
+    lines = kind_lines(probes, slow)
+    assert lines["cpu-worker"][1]["B"] == pytest.approx((4e-4, 4e-4))
+    assert kind_lines(probes, slow, first_stage=True)["other"][1]["B"] == pytest.approx((1.8 * 3e-4, 1.8 * 3e-4))
 
 
 def test_measured_profile_round_trips_and_drives_time_s():

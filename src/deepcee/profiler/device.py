@@ -7,8 +7,11 @@ What is timed is what runs: every layer (block) of the net is wrapped in the run
 (:meth:`~deepcee.runtime.stage.StageRunner.backward_weight`) actions, so the split-backward
 graph analysis the runtime pays in ``I`` is in the figures.
 
-Per layer and microbatch size (default 1, 2, 4, 8): ``warmup`` rounds, then ``repeats``
-rounds; sizes are interleaved inside each round so slow drift of the host does not bend the
+Each round runs two microbatches per size: ``F``, ``I``, ``W`` (the split backward of the
+zero-bubble schedules) and ``F``, ``B`` (the fused backward,
+:meth:`~deepcee.runtime.stage.StageRunner.backward`, that GPipe and 1F1B run; cheaper than
+``I + W``, which walks the graph and calls autograd once per weight group). Per layer and
+microbatch size (default 1, 2, 4, 8): ``warmup`` rounds, then ``repeats`` rounds; sizes are interleaved inside each round so slow drift of the host does not bend the
 fit; the figure per size is the median over rounds. A line ``fixed_s + per_sample_s x n`` is
 fitted per pass by non-negative least squares (:func:`fit_line`), giving a
 :class:`deepcee.profile.LayerTiming`.
@@ -37,6 +40,15 @@ fitted per pass by non-negative least squares (:func:`fit_line`), giving a
   ``saved_tensors_hooks``, each storage once, parameters excluded) + the output and its
   gradient. The saved bytes per sample are also reported (``activation_bytes_per_sample``),
   to compare with the analytic profile's ``activation_bytes``.
+
+[Note: first-stage timings]
+A stage whose input needs no gradient (the first stage: its input is the data) skips the
+input-gradient computation: its ``I`` only walks the graph, and its ``W`` is one backward for
+all its parameters, cheaper than the ``I`` + ``W`` of the same layers inside a later stage
+(gpt-tiny on one CPU core: 1.4-2x). One line per layer and pass cannot hold both, and the
+profile data model (:class:`deepcee.profile.LayerTiming`) has one, so the profile gets the
+inner-stage lines; with ``first_stage`` (default) the probe also times every layer run as a
+first stage (``StageRunner(is_first=True)``) and ``probes.json`` keeps both sets.
 
 A compute score per device (:func:`compute_score`) times a fixed benchmark set (three
 square matmuls and a 3x3 convolution, sizes per device type) through the same timer, so
@@ -67,7 +79,9 @@ from deepcee.runtime.stage import StageRunner
 log = logging.getLogger(__name__)
 
 CpuTimer = Literal["thread", "wall"]
-PASSES: tuple[str, ...] = ("F", "I", "W")
+PASSES: tuple[str, ...] = ("F", "I", "W", "B")
+"""Forward, input gradient, weight gradient (split backward), and the fused backward ``B``."""
+SPLIT: tuple[str, ...] = ("F", "I", "W")
 MEMORY_CUDA = "cuda max_memory_allocated over one F/I/W of the largest microbatch (+ parameters)"
 MEMORY_CPU = "estimate from tensor sizes: parameters, gradients, saved tensors, output and its gradient"
 
@@ -86,6 +100,8 @@ class ProbeConfig:
     cpu_timer: CpuTimer = "thread"
     """See [Note: probe timers]."""
     score_repeats: int = 5
+    first_stage: bool = True
+    """Also time every layer as part of a first stage; see [Note: first-stage timings]."""
 
     def __post_init__(self) -> None:
         sizes = self.microbatch_sizes
@@ -120,7 +136,10 @@ class LayerProbe:
     name: str
     microbatch_sizes: tuple[int, ...]
     passes: dict[str, PassFit]
-    """``F``, ``I``, ``W``."""
+    """``F``, ``I``, ``W`` of the layer inside a stage (its input needs a gradient)."""
+    first_stage: dict[str, PassFit] | None
+    """The same in a first stage (input without gradient); ``None`` when not probed.
+    See [Note: first-stage timings]."""
     rounds: int
     peak_memory_bytes: float
     """At the largest microbatch size; see [Note: probe memory]."""
@@ -131,9 +150,17 @@ class LayerProbe:
 
     @property
     def timing(self) -> LayerTiming:
-        f, i, w = (self.passes[p] for p in PASSES)
-        return LayerTiming(forward=(f.fixed_s, f.per_sample_s), input_grad=(i.fixed_s, i.per_sample_s),
-                           weight_grad=(w.fixed_s, w.per_sample_s))
+        return _timing(self.passes)
+
+    @property
+    def first_stage_timing(self) -> LayerTiming | None:
+        return None if self.first_stage is None else _timing(self.first_stage)
+
+
+def _timing(passes: dict[str, PassFit]) -> LayerTiming:
+    f, i, w = (passes[p] for p in SPLIT)
+    return LayerTiming(forward=(f.fixed_s, f.per_sample_s), input_grad=(i.fixed_s, i.per_sample_s),
+                       weight_grad=(w.fixed_s, w.per_sample_s))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -257,6 +284,10 @@ def _fresh_grad(out: torch.Tensor, seed: int) -> torch.Tensor:
     return torch.randn(out.shape, generator=g, dtype=out.dtype).to(out.device)
 
 
+def _trainable(module: nn.Module) -> bool:
+    return any(p.requires_grad for p in module.parameters())
+
+
 def _param_bytes(module: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in module.parameters())
 
@@ -296,11 +327,27 @@ def _memory(runner: StageRunner, x: torch.Tensor, targets: torch.Tensor | None, 
     return peak, act / n
 
 
-def _probe_layer(i: int, name: str, runner: StageRunner, x: torch.Tensor, targets: torch.Tensor | None,
+def _microbatches(runner: StageRunner, timer: _Timer, mb: int, x: torch.Tensor, targets: torch.Tensor | None,
+                  grad: torch.Tensor | None) -> tuple[dict[str, list[float]], torch.Tensor]:
+    """Two microbatches through ``runner``: ``F, I, W`` (split) and ``F, B`` (fused); their times and
+    the output (for its gradient)."""
+    out, tf = timer.run(partial(runner.forward, mb, x, targets))
+    if grad is None and not runner.is_last:
+        grad = _fresh_grad(out, x.shape[0])
+    _, ti = timer.run(partial(runner.backward_input, mb, grad))
+    _, tw = timer.run(partial(runner.backward_weight, mb))
+    _, tf2 = timer.run(partial(runner.forward, mb + 1, x, targets))
+    _, tb = timer.run(partial(runner.backward, mb + 1, grad))
+    return {"F": [tf, tf2], "I": [ti], "W": [tw], "B": [tb]}, out
+
+
+def _probe_layer(i: int, name: str, runners: Sequence[StageRunner], x: torch.Tensor, targets: torch.Tensor | None,
                  timer: _Timer, cfg: ProbeConfig, budget_s: float) -> LayerProbe:
+    """``runners[0]``: the layer as it runs inside a stage; ``runners[1]`` (optional): the layer in a
+    first stage (input without gradient). See [Note: first-stage timings]."""
     sizes = cfg.microbatch_sizes
     grads: dict[int, torch.Tensor | None] = {n: None for n in sizes}  # output gradients, made once per size
-    times: dict[str, list[list[float]]] = {p: [[] for _ in sizes] for p in PASSES}
+    times = [{p: [[] for _ in sizes] for p in PASSES} for _ in runners]
     mb, t_start, rounds = 0, time.monotonic(), 0
     for rnd in range(cfg.warmup + cfg.repeats):
         measured = rnd >= cfg.warmup
@@ -309,22 +356,27 @@ def _probe_layer(i: int, name: str, runner: StageRunner, x: torch.Tensor, target
             break
         for k, n in enumerate(sizes):
             xn, tn = x[:n], None if targets is None else targets[:n]
-            out, tf = timer.run(partial(runner.forward, mb, xn, tn))
-            if not runner.is_last and grads[n] is None:
-                grads[n] = _fresh_grad(out, n)
-            _, ti = timer.run(partial(runner.backward_input, mb, grads[n]))
-            _, tw = timer.run(partial(runner.backward_weight, mb))
-            mb += 1
-            if measured:
-                for p, t in zip(PASSES, (tf, ti, tw), strict=True):
-                    times[p][k].append(t)
+            for runner, store in zip(runners, times, strict=True):
+                ts, out = _microbatches(runner, timer, mb, xn, tn, grads[n])
+                if grads[n] is None and not runner.is_last:
+                    grads[n] = _fresh_grad(out, n)
+                mb += 2
+                if measured:
+                    for p, t in ts.items():
+                        store[p][k] += t
         rounds += measured
-        runner.zero_grad()
+        runners[0].zero_grad()
     pacing = timer.take_pacing()
-    peak, act = _memory(runner, x, targets, max(sizes))
-    fits = {p: _pass_fit(sizes, times[p]) for p in PASSES}
-    log.debug("layer %d %s: F %s", i, name, fits["F"])
-    return LayerProbe(name=name, microbatch_sizes=tuple(sizes), passes=fits, rounds=rounds,
+    peak, act = _memory(runners[0], x, targets, max(sizes))
+    fits = [{p: _pass_fit(sizes, t[p]) for p in PASSES} for t in times]
+    first = fits[-1] if len(fits) > 1 or i == 0 else None
+    if first is None and cfg.first_stage and not runners[0].params:
+        # no parameters and an input without gradient: nothing to differentiate in a first stage
+        zero = PassFit(median_s=(0.0,) * len(sizes), iqr_s=(0.0,) * len(sizes), fixed_s=0.0, per_sample_s=0.0,
+                       max_residual_fraction=0.0)
+        first = {"F": fits[0]["F"], "I": zero, "W": zero, "B": zero}
+    log.debug("layer %d %s: F %s", i, name, fits[0]["F"])
+    return LayerProbe(name=name, microbatch_sizes=tuple(sizes), passes=fits[0], first_stage=first, rounds=rounds,
                       peak_memory_bytes=peak, activation_bytes_per_sample=act, pacing_ratio=pacing)
 
 
@@ -355,10 +407,11 @@ def probe_blocks(blocks: Sequence[nn.Module], *, inputs: torch.Tensor, targets: 
     out = []
     for i, (name, block) in enumerate(zip(names, moved, strict=True)):
         last = i == len(moved) - 1
-        runner = StageRunner([block], stage=i, is_first=i == 0, is_last=last, loss_fn=loss_fn,
-                             device=device, dtype=dtype)
+        runners = [StageRunner([block], stage=i, is_first=first, is_last=last, loss_fn=loss_fn, device=device,
+                               dtype=dtype)
+                   for first in ((i == 0, True) if cfg.first_stage and i > 0 and _trainable(block) else (i == 0,))]
         budget = cfg.time_budget_s / len(moved)
-        out.append(_probe_layer(i, name, runner, xs[i], targets[:n_max].to(device) if last else None,
+        out.append(_probe_layer(i, name, runners, xs[i], targets[:n_max].to(device) if last else None,
                                 timer, cfg, budget))
     return tuple(out), timer.name
 
@@ -492,13 +545,23 @@ def probe_to_dict(p: DeviceProbe) -> dict[str, Any]:
         "layers": [
             {"name": la.name, "microbatch_sizes": list(la.microbatch_sizes), "rounds": la.rounds,
              "peak_memory_bytes": la.peak_memory_bytes, "activation_bytes_per_sample": la.activation_bytes_per_sample,
-             "pacing_ratio": la.pacing_ratio,
-             "passes": {k: {"median_s": list(f.median_s), "iqr_s": list(f.iqr_s), "fixed_s": f.fixed_s,
-                            "per_sample_s": f.per_sample_s, "max_residual_fraction": f.max_residual_fraction}
-                        for k, f in la.passes.items()}}
+             "pacing_ratio": la.pacing_ratio, "passes": _passes_to_dict(la.passes),
+             "first_stage": None if la.first_stage is None else _passes_to_dict(la.first_stage)}
             for la in p.layers
         ],
     }
+
+
+def _passes_to_dict(passes: dict[str, PassFit]) -> dict[str, Any]:
+    return {k: {"median_s": list(f.median_s), "iqr_s": list(f.iqr_s), "fixed_s": f.fixed_s,
+                "per_sample_s": f.per_sample_s, "max_residual_fraction": f.max_residual_fraction}
+            for k, f in passes.items()}
+
+
+def _passes_from_dict(d: dict[str, Any]) -> dict[str, PassFit]:
+    return {k: PassFit(median_s=tuple(f["median_s"]), iqr_s=tuple(f["iqr_s"]), fixed_s=f["fixed_s"],
+                       per_sample_s=f["per_sample_s"], max_residual_fraction=f["max_residual_fraction"])
+            for k, f in d.items()}
 
 
 def probe_from_dict(d: dict[str, Any]) -> DeviceProbe:
@@ -507,10 +570,8 @@ def probe_from_dict(d: dict[str, Any]) -> DeviceProbe:
             LayerProbe(name=la["name"], microbatch_sizes=tuple(la["microbatch_sizes"]), rounds=la["rounds"],
                        peak_memory_bytes=la["peak_memory_bytes"],
                        activation_bytes_per_sample=la["activation_bytes_per_sample"], pacing_ratio=la["pacing_ratio"],
-                       passes={k: PassFit(median_s=tuple(f["median_s"]), iqr_s=tuple(f["iqr_s"]), fixed_s=f["fixed_s"],
-                                          per_sample_s=f["per_sample_s"],
-                                          max_residual_fraction=f["max_residual_fraction"])
-                               for k, f in la["passes"].items()})
+                       passes=_passes_from_dict(la["passes"]),
+                       first_stage=None if la.get("first_stage") is None else _passes_from_dict(la["first_stage"]))
             for la in d["layers"]
         )
         return DeviceProbe(device=d["device"], torch_device=d["torch_device"], kind=d["kind"], timer=d["timer"],

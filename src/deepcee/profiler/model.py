@@ -57,26 +57,46 @@ def measured_slowdowns(probes: Sequence[DeviceProbe]) -> dict[str, float]:
     return out
 
 
-def kind_timings(probes: Sequence[DeviceProbe], slowdowns: Mapping[str, float]) -> dict[str, tuple[LayerTiming, ...]]:
-    """Kind -> per-layer timings at slowdown 1 (mean of its devices' fits / their slowdown)."""
+Line = tuple[float, float]
+"""``(fixed_s, per_sample_s)``."""
+
+
+def kind_lines(probes: Sequence[DeviceProbe], slowdowns: Mapping[str, float], *,
+               first_stage: bool = False) -> dict[str, tuple[dict[str, Line], ...]]:
+    """Kind -> per layer, pass (``F``, ``I``, ``W``, ``B``) -> line at slowdown 1: the mean of its
+    devices' fitted lines, each divided by the device's slowdown.
+
+    ``first_stage``: the layers' lines as part of a first stage (see [Note: first-stage
+    timings] in :mod:`deepcee.profiler.device`); kinds whose probes lack them are left out.
+    """
     by_kind: dict[str, list[DeviceProbe]] = defaultdict(list)
     for p in probes:
         by_kind[p.kind].append(p)
     out = {}
     for kind, ps in by_kind.items():
+        if first_stage and any(la.first_stage is None for p in ps for la in p.layers):
+            continue
         names = [la.name for la in ps[0].layers]
         if any([la.name for la in p.layers] != names for p in ps):
             raise ProfileError(f"devices of kind {kind!r} probed different layers")
         layers = []
         for i in range(len(names)):
             line = {}
-            for pas, fld in _FIELDS.items():
-                fixed = statistics.fmean(p.layers[i].passes[pas].fixed_s / slowdowns[p.device] for p in ps)
-                slope = statistics.fmean(p.layers[i].passes[pas].per_sample_s / slowdowns[p.device] for p in ps)
-                line[fld] = (fixed, slope)
-            layers.append(LayerTiming(**line))
+            for pas in PASSES:
+                fits = [(p.layers[i].first_stage if first_stage else p.layers[i].passes)[pas] for p in ps]
+                scale = [1 / slowdowns[p.device] for p in ps]
+                line[pas] = (statistics.fmean(f.fixed_s * c for f, c in zip(fits, scale, strict=True)),
+                             statistics.fmean(f.per_sample_s * c for f, c in zip(fits, scale, strict=True)))
+            layers.append(line)
         out[kind] = tuple(layers)
     return out
+
+
+def kind_timings(probes: Sequence[DeviceProbe], slowdowns: Mapping[str, float], *,
+                 first_stage: bool = False) -> dict[str, tuple[LayerTiming, ...]]:
+    """:func:`kind_lines` as the profile's :class:`~deepcee.profile.LayerTiming` (``F``, ``I``, ``W``)."""
+    return {kind: tuple(LayerTiming(**{fld: lines[p] for p, fld in _FIELDS.items()}) for lines in layers)
+            for kind, layers in kind_lines(probes, slowdowns, first_stage=first_stage).items()}
 
 
 def measured_profile(base: ModelProfile, probes: Sequence[DeviceProbe], *, source: str) -> ModelProfile:

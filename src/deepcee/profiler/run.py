@@ -65,7 +65,13 @@ from deepcee.profiler.device import (
     probe_from_dict,
     probe_to_dict,
 )
-from deepcee.profiler.model import base_profile, measured_kind, measured_profile, measured_slowdowns
+from deepcee.profiler.model import (
+    base_profile,
+    kind_lines,
+    measured_kind,
+    measured_profile,
+    measured_slowdowns,
+)
 from deepcee.profiler.network import LinkFit, NetworkBudget, PairMode, link_entries, probe_network
 from deepcee.runtime import dist as rdist
 from deepcee.runtime.emulation import (
@@ -211,6 +217,17 @@ def groups_text(grouping: Grouping) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _kind_lines_dict(probes: Sequence[DeviceProbe]) -> dict[str, Any]:
+    """Per kind, the per-layer ``F``/``I``/``W``/``B`` lines inside a stage and in a first stage."""
+    slow = measured_slowdowns(probes)
+    inner, first = kind_lines(probes, slow), kind_lines(probes, slow, first_stage=True)
+
+    def rows(layers: Sequence[dict[str, tuple[float, float]]]) -> list[dict[str, list[float]]]:
+        return [{p: list(v) for p, v in layer.items()} for layer in layers]
+
+    return {kind: {"layers": rows(layers), "first_stage": rows(first.get(kind, ()))} for kind, layers in inner.items()}
+
+
 def probes_dict(cluster: Cluster, model: str, probes: Sequence[DeviceProbe], fits: Sequence[LinkFit], mode: PairMode,
                 *, emulated: bool, dilation: float, network_dilation: float, cores: float, config: ProbeConfig,
                 budget: NetworkBudget) -> dict[str, Any]:
@@ -219,6 +236,7 @@ def probes_dict(cluster: Cluster, model: str, probes: Sequence[DeviceProbe], fit
         "emulated": emulated, "dilation": dilation, "network_dilation": network_dilation, "cores": cores,
         "device_config": asdict(config), "network_budget": asdict(budget),
         "slowdowns": measured_slowdowns(probes),
+        "kind_lines": _kind_lines_dict(probes),
         "devices": [probe_to_dict(p) for p in probes],
         "links": {"mode": mode, "fits": [f.to_dict() for f in fits]},
     }
