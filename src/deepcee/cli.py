@@ -239,6 +239,16 @@ def cmd_schedule_show(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_demo(args: argparse.Namespace) -> int:
+    from deepcee.demo import DemoConfig, format_report, run_demo
+
+    cfg = DemoConfig(scenario=args.scenario, model=args.model, global_batch=args.global_batch, steps=args.steps,
+                     out_dir=args.out, quick_profile=not args.full_profile)
+    report = run_demo(cfg)
+    print(format_report(report))
+    return 0
+
+
 # ---------------------------------------------------------------------------------------
 
 
@@ -258,6 +268,16 @@ def _add_cluster_args(p: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="deepcee", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("demo", help="the main job: profile, group, plan and train on an emulated cluster "
+                       "(deepcee vs DDP vs 1F1B)")
+    p.add_argument("--scenario", default="local-small")
+    p.add_argument("--model", default="gpt-tiny", help="gpt-tiny or resnet-tiny")
+    p.add_argument("--global-batch", type=int, default=32)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--out", default="reports/demo", help="report folder")
+    p.add_argument("--full-profile", action="store_true", help="probe every device pair with the full budget")
+    p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("scenarios", help="list built-in clusters")
     p.set_defaults(func=cmd_scenarios)
