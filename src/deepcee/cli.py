@@ -266,7 +266,11 @@ def _add_cluster_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="deepcee", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="deepcee",
+        description="deepcee: plan, simulate and run training across cloud, edge and end devices over slow links.",
+        epilog="Start with `deepcee demo` (the main job) or `deepcee scenarios`.",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("demo", help="the main job: profile, group, plan and train on an emulated cluster "
@@ -278,6 +282,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="reports/demo", help="report folder")
     p.add_argument("--full-profile", action="store_true", help="probe every device pair with the full budget")
     p.set_defaults(func=cmd_demo)
+
+    sub.add_parser("train", help="train with a plan on local processes (see `deepcee train --help`)",
+                   add_help=False)
 
     p = sub.add_parser("scenarios", help="list built-in clusters")
     p.set_defaults(func=cmd_scenarios)
@@ -326,6 +333,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["train"]:
+        # `deepcee train ...` is `python -m deepcee.train ...` (the same entry torchrun uses)
+        from deepcee.train import main as train_main
+
+        return train_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     func: Callable[[argparse.Namespace], int] = args.func

@@ -28,7 +28,7 @@ from deepcee.errors import DeepceeError
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m deepcee.train", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="deepcee train", description=__doc__.split("\n")[0])
     p.add_argument("--plan", required=True, help="plan.json written by `deepcee plan`")
     p.add_argument("--cluster", help="cluster file or scenario name (default: the plan's cluster scenario)")
     p.add_argument("--model", help="built-in net (default: the plan's model): gpt-tiny, resnet-tiny")
