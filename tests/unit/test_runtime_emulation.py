@@ -13,7 +13,6 @@ from deepcee.runtime.emulation import (
     MemoryLedger,
     choose_dilation,
     padded_wall_s,
-    ring_allreduce_s,
 )
 
 
@@ -108,8 +107,3 @@ def test_file_ledger_is_shared_and_fifo(tmp_path):
     assert b.reserve("x->z", 10.5, 1.0) == 10.5
 
 
-def test_ring_allreduce_time():
-    links = [_link(latency_s=0.001, bw=1e9), _link(latency_s=0.002, bw=1e8)]
-    # 2 devices: 2 steps of nbytes/2 on the slowest link, worst latency
-    assert ring_allreduce_s(1e6, links) == pytest.approx(2 * (0.002 + 0.5e6 / 1e8))
-    assert ring_allreduce_s(1e6, links[:1]) == 0.0

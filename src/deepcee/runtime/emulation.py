@@ -16,8 +16,9 @@ time. Transfers of several processes on one resource share a :class:`FileLedger`
 ``flock``-ed file per resource), so queueing is global; unit tests use :class:`MemoryLedger`
 and an injected clock. Bandwidth traces are read at the transfer's start in emulated time.
 
-Intra-stage gradient all-reduce: after the real all-reduce, each rank waits ``D x`` the
-ring alpha-beta time on the stage's slowest link (:func:`ring_allreduce_s`), a model-based
+Intra-stage gradient all-reduce: the real all-reduce runs, and each rank then waits until
+``D x`` the simulator's all-reduce time on the emulated links
+(:func:`deepcee.simulator.collectives.allreduce_s`) has passed since it started: a model-based
 delay rather than per-message shaping; reports say so.
 
 Every figure reported from an emulated run is wall time divided by ``D``.
@@ -31,12 +32,12 @@ import os
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Protocol
 
-from deepcee.cluster import Cluster, Link
+from deepcee.cluster import Link
 from deepcee.errors import SpecError
 
 Mode = Literal["emulated", "real"]
@@ -45,7 +46,7 @@ DEFAULT_CORES = 1.2
 EMULATED_FIGURES: tuple[str, ...] = (
     "device compute speed (CPU time x slowdown x D)",
     "link latency and bandwidth (delivery delayed, FIFO per link resource)",
-    "intra-stage all-reduce time (ring alpha-beta model on the stage's slowest link)",
+    "intra-stage all-reduce time (the simulator's ring/hierarchical model on the emulated links)",
 )
 
 
@@ -174,23 +175,6 @@ class LinkShaper:
         busy = self.dilation * nbytes / bandwidth
         start = self.ledger.reserve(link.resource, ready, busy)
         return start + busy + self.dilation * link.latency_s
-
-
-def ring_allreduce_s(nbytes: float, links: Sequence[Link]) -> float:
-    """Ring all-reduce of ``nbytes`` over ``len(links)`` devices: ``2(k-1)`` steps on the slowest link."""
-    k = len(links)
-    if k < 2:
-        return 0.0
-    latency = max(lk.latency_s for lk in links)
-    bandwidth = min(lk.bandwidth_bytes_per_s for lk in links)
-    return 2 * (k - 1) * (latency + nbytes / k / bandwidth)
-
-
-def ring_links(cluster: Cluster, devices: Sequence[str]) -> list[Link]:
-    """The links of the ring ``devices[0] -> devices[1] -> ... -> devices[0]``."""
-    if len(devices) < 2:
-        return []
-    return [cluster.link(a, b) for a, b in zip(devices, [*devices[1:], devices[0]], strict=True)]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -50,13 +50,12 @@ from deepcee.runtime.emulation import (
     Mode,
     choose_dilation,
     emulation_info,
-    ring_allreduce_s,
-    ring_links,
 )
 from deepcee.runtime.executor import Feeds, StepRecord, run_step, schedule_for
 from deepcee.runtime.p2p import P2P, TensorMeta, exchange_metadata
 from deepcee.runtime.partition import Topology
 from deepcee.runtime.stage import StageRunner
+from deepcee.simulator.collectives import allreduce_s
 
 log = logging.getLogger(__name__)
 
@@ -301,8 +300,10 @@ class Trainer:
             offset += g.numel()
         if self.cfg.mode == "emulated":
             devices = self.plan.stages[self.placement.stage].devices
-            model_s = ring_allreduce_s(flat.numel() * flat.element_size(), ring_links(self.cluster, devices))
-            self.clock.sleep_until(self.clock.wall() + model_s * self.dilation)
+            # The simulator's all-reduce model on the emulated links (one model for both), counted
+            # from the start of the real all-reduce, which overlaps it.
+            model_s = allreduce_s(self.cluster, devices, flat.numel() * flat.element_size(), self.plan.sync)
+            self.clock.sleep_until(t0 + model_s * self.dilation)
         return self.clock.wall() - t0
 
     def _gather(self, obj: Any) -> list[Any] | None:
