@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from test_profiler_model import synthetic_probe
 
 from deepcee.cluster import Cluster, Device, DeviceKind, Island, LinkSpec, Node
 from deepcee.models import get_model
@@ -13,8 +14,6 @@ from deepcee.planner.grouping import group_devices
 from deepcee.profiler.model import measured_profile
 from deepcee.profiler.network import LinkFit
 from deepcee.profiler.run import groups_text, measured_cluster
-
-from test_profiler_model import synthetic_probe
 
 LAN = LinkSpec(latency_s=50e-6, bandwidth_bytes_per_s=1.25e9)
 # hidden truth: island -> nodes -> per-device speed factor (time multiplier)

@@ -134,7 +134,7 @@ def measured_kind(declared: DeviceKind, probes: Sequence[DeviceProbe], profile: 
         per_layer_overhead_s=statistics.median(fixed),
         source=(f"measured by deepcee profile on {how}device {ref.device} ({ref.timer}): benchmark "
                 f"{peak / 1e9:.3g} GFLOP/s, {profile.name} reached {achieved / 1e9:.3g} GFLOP/s at microbatch {n}; "
-                f"memory as declared ({declared.source or 'cluster file'})"),
+                f"memory as declared"),
     )
 
 

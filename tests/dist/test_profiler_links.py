@@ -18,11 +18,13 @@ pytestmark = pytest.mark.dist
 DEADLINE_S = 55.0
 LAN = LinkSpec(latency_s=50e-6, bandwidth_bytes_per_s=1.25e9)
 MBIT = 1e6 / 8
-# (src island, dst island) -> (latency_s, bandwidth_bytes_per_s); a<->c is asymmetric
+# (src island, dst island) -> (latency_s, bandwidth_bytes_per_s); a<->c is asymmetric. Latencies
+# are >= 12 ms: the fit also sees the real cost of a loopback transfer (0.1-0.5 ms here, more on
+# a busy host), which must stay well inside the 10% tolerance.
 TRUTH = {
     ("a", "b"): (20e-3, 100 * MBIT), ("b", "a"): (20e-3, 100 * MBIT),
-    ("a", "c"): (10e-3, 50 * MBIT), ("c", "a"): (10e-3, 200 * MBIT),
-    ("b", "c"): (5e-3, 200 * MBIT), ("c", "b"): (5e-3, 200 * MBIT),
+    ("a", "c"): (15e-3, 50 * MBIT), ("c", "a"): (15e-3, 200 * MBIT),
+    ("b", "c"): (12e-3, 200 * MBIT), ("c", "b"): (12e-3, 200 * MBIT),
 }
 
 
