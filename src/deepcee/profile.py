@@ -72,17 +72,41 @@ class LayerProfile:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class LayerTiming:
-    """Measured time of one layer on one device kind: ``fixed_s + per_sample_s x n`` per pass."""
+    """Measured time of one layer on one device kind: ``fixed_s + per_sample_s x n`` per pass.
+
+    ``backward`` is the fused backward (``B``) when it was measured: it costs less than I + W
+    run separately (one autograd walk instead of two). ``first_stage`` holds the layer's
+    timings when it runs in a stage that starts at layer 0, where no input gradient is needed.
+    """
 
     forward: tuple[float, float]
     input_grad: tuple[float, float]
     weight_grad: tuple[float, float]
+    backward: tuple[float, float] | None = None
+    first_stage: LayerTiming | None = None
 
     def time_s(self, pass_: Pass, samples: float) -> float:
-        if pass_ == "B":
+        if pass_ == "B" and self.backward is None:
             return self.time_s("I", samples) + self.time_s("W", samples)
-        a, b = {"F": self.forward, "I": self.input_grad, "W": self.weight_grad}[pass_]
+        a, b = {"F": self.forward, "I": self.input_grad, "W": self.weight_grad, "B": self.backward}[pass_]
         return max(0.0, a + b * samples)
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"forward": list(self.forward), "input_grad": list(self.input_grad),
+                             "weight_grad": list(self.weight_grad)}
+        if self.backward is not None:
+            d["backward"] = list(self.backward)
+        if self.first_stage is not None:
+            d["first_stage"] = self.first_stage.to_dict()
+        return d
+
+    @staticmethod
+    def from_dict(d: Mapping[str, Any]) -> LayerTiming:
+        return LayerTiming(
+            forward=tuple(d["forward"]), input_grad=tuple(d["input_grad"]), weight_grad=tuple(d["weight_grad"]),
+            backward=tuple(d["backward"]) if d.get("backward") is not None else None,
+            first_stage=LayerTiming.from_dict(d["first_stage"]) if d.get("first_stage") else None,
+        )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -164,6 +188,8 @@ class ModelProfile:
             return 0.0
         timings = self.measured.get(kind.name)
         if timings is not None:
+            if start == 0:  # a first stage computes no gradient for its input
+                return slowdown * sum((t.first_stage or t).time_s(pass_, samples) for t in timings[start:stop])
             return slowdown * sum(t.time_s(pass_, samples) for t in timings[start:stop])
         flops = sum(layer.flops(pass_) for layer in self.layers[start:stop])
         passes = 2 if pass_ == "B" else 1
@@ -207,13 +233,7 @@ class ModelProfile:
                 }
                 for la in self.layers
             ],
-            "measured": {
-                kind: [
-                    {"forward": list(t.forward), "input_grad": list(t.input_grad), "weight_grad": list(t.weight_grad)}
-                    for t in timings
-                ]
-                for kind, timings in self.measured.items()
-            },
+            "measured": {kind: [t.to_dict() for t in timings] for kind, timings in self.measured.items()},
         }
 
 
@@ -235,11 +255,7 @@ def profile_from_dict(d: dict[str, Any], *, file: str = "<profile.json>") -> Mod
             hyper=d.get("hyper", {}),
             layers=tuple(LayerProfile(**la) for la in d["layers"]),
             measured={
-                kind: tuple(
-                    LayerTiming(forward=tuple(t["forward"]), input_grad=tuple(t["input_grad"]),
-                                weight_grad=tuple(t["weight_grad"]))
-                    for t in timings
-                )
+                kind: tuple(LayerTiming.from_dict(t) for t in timings)
                 for kind, timings in d.get("measured", {}).items()
             },
         )

@@ -1,0 +1,57 @@
+"""Model profile: analytic vs measured time, fused backward, first-stage timings, JSON round trip."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from deepcee.cluster import DeviceKind
+from deepcee.errors import ProfileError
+from deepcee.profile import LayerProfile, LayerTiming, ModelProfile, profile_from_dict
+
+KIND = DeviceKind(name="k", peak_flops_per_s=1e12, memory_bytes=1e9, achievable_fraction=0.5,
+                  per_layer_overhead_s=1e-3)
+
+
+def layers(n: int = 3) -> tuple[LayerProfile, ...]:
+    return tuple(
+        LayerProfile(name=f"l{i}", forward_flops=1e9, input_grad_flops=1e9, weight_grad_flops=2e9,
+                     parameter_count=1000, activation_bytes=10.0, output_bytes=4.0)
+        for i in range(n)
+    )
+
+
+def test_analytic_time_is_flops_over_effective_rate_plus_overhead() -> None:
+    m = ModelProfile(name="m", layers=layers(), input_bytes=8.0)
+    # 2 layers x 1e9 FLOPs x 4 samples / 5e11 + 2 x 1 ms
+    assert m.time_s(0, 2, "F", 4, KIND) == pytest.approx(2 * 1e9 * 4 / 5e11 + 2e-3)
+    # B = I + W: two passes of overhead
+    assert m.time_s(1, 2, "B", 1, KIND, slowdown=2.0) == pytest.approx(2 * (3e9 / 5e11 + 2e-3))
+    assert m.flops_per_sample() == pytest.approx(3 * 4e9)
+    assert m.boundary_bytes(0) == 8.0 and m.boundary_bytes(2) == 4.0
+
+
+def test_measured_timings_replace_flops_with_fused_backward_and_first_stage() -> None:
+    first = LayerTiming(forward=(0.001, 0.01), input_grad=(0.0, 0.0), weight_grad=(0.001, 0.02))
+    t = LayerTiming(forward=(0.001, 0.01), input_grad=(0.001, 0.01), weight_grad=(0.001, 0.02),
+                    backward=(0.001, 0.025), first_stage=first)
+    m = ModelProfile(name="m", layers=layers(2), input_bytes=8.0).with_measured("k", (t, t), source="test")
+    assert m.time_s(1, 2, "F", 2, KIND) == pytest.approx(0.021)
+    assert m.time_s(1, 2, "B", 2, KIND) == pytest.approx(0.051)  # fused, not I + W = 0.072
+    assert m.time_s(1, 2, "I", 2, KIND, slowdown=2.0) == pytest.approx(0.042)
+    assert m.time_s(0, 1, "I", 2, KIND) == 0.0  # first stage: no input gradient
+    assert m.time_s(0, 2, "B", 2, KIND) == pytest.approx(2 * 0.041)  # first_stage has no fused line: I + W
+    again = profile_from_dict(json.loads(json.dumps(m.to_dict())))
+    assert again == m
+
+
+def test_validation_names_the_value() -> None:
+    with pytest.raises(ProfileError, match=r"layer 'x': forward_flops must be a number >= 0, got -1"):
+        LayerProfile(name="x", forward_flops=-1, input_grad_flops=0, weight_grad_flops=0, parameter_count=0,
+                     activation_bytes=0, output_bytes=0)
+    t = LayerTiming(forward=(0, 0), input_grad=(0, 0), weight_grad=(0, 0))
+    with pytest.raises(ProfileError, match="cover 1 layers, the model has 2"):
+        ModelProfile(name="m", layers=layers(2), input_bytes=1.0, measured={"k": (t,)})
+    with pytest.raises(ProfileError, match="schema_version"):
+        profile_from_dict({"format": "deepcee.profile", "schema_version": 7})
