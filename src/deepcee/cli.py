@@ -239,6 +239,38 @@ def cmd_schedule_show(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_profile(args: argparse.Namespace) -> int:
+    import logging
+
+    cluster, _ = _load_cluster(args.cluster, args.scenario)
+    from deepcee.profiler.run import groups_text, profile_cluster
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    mode = "real devices and network" if args.real else f"emulated ({cluster.emulation or 'declared speeds'})"
+    print(f"profiling {len(cluster.devices)} devices of {cluster.name} for {args.model}: {mode}")
+    result = profile_cluster(cluster, args.model, args.output, emulated=not args.real, deadline_s=args.deadline)
+    print(groups_text(result.grouping), end="")
+    for name, path in result.files.items():
+        print(f"wrote {path} ({name})")
+    print(f"profiled in {result.wall_s:.0f} s")
+    return 0
+
+
+def cmd_group(args: argparse.Namespace) -> int:
+    from deepcee.planner.grouping import group_devices
+
+    cluster, _ = _load_cluster(args.cluster_file, args.scenario)
+    grouping = group_devices(cluster, island_threshold_s=args.island_threshold_ms * 1e-3,
+                             speed_ratio=args.speed_ratio)
+    for line in grouping.explain():
+        print(line)
+    for island in grouping.islands:
+        for g in island.groups:
+            speeds = ", ".join(f"{d} {f / 1e9:.3g} GFLOP/s" for d, f in zip(g.devices, g.flops_per_s, strict=True))
+            print(f"group {g.name}: {speeds}")
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from deepcee.demo import DemoConfig, format_report, run_demo
 
@@ -285,6 +317,24 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("train", help="train with a plan on local processes (see `deepcee train --help`)",
                    add_help=False)
+
+    p = sub.add_parser("profile", help="measure every device (per-layer F/I/W) and link of a cluster")
+    _add_cluster_args(p)
+    p.add_argument("--model", default="gpt-tiny", help="net to time per layer: gpt-tiny or resnet-tiny")
+    p.add_argument("-o", "--output", default="measured", help="output folder (cluster.json, profile.json, ...)")
+    p.add_argument("--real", action="store_true", help="measure the real transport instead of emulated links "
+                   "and devices")
+    p.add_argument("--deadline", type=float, default=900.0, help="hard limit for the whole profile, seconds")
+    p.set_defaults(func=cmd_profile)
+
+    p = sub.add_parser("group", help="print the two-level groups (islands by network, groups by speed)")
+    p.add_argument("cluster_file", nargs="?", help="cluster file (TOML, or cluster.json from `deepcee profile`)")
+    p.add_argument("--scenario", help="built-in cluster instead of a file")
+    p.add_argument("--island-threshold-ms", type=float, default=10.0,
+                   help="devices whose 1 MB transfer takes longer than this are in different islands")
+    p.add_argument("--speed-ratio", type=float, default=1.5,
+                   help="a speed gap above this ratio separates groups inside an island")
+    p.set_defaults(func=cmd_group)
 
     p = sub.add_parser("scenarios", help="list built-in clusters")
     p.set_defaults(func=cmd_scenarios)
