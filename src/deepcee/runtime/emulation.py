@@ -8,13 +8,16 @@ devices together need at most ``cores`` CPU cores (``sum(1 / (slowdown x D)) <= 
 about 1.2 on a 2-core machine; see PLATFORM.md), so contention does not distort them.
 
 Links: a transfer of ``n`` bytes on link ``src -> dst`` is delivered at
-``max(send time, resource free) + D x n / bandwidth + D x latency`` and occupies the link's
-*resource* (:attr:`deepcee.cluster.Link.resource`, shared by transfers between the same two
-nodes) for ``D x n / bandwidth``, first come first served. The sender sends the real tensor
+``start + D x n / bandwidth + D x latency`` with ``start = max(send time, resource free)``,
+and occupies the link's *resource* (:attr:`deepcee.cluster.Link.resource`, shared by
+transfers between the same two nodes) for ``D x n / bandwidth``, first come first served. The sender sends the real tensor
 at once with its delivery time in a header; the receiver does not hand it over before that
 time. Transfers of several processes on one resource share a :class:`FileLedger` (an
 ``flock``-ed file per resource), so queueing is global; unit tests use :class:`MemoryLedger`
-and an injected clock. Bandwidth traces are read at the transfer's start in emulated time.
+and an injected clock. On a link with a bandwidth trace, ``n / bandwidth`` is integrated
+over the trace from ``start`` (after any queueing), in emulated time, exactly as the
+simulator does (:func:`deepcee.simulator.engine.serialise_end_s`): a transfer that straddles
+a bandwidth change pays the old rate before it and the new one after.
 
 Intra-stage gradient all-reduce: the real all-reduce runs, and each rank then waits until
 ``D x`` the simulator's all-reduce time on the emulated links
@@ -38,6 +41,7 @@ from pathlib import Path
 from typing import Literal, Protocol
 
 from deepcee.cluster import Link
+from deepcee.simulator.engine import serialise_end_s
 from deepcee.errors import SpecError
 
 Mode = Literal["emulated", "real"]
@@ -110,10 +114,19 @@ class DevicePacer:
 # -- links ------------------------------------------------------------------------------
 
 
+Busy = float | Callable[[float], float]
+"""Seconds a booking occupies a resource: a number, or a function of the booking's start
+(wall seconds), for links whose bandwidth depends on when a transfer gets them."""
+
+
+def _busy_s(busy: Busy, start: float) -> float:
+    return busy(start) if callable(busy) else busy
+
+
 class Ledger(Protocol):
     """When each link resource is next free (wall seconds); ``reserve`` is atomic."""
 
-    def reserve(self, resource: str, ready_at: float, busy_s: float) -> float:
+    def reserve(self, resource: str, ready_at: float, busy_s: Busy) -> float:
         """Book ``busy_s`` on ``resource`` at or after ``ready_at``; returns the start time."""
         ...
 
@@ -125,10 +138,10 @@ class MemoryLedger:
     free_at: dict[str, float] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def reserve(self, resource: str, ready_at: float, busy_s: float) -> float:
+    def reserve(self, resource: str, ready_at: float, busy_s: Busy) -> float:
         with self._lock:
             start = max(ready_at, self.free_at.get(resource, float("-inf")))
-            self.free_at[resource] = start + busy_s
+            self.free_at[resource] = start + _busy_s(busy_s, start)
             return start
 
 
@@ -143,14 +156,14 @@ class FileLedger:
         # a stable name (str hash() differs between processes)
         return self.dir / f"{hashlib.sha1(resource.encode()).hexdigest()[:16]}.link"
 
-    def reserve(self, resource: str, ready_at: float, busy_s: float) -> float:
+    def reserve(self, resource: str, ready_at: float, busy_s: Busy) -> float:
         fd = os.open(self._path(resource), os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             raw = os.pread(fd, 8, 0)
             free_at = struct.unpack("d", raw)[0] if len(raw) == 8 else float("-inf")
             start = max(ready_at, free_at)
-            os.pwrite(fd, struct.pack("d", start + busy_s), 0)
+            os.pwrite(fd, struct.pack("d", start + _busy_s(busy_s, start)), 0)
             return start
         finally:
             fcntl.flock(fd, fcntl.LOCK_UN)
@@ -168,13 +181,18 @@ class LinkShaper:
         """Emulated seconds since the run's epoch (for bandwidth traces and reports)."""
         return ((self.clock.wall() if wall is None else wall) - self.epoch) / self.dilation
 
+    def serialise_s(self, link: Link, nbytes: float, start_wall: float) -> float:
+        """Wall seconds ``nbytes`` occupy ``link`` when they get it at ``start_wall`` (trace integrated)."""
+        if link.trace is None:
+            return self.dilation * nbytes / link.bandwidth_bytes_per_s
+        t = self.emulated_now_s(start_wall)
+        return self.dilation * (serialise_end_s(t, nbytes, link.bandwidth_bytes_per_s, link.trace) - t)
+
     def deliver_at(self, link: Link, nbytes: int, ready_at: float | None = None) -> float:
         """Book a transfer of ``nbytes`` ready at wall time ``ready_at``; returns its delivery wall time."""
         ready = self.clock.wall() if ready_at is None else ready_at
-        bandwidth = link.bandwidth_at(self.emulated_now_s(ready))
-        busy = self.dilation * nbytes / bandwidth
-        start = self.ledger.reserve(link.resource, ready, busy)
-        return start + busy + self.dilation * link.latency_s
+        start = self.ledger.reserve(link.resource, ready, lambda t: self.serialise_s(link, nbytes, t))
+        return start + self.serialise_s(link, nbytes, start) + self.dilation * link.latency_s
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -12,6 +12,13 @@ is "now" for real links and the emulated arrival for emulated links
 start-up through the store (:func:`exchange_metadata`), so buffers are sized without
 per-message metadata, and a mismatch is a :class:`RuntimeSetupError` naming the peer.
 
+Every received piece is also timed, for the adapter's link monitor (no probe traffic: only
+the pipeline's own transfers): :attr:`LinkStats.transfers` holds ``(link resource, bytes,
+send start, delivery)`` per piece, wall seconds of the shared clock. Delivery is the
+emulated arrival for emulated links (exact: the shaper's, whatever the receiver was doing);
+for real links it is when the receiver's wait returned, which is late when the receiver was
+busy, and the send start is only comparable on one host (one ``CLOCK_MONOTONIC``).
+
 Receives of a step are posted before the step starts (gloo: a blocking send waits for the
 receiver, PLATFORM.md), tagged ``2m`` (forward) / ``2m+1`` (backward). On NCCL, which has
 no tags and serialises a pair's sends and receives on one stream, receives are posted when
@@ -94,7 +101,10 @@ def exchange_metadata(store: dist.Store, topology: Topology, rank: int, *, job: 
     me = topology.describe(rank)
     host = socket.gethostname()
     store.set(f"{job}/hello/{rank}", json.dumps({"plan": plan_digest, "device": topology.device_of(rank), "host": host}))
-    for peer in range(topology.num_active):
+    # the plan's ranks through the topology (not 0..n-1: an adaptive run keeps each device's
+    # rank whatever plan is in force)
+    peers = [topology.rank_of(s, k) for s, st in enumerate(topology.plan.stages) for k in range(len(st.devices))]
+    for peer in peers:
         hello = json.loads(_store_get(store, f"{job}/hello/{peer}", timeout_s, f"start-up message from {topology.describe(peer)} to {me}"))
         if hello["plan"] != plan_digest or hello["device"] != topology.device_of(peer):
             raise RuntimeSetupError(
@@ -135,6 +145,8 @@ class LinkStats:
     """``"src->dst"`` device pair -> bytes."""
     recv_wait_s: float = 0.0
     """Time the device waited in receives (data not there yet or emulated delivery pending)."""
+    transfers: list[tuple[str, int, float, float]] = field(default_factory=list)
+    """``(link resource, bytes, send start, delivery)`` of every piece received (wall seconds)."""
 
 
 @dataclass(slots=True)
@@ -212,11 +224,20 @@ class P2P:
             self._wait(p, "receiving")
             n = p.buf.numel() - HEADER_BYTES
             out[p.piece.local] = p.buf[:n].view(meta.torch_dtype).view(p.piece.samples, *meta.shape)
-            deliver = max(deliver, float(p.buf[n:].cpu().view(torch.float64)[0]))
+            at, sent = (float(v) for v in p.buf[n:].cpu().view(torch.float64))
+            deliver = max(deliver, at)
+            arrived = at if self.shaper is not None else self.clock.wall()
+            self.stats.transfers.append((self._resource(p.piece.peer_device), n, sent, arrived))
         if self.shaper is not None:  # only emulated runs share one clock across processes
             self.clock.sleep_until(deliver)
         self.stats.recv_wait_s += self.clock.wall() - t0
         return out
+
+    def _resource(self, src_device: str) -> str:
+        """The link resource a piece from ``src_device`` to this device travels on."""
+        if self.cluster is None:
+            return f"{src_device}->{self.me.device}"
+        return self.cluster.link(src_device, self.me.device).resource
 
     def recv_forward(self, m: int) -> torch.Tensor:
         return self._receive(K.RECV_F, m)

@@ -7,6 +7,14 @@ agrees boundary shapes with its peers, then per step: runs its row of the lowere
 (:mod:`deepcee.runtime.executor`), all-reduces the stage's gradients over the stage's
 devices, steps the optimizer, gathers metrics on rank 0 and checkpoints.
 
+Hooks for a trainer that changes plans while it runs (the adapter's controller,
+:mod:`deepcee.adapter.controller`, passed in as :attr:`Job.adapter`): the topology
+(:meth:`Trainer._topology`), the gather group (:meth:`Trainer._make_job_group`), the step
+boundary (:meth:`Trainer._decide` after a step's metrics are gathered, excluded from step
+times; :meth:`Trainer._apply` before the next step, counted in it) and whether an idle rank
+still takes part (:attr:`Trainer.takes_part`). The stage is built by
+:meth:`Trainer._build_stage`, which can run again for a new plan.
+
 [Note: loss weighting]
 Each device scales its per-microbatch mean loss by ``share / global_batch``
 (:meth:`Topology.loss_scale`), so the sum over devices and microbatches is the mean over the
@@ -28,7 +36,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import torch
 import torch.distributed as dist
@@ -138,6 +146,12 @@ class Job:
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
     dataset: Dataset | None = None
     checkpoint_dir: str | None = None
+    adapter: TrainerFactory | None = None
+    """Builds this job's trainer instead of :class:`Trainer` (the adapter's controller); must pickle."""
+
+
+class TrainerFactory(Protocol):
+    def trainer(self, job: Job, worker: Worker) -> Trainer: ...
 
 
 def plan_digest(plan: Plan) -> str:
@@ -148,7 +162,9 @@ def plan_digest(plan: Plan) -> str:
 
 
 @dataclass(slots=True)
-class _Worker:
+class Worker:
+    """This process: its rank, the world, the store and the torch device."""
+
     rank: int
     world_size: int
     store: dist.Store
@@ -158,26 +174,54 @@ class _Worker:
 class Trainer:
     """Runs one job on one rank. See the module docstring."""
 
-    def __init__(self, job: Job, w: _Worker) -> None:
+    def __init__(self, job: Job, w: Worker) -> None:
         self.job, self.w, self.cfg = job, w, job.config
-        self.plan: Plan = plan_from_dict(job.plan)
         self.cluster: Cluster = cluster_from_dict(job.cluster)
-        self.digest = plan_digest(self.plan)
-        self.topo = Topology(self.plan, w.world_size)
         self.clock = Clock()
         self.run_dir = Path(job.run_dir)
-        timeout = timedelta(seconds=self.cfg.timeout_s)
+        self._groups: dict[tuple[int, ...], Any] = {}
         # Every rank creates every group, in the same order (torch.distributed requires it).
+        self._set_plan(plan_from_dict(job.plan), make_job_group=True)
+
+    def _set_plan(self, plan: Plan, *, make_job_group: bool = False) -> None:
+        """Make ``plan`` the one in force: topology and stage groups (a collective over the world)."""
+        self.plan, self.digest = plan, plan_digest(plan)
+        self.topo = self._topology(plan)
+        if make_job_group:
+            self.job_group = self._make_job_group()
+        self.stage_groups = {s: self._group(self.topo.stage_ranks(s))
+                             for s in range(plan.num_stages) if len(self.topo.stage_ranks(s)) > 1}
+
+    def _group(self, ranks: Sequence[int]) -> Any:
+        """A process group over ``ranks``, created once per set (every rank calls this in the same order)."""
+        key = tuple(sorted(ranks))
+        if key not in self._groups:
+            self._groups[key] = dist.new_group(list(key), timeout=timedelta(seconds=self.cfg.timeout_s))
+        return self._groups[key]
+
+    def _topology(self, plan: Plan) -> Topology:
+        return Topology(plan, self.w.world_size)
+
+    def _make_job_group(self) -> Any:
+        """The group metrics are gathered over: the plan's ranks (``None``: the world)."""
         active = list(range(self.topo.num_active))
-        self.job_group = dist.new_group(active, timeout=timeout) if len(active) < w.world_size else None
-        self.stage_groups = {
-            s: dist.new_group(list(self.topo.stage_ranks(s)), timeout=timeout)
-            for s in range(self.plan.num_stages) if len(self.topo.stage_ranks(s)) > 1
-        }
+        return self._group(active) if len(active) < self.w.world_size else None
 
     @property
     def active(self) -> bool:
         return self.topo.is_active(self.w.rank)
+
+    @property
+    def takes_part(self) -> bool:
+        """Whether this rank runs :meth:`setup` and :meth:`train` (idle ranks of a fixed plan do not)."""
+        return self.active
+
+    def _device_name(self) -> str:
+        return self.topo.device_of(self.w.rank)
+
+    def _emulated_devices(self) -> Sequence[str]:
+        """The devices that compute at once (they set the dilation)."""
+        return self.plan.devices
 
     # -- set-up --------------------------------------------------------------------------
     def _blocks(self) -> tuple[list[nn.Module], Callable]:
@@ -187,7 +231,6 @@ class Trainer:
             loss_fn = self.job.loss_fn or loss_fn
         else:
             blocks, loss_fn = [b.to(dtype) for b in nets.as_blocks(self.job.model)], self.job.loss_fn
-        self.plan.check_against(num_layers=len(blocks), device_names=self.cluster.device_names)
         return blocks, loss_fn
 
     def _check_sync(self) -> None:
@@ -195,43 +238,58 @@ class Trainer:
         if self.plan.sync == "none" and multi:
             raise RuntimeSetupError(f"plan has sync 'none' but stages {multi} run on several devices, "
                                     "whose replicas would drift apart")
-        if self.plan.sync == "zero2" and self.w.rank == 0:
+        if self.plan.sync == "zero2" and self.w.rank == self.topo.rank_of(0, 0):
             # Same gradients and parameters as an all-reduce; only memory and traffic differ.
             log.warning("sync 'zero2' runs as a plain gradient all-reduce (optimizer states are not sharded)")
 
     def setup(self) -> None:
-        self._check_sync()
-        p = self.placement = self.topo.placement(self.w.rank)
-        st = self.plan.stages[p.stage]
-        blocks, loss_fn = self._blocks()
-        last = p.stage == self.plan.num_stages - 1
-        if last and loss_fn is None:
-            raise SpecError("a user model needs a loss_fn", field="loss_fn")
-        self.stage = StageRunner(blocks[st.layer_start:st.layer_stop], stage=p.stage, is_first=p.stage == 0,
-                                 is_last=last, loss_fn=loss_fn, device=self.w.device, dtype=getattr(torch, self.cfg.dtype))
+        """Model blocks, data, emulation (dilation, pacing, link shaping, the shared epoch) and,
+        on an active rank, its stage."""
+        self.blocks, self.loss_fn = self._blocks()
         self.dataset = self.job.dataset or dataset_for(self.job.model, self.cfg.seed)
-        self.schedule = schedule_for(self.plan)
-        self.actions = self.schedule[p.stage]
-        in_meta, out_meta = exchange_metadata(
-            self.w.store, self.topo, self.w.rank, job=self.job.name, plan_digest=self.digest,
-            output_meta=self._dry_run, timeout_s=self.cfg.timeout_s, same_host=self.cfg.mode == "emulated",
-        )
         emulated = self.cfg.mode == "emulated"
-        slowdowns = [self.cluster.device(d).slowdown for d in self.plan.devices]
+        if self.active:
+            self._build_stage(self.job.name)
+        slowdowns = [self.cluster.device(d).slowdown for d in self._emulated_devices()]
         self.dilation = (self.cfg.dilation or choose_dilation(slowdowns, self.cfg.cores)) if emulated else 1.0
         self.info = emulation_info(self.cfg.mode, self.dilation, self.cfg.cores)
-        self.pacer = DevicePacer(slowdown=self.cluster.device(p.device).slowdown, dilation=self.dilation,
+        self.pacer = DevicePacer(slowdown=self.cluster.device(self._device_name()).slowdown, dilation=self.dilation,
                                  enabled=emulated, clock=self.clock)
         self.epoch = self._epoch()
-        shaper = None
+        self.shaper = None
         if emulated:
-            shaper = LinkShaper(dilation=self.dilation, ledger=FileLedger(self.run_dir / "links"),
-                                epoch=self.epoch, clock=self.clock)
-        self.p2p = P2P(topology=self.topo, rank=self.w.rank, device=self.w.device, timeout_s=self.cfg.timeout_s,
-                       in_meta=in_meta, out_meta=out_meta, cluster=self.cluster, shaper=shaper, clock=self.clock,
-                       prepost=self.w.device.type != "cuda")
+            self.shaper = LinkShaper(dilation=self.dilation, ledger=FileLedger(self.run_dir / "links"),
+                                     epoch=self.epoch, clock=self.clock)
+        if self.active:
+            self.p2p = self._make_p2p()
+        self.start_step = self._resume() if self.active else 0
+
+    def _build_stage(self, key: str, metas: tuple[TensorMeta | None, TensorMeta | None] | None = None) -> None:
+        """This rank's stage of the plan in force, its schedule row and optimizer; boundary shapes
+        agreed with its peers under store prefix ``key`` unless ``metas`` are given."""
+        self._check_sync()
+        self.plan.check_against(num_layers=len(self.blocks), device_names=self.cluster.device_names)
+        p = self.placement = self.topo.placement(self.w.rank)
+        st = self.plan.stages[p.stage]
+        last = p.stage == self.plan.num_stages - 1
+        if last and self.loss_fn is None:
+            raise SpecError("a user model needs a loss_fn", field="loss_fn")
+        self.stage = StageRunner(self.blocks[st.layer_start:st.layer_stop], stage=p.stage, is_first=p.stage == 0,
+                                 is_last=last, loss_fn=self.loss_fn, device=self.w.device,
+                                 dtype=getattr(torch, self.cfg.dtype))
+        self.schedule = schedule_for(self.plan)
+        self.actions = self.schedule[p.stage]
+        self.metas = metas or exchange_metadata(
+            self.w.store, self.topo, self.w.rank, job=key, plan_digest=self.digest,
+            output_meta=self._dry_run, timeout_s=self.cfg.timeout_s, same_host=self.cfg.mode == "emulated",
+        )
         self.optimizer = self.cfg.optimizer.build(self.stage.params)
-        self.start_step = self._resume()
+
+    def _make_p2p(self) -> P2P:
+        in_meta, out_meta = self.metas
+        return P2P(topology=self.topo, rank=self.w.rank, device=self.w.device, timeout_s=self.cfg.timeout_s,
+                   in_meta=in_meta, out_meta=out_meta, cluster=self.cluster, shaper=self.shaper, clock=self.clock,
+                   prepost=self.w.device.type != "cuda")
 
     def _dry_run(self, in_meta: TensorMeta | None) -> TensorMeta | None:
         """Per-sample output meta of this stage (``None`` on the last), from a one-sample forward."""
@@ -301,13 +359,18 @@ class Trainer:
         if self.cfg.mode == "emulated":
             devices = self.plan.stages[self.placement.stage].devices
             # The simulator's all-reduce model on the emulated links (one model for both), counted
-            # from the start of the real all-reduce, which overlaps it.
-            model_s = allreduce_s(self.cluster, devices, flat.numel() * flat.element_size(), self.plan.sync)
+            # from the start of the real all-reduce, which overlaps it; traced links read at its start.
+            model_s = allreduce_s(self.cluster, devices, flat.numel() * flat.element_size(), self.plan.sync,
+                                  at_s=self.emulated_s(t0))
             self.clock.sleep_until(t0 + model_s * self.dilation)
         return self.clock.wall() - t0
 
+    def emulated_s(self, wall: float | None = None) -> float:
+        """Seconds since the run's shared epoch, divided by the dilation (emulated time)."""
+        return ((self.clock.wall() if wall is None else wall) - self.epoch) / self.dilation
+
     def _gather(self, obj: Any) -> list[Any] | None:
-        out = [None] * self.topo.num_active if self.w.rank == 0 else None
+        out = [None] * dist.get_world_size(group=self.job_group) if self.w.rank == 0 else None
         dist.gather_object(obj, out, dst=0, group=self.job_group)
         return out
 
@@ -342,25 +405,24 @@ class Trainer:
         writer = ckpt.MetricsWriter(self.run_dir / "metrics.jsonl", append=self.start_step > 0) if self.w.rank == 0 else None
         capture: dict[str, Any] = {}
         records: list[dict[str, Any]] = []
+        carried: dict[str, Any] = {}
         self._barrier()
         t_prev = self.clock.wall()
         for step in range(self.start_step, self.cfg.steps):
-            self.stage.zero_grad()
-            rec = run_step(self.actions, self.stage, self.p2p, self._feeds(step), self.pacer, trace=self.cfg.trace)
-            sync_s = self._sync_gradients()
-            if self.cfg.capture and step == self.start_step:
-                capture["grads"] = self._named(lambda p: p.grad)
-            self.optimizer.step()
-            mine = self._rank_record(rec, sync_s)
+            mine = self._train_step(step, capture) if self.active else None
             gathered = self._gather(mine)
             now = self.clock.wall()
-            step_s, t_prev = now - t_prev, now
+            step_s = now - t_prev
             if self.cfg.checkpoint_every and (step + 1) % self.cfg.checkpoint_every == 0:
                 self._checkpoint(step + 1)
+            boundary = self._decide(step, gathered)
+            t_prev = self.clock.wall()  # the decision is not part of any step; applying it is
             if writer is not None:
-                records.append(self._step_record(step, gathered, step_s))
+                ranks = [r for r in gathered if r is not None]
+                records.append(self._step_record(step, ranks, step_s, {**carried, **boundary}))
                 writer.write(records[-1])
-        if self.cfg.capture:
+            carried = self._apply()
+        if self.cfg.capture and self.active:
             capture["params"] = self._named(lambda p: p)
             (self.run_dir / "capture").mkdir(parents=True, exist_ok=True)
             torch.save(capture, self.run_dir / "capture" / f"rank{self.w.rank}.pt")
@@ -371,13 +433,33 @@ class Trainer:
         save_json_atomic(self.run_dir / "result.json", result)
         return result
 
+    def _train_step(self, step: int, capture: dict[str, Any]) -> dict[str, Any]:
+        """One step of this (active) rank: schedule row, gradient sync, optimizer; its metrics."""
+        self.stage.zero_grad()
+        rec = run_step(self.actions, self.stage, self.p2p, self._feeds(step), self.pacer, trace=self.cfg.trace)
+        sync_s = self._sync_gradients()
+        if self.cfg.capture and "grads" not in capture:
+            capture["grads"] = self._named(lambda p: p.grad)
+        self.optimizer.step()
+        return self._rank_record(rec, sync_s)
+
+    def _decide(self, step: int, gathered: list[Any] | None) -> dict[str, Any]:
+        """Step boundary, after the step's metrics reached rank 0: what to record for this step."""
+        return {}
+
+    def _apply(self) -> dict[str, Any]:
+        """Before the next step (and counted in its time): what to record for it."""
+        return {}
+
     def _rank_record(self, rec: StepRecord, sync_s: float) -> dict[str, Any]:
+        transfers = [(res, n, self.emulated_s(t0), self.emulated_s(t1)) for res, n, t0, t1 in self.p2p.stats.transfers]
         return {"rank": self.w.rank, "stage": self.placement.stage, "device": self.placement.device,
                 "loss": rec.loss, "compute_s": rec.compute_s, "cpu_s": rec.cpu_s, "wait_s": rec.wait_s,
                 "sync_s": sync_s, "peak_in_flight": rec.peak_in_flight, "bytes": dict(self.p2p.stats.bytes_sent),
-                "trace": rec.trace}
+                "trace": rec.trace, "transfers": transfers}
 
-    def _step_record(self, step: int, ranks: list[dict[str, Any]], step_wall_s: float) -> dict[str, Any]:
+    def _step_record(self, step: int, ranks: list[dict[str, Any]], step_wall_s: float,
+                     extra: dict[str, Any] | None = None) -> dict[str, Any]:
         d = self.dilation
         stages: dict[int, dict[str, float]] = defaultdict(lambda: {"compute_s": 0.0, "wait_s": 0.0, "sync_s": 0.0})
         links: dict[str, int] = defaultdict(int)
@@ -394,6 +476,7 @@ class Trainer:
             "stages": [{"stage": s, **v} for s, v in sorted(stages.items())],
             "link_bytes": dict(links),
             "cpu_s": {r["device"]: r["cpu_s"] for r in ranks},
+            **(extra or {}),
         }
         if self.cfg.trace:
             out["trace"] = {r["device"]: [(a, (t0 - self.epoch) / d, (t1 - self.epoch) / d) for a, t0, t1 in r["trace"]]
@@ -427,8 +510,9 @@ def run_jobs_on_rank(jobs: Sequence[Job], rank: int, world_size: int, store: dis
     try:
         for job in jobs:
             Path(job.run_dir).mkdir(parents=True, exist_ok=True)
-            trainer = Trainer(job, _Worker(rank=rank, world_size=world_size, store=store, device=device))
-            if trainer.active:
+            worker = Worker(rank=rank, world_size=world_size, store=store, device=device)
+            trainer = job.adapter.trainer(job, worker) if job.adapter is not None else Trainer(job, worker)
+            if trainer.takes_part:
                 trainer.setup()
                 results.append(trainer.train())
             else:
