@@ -102,3 +102,43 @@ def test_out_of_order_actions_raise():
     stage.backward_input(0, torch.ones_like(out))
     with pytest.raises(ScheduleError, match="after its I"):
         stage.backward(0, torch.ones_like(out))
+
+
+@pytest.mark.parametrize("split_backward", [True, False])
+def test_first_stage_without_parameters_runs_every_action(split_backward):
+    """A first stage of parameter-less layers has no autograd graph at all: I, W and B do nothing
+    (no input gradient to return) instead of failing, and the next stage still trains."""
+    torch.manual_seed(0)
+    first = StageRunner([nn.Tanh(), nn.ReLU()], stage=0, is_first=True, is_last=False, dtype=torch.float64)
+    assert first.params == []
+    last = StageRunner([nn.Linear(4, 2)], stage=1, is_first=False, is_last=True, loss_fn=nn.functional.mse_loss,
+                       dtype=torch.float64)
+    x, y = torch.randn(3, 4, dtype=torch.float64), torch.randn(3, 2, dtype=torch.float64)
+    act = first.forward(0, x)
+    last.forward(0, act, y)
+    if split_backward:
+        g = last.backward_input(0)
+        assert first.backward_input(0, g) is None
+        first.backward_weight(0)
+        last.backward_weight(0)
+    else:
+        g = last.backward(0)
+        assert first.backward(0, g) is None
+    assert first.in_flight == 0 and last.in_flight == 0
+    ref = nn.Linear(4, 2).double()
+    ref.load_state_dict(last.module[0].state_dict())
+    nn.functional.mse_loss(ref(torch.relu(torch.tanh(x))), y).backward()
+    torch.testing.assert_close(last.module[0].weight.grad, ref.weight.grad)
+
+
+def test_parameter_less_stage_with_input_gradient_passes_the_gradient_through():
+    """An inner stage whose layers have no parameters still returns the input gradient (I and B)."""
+    x = torch.randn(3, 4, dtype=torch.float64)
+    g = torch.randn(3, 4, dtype=torch.float64)
+    for split in (True, False):
+        stage = StageRunner([nn.Tanh()], stage=1, is_first=False, is_last=False, dtype=torch.float64)
+        stage.forward(0, x)
+        gx = stage.backward_input(0, g) if split else stage.backward(0, g)
+        if split:
+            stage.backward_weight(0)
+        torch.testing.assert_close(gx, g * (1 - torch.tanh(x) ** 2))

@@ -231,7 +231,12 @@ class StageRunner:
             raise ScheduleError(f"stage {self.stage}: I of microbatch {microbatch} twice")
         st.output_grad = self._output_grad(st, output_grad)
         st.input_grad_done = True
-        parents = _reverse_edges([st.output.grad_fn])
+        if not st.output.requires_grad:
+            # Nothing the stage computed needs a gradient (parameter-less layers on an input
+            # without gradient): no graph to walk, nothing for W.
+            st.groups, st.uncovered = [], []
+            return self._no_graph_input_grad(st)
+        parents = _reverse_edges([grad_node(st.output)])
         input_node = grad_node(st.input) if st.input.requires_grad else None
         st.groups, st.uncovered = _weight_groups(self.params, [input_node] if input_node else [], parents)
         if input_node is None:
@@ -266,9 +271,19 @@ class StageRunner:
         st = self._get(microbatch, "B")
         if st.input_grad_done:
             raise ScheduleError(f"stage {self.stage}: B of microbatch {microbatch} after its I")
-        torch.autograd.backward(st.output, self._output_grad(st, output_grad))
+        grad = self._output_grad(st, output_grad)
+        if st.output.requires_grad:
+            torch.autograd.backward(st.output, grad)
         del self._state[microbatch]
+        if not st.output.requires_grad:  # see backward_input
+            return self._no_graph_input_grad(st)
         return st.input.grad if st.input.requires_grad else None
+
+    @staticmethod
+    def _no_graph_input_grad(st: MicrobatchState) -> torch.Tensor | None:
+        """Input gradient of a microbatch whose output has no autograd graph: none for an input
+        without gradient; zeros for one with (the output does not depend on it differentiably)."""
+        return torch.zeros_like(st.input) if st.input.requires_grad else None
 
 
 def _saver(saved: list, i: int) -> Callable:
