@@ -7,7 +7,9 @@ weight-gradient, ``B = I + W``) is
 - analytic: ``flops_per_sample x n / (peak_flops_per_s x achievable_fraction) x slowdown
   + per_layer_overhead_s``;
 - measured (when the profile holds timings for the device's kind): ``(fixed_s +
-  per_sample_s x n) x slowdown``, a line fitted by the profiler over several microbatch sizes.
+  per_sample_s x n) x slowdown``, a line fitted by the profiler over several microbatch sizes,
+  summed over the layers, plus, once per call, the kind's ``measured_call_overhead`` (what one
+  stage action costs beyond its layers: the autograd call, hooks, bookkeeping).
 
 Memory of a device holding layers ``[a, b)`` with ``k`` microbatch shares of ``n`` samples in
 flight: ``parameter_count x state_bytes_per_parameter + k x n x sum(activation_bytes)``.
@@ -127,6 +129,10 @@ class ModelProfile:
     """Shape parameters (sequence length, image size, ...) for reports."""
     measured: Mapping[str, tuple[LayerTiming, ...]] = field(default_factory=dict)
     """Device kind name -> measured per-layer timings (replace the analytic estimate)."""
+    measured_call_overhead: Mapping[str, LayerTiming] = field(default_factory=dict)
+    """Device kind name -> the fixed cost of one stage action beyond its layers' lines, paid once
+    per call whatever the number of layers (its ``first_stage`` for stages starting at layer 0).
+    A kind without an entry pays none (each layer line then carries its own share)."""
     source: str = "analytic"
 
     def __post_init__(self) -> None:
@@ -144,6 +150,10 @@ class ModelProfile:
                     f"model {self.name!r}: measured timings for kind {kind!r} cover "
                     f"{len(timings)} layers, the model has {len(self.layers)}"
                 )
+        for kind in self.measured_call_overhead:
+            if kind not in self.measured:
+                raise ProfileError(f"model {self.name!r}: call overhead for kind {kind!r} without measured timings "
+                                   f"(measured kinds: {sorted(self.measured)})")
 
     # -- sizes ---------------------------------------------------------------------------
     @property
@@ -188,9 +198,13 @@ class ModelProfile:
             return 0.0
         timings = self.measured.get(kind.name)
         if timings is not None:
+            lines = list(timings[start:stop])
+            call = self.measured_call_overhead.get(kind.name)
+            if call is not None:
+                lines.append(call)
             if start == 0:  # a first stage computes no gradient for its input
-                return slowdown * sum((t.first_stage or t).time_s(pass_, samples) for t in timings[start:stop])
-            return slowdown * sum(t.time_s(pass_, samples) for t in timings[start:stop])
+                lines = [t.first_stage or t for t in lines]
+            return slowdown * sum(t.time_s(pass_, samples) for t in lines)
         flops = sum(layer.flops(pass_) for layer in self.layers[start:stop])
         passes = 2 if pass_ == "B" else 1
         return slowdown * (
@@ -199,14 +213,19 @@ class ModelProfile:
         )
 
     # -- JSON ----------------------------------------------------------------------------
-    def with_measured(self, kind: str, timings: tuple[LayerTiming, ...], source: str) -> ModelProfile:
+    def with_measured(self, kind: str, timings: tuple[LayerTiming, ...], source: str,
+                      call_overhead: LayerTiming | None = None) -> ModelProfile:
+        """This profile with ``kind``'s measured timings (and call overhead) set or replaced."""
         measured = dict(self.measured)
         measured[kind] = timings
+        overhead = {k: v for k, v in self.measured_call_overhead.items() if k != kind}
+        if call_overhead is not None:
+            overhead[kind] = call_overhead
         return ModelProfile(
             name=self.name, layers=self.layers, input_bytes=self.input_bytes, dtype=self.dtype,
             gradient_bytes_per_parameter=self.gradient_bytes_per_parameter,
             state_bytes_per_parameter=self.state_bytes_per_parameter, optimizer=self.optimizer,
-            hyper=dict(self.hyper), measured=measured, source=source,
+            hyper=dict(self.hyper), measured=measured, measured_call_overhead=overhead, source=source,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -234,6 +253,8 @@ class ModelProfile:
                 for la in self.layers
             ],
             "measured": {kind: [t.to_dict() for t in timings] for kind, timings in self.measured.items()},
+            **({"measured_call_overhead": {kind: t.to_dict() for kind, t in self.measured_call_overhead.items()}}
+               if self.measured_call_overhead else {}),
         }
 
 
@@ -257,6 +278,9 @@ def profile_from_dict(d: dict[str, Any], *, file: str = "<profile.json>") -> Mod
             measured={
                 kind: tuple(LayerTiming.from_dict(t) for t in timings)
                 for kind, timings in d.get("measured", {}).items()
+            },
+            measured_call_overhead={
+                kind: LayerTiming.from_dict(t) for kind, t in d.get("measured_call_overhead", {}).items()
             },
         )
     except KeyError as exc:

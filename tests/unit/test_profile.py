@@ -55,3 +55,29 @@ def test_validation_names_the_value() -> None:
         ModelProfile(name="m", layers=layers(2), input_bytes=1.0, measured={"k": (t,)})
     with pytest.raises(ProfileError, match="schema_version"):
         profile_from_dict({"format": "deepcee.profile", "schema_version": 7})
+
+
+def test_call_overhead_is_paid_once_per_stage_action() -> None:
+    t = LayerTiming(forward=(0.001, 0.01), input_grad=(0.001, 0.01), weight_grad=(0.002, 0.02),
+                    backward=(0.002, 0.025),
+                    first_stage=LayerTiming(forward=(0.001, 0.01), input_grad=(0.0, 0.0), weight_grad=(0.002, 0.03)))
+    call = LayerTiming(forward=(0.0005, 0.0), input_grad=(0.003, 0.0), weight_grad=(0.0001, 0.0), backward=(0.001, 0.0),
+                       first_stage=LayerTiming(forward=(0.0004, 0.0), input_grad=(0.0, 0.0), weight_grad=(0.002, 0.0)))
+    m = ModelProfile(name="m", layers=layers(3), input_bytes=8.0).with_measured("k", (t, t, t), source="test",
+                                                                              call_overhead=call)
+    # two layers of an inner stage, 2 samples: the layers' lines plus one call
+    assert m.time_s(1, 3, "F", 2, KIND) == pytest.approx(2 * 0.021 + 0.0005)
+    assert m.time_s(1, 3, "I", 2, KIND, slowdown=2.0) == pytest.approx(2 * (2 * 0.021 + 0.003))
+    assert m.time_s(1, 3, "B", 2, KIND) == pytest.approx(2 * 0.052 + 0.001)
+    # a first stage: first-stage lines and the first-stage call (no fused line there: I + W)
+    assert m.time_s(0, 2, "W", 1, KIND) == pytest.approx(2 * 0.032 + 0.002)
+    assert m.time_s(0, 3, "B", 1, KIND) == pytest.approx(3 * 0.032 + 0.002)
+    # one layer per stage: every layer pays the call (the single-layer figure the probe measures)
+    per_layer = sum(m.time_s(i, i + 1, "I", 4, KIND) for i in (1, 2))
+    assert per_layer == pytest.approx(m.time_s(1, 3, "I", 4, KIND) + 0.003)
+    again = profile_from_dict(json.loads(json.dumps(m.to_dict())))
+    assert again == m and again.measured_call_overhead["k"] == call
+    # replacing a kind's timings without an overhead drops its old overhead
+    assert m.with_measured("k", (t, t, t), source="x").measured_call_overhead == {}
+    with pytest.raises(ProfileError, match="call overhead for kind 'gpu' without measured timings"):
+        ModelProfile(name="m", layers=layers(1), input_bytes=1.0, measured_call_overhead={"gpu": call})
