@@ -1,0 +1,350 @@
+"""Real-network emulation: one network namespace per rank, real TCP through a shaping relay.
+
+:func:`launch_realnet` is :func:`deepcee.runtime.launch.launch` with real networking: rank
+``r`` runs ``target(r, world_size, store_path, *args)`` in its own network namespace
+(:mod:`deepcee.runtime.netns`), and every packet between two ranks crosses the user-space
+relay (:mod:`deepcee.runtime.relay`), which delays it by the link's latency and serialises
+it at the link's bandwidth, pairs sharing a link *resource* sharing one queue and rate, all
+taken from ``cluster.link(devices[src], devices[dst])`` (latencies x ``dilation``,
+bandwidths and trace rates / ``dilation``, trace times x ``dilation``). gloo binds to the
+rank's TUN device (``GLOO_SOCKET_IFNAME``), so collectives and point-to-point messages are
+real TCP over an emulated WAN: slow start, ACK clocking, losses at the relay's drop-tail
+queue, and gloo's own handshakes all pay the link's latency. The rendezvous is a
+``FileStore`` on the shared filesystem (namespaces do not isolate files), so it does not
+travel over the emulated links.
+
+:class:`RealNetwork` is the same set-up as a context manager, for callers that start their
+own processes in the namespaces (:meth:`RealNetwork.popen`) or change rates live while ranks
+run (:attr:`RealNetwork.control`, a :class:`deepcee.runtime.relay.RelayControl`; any process
+on the machine can open one on :attr:`RealNetwork.control_path`).
+
+Everything is torn down on every exit path (normal, exception, deadline): rank processes
+killed by pid, relay stopped (then killed), namespaces deleted, TUN devices gone with the
+relay's descriptors, temporary directory removed. Rank processes and the relay also get a
+parent-death signal, and :func:`deepcee.runtime.netns.cleanup_stale` removes what a killed
+parent left before each new set-up.
+
+Processes: ``world_size`` ranks + 1 relay (standard library only, no torch). Ranks are
+started as ``ip netns exec NS python -c <bootstrap>``: the bootstrap restores the parent's
+``sys.path`` (like ``multiprocessing``'s spawn) and unpickles ``(target, args)``, so
+``target`` must be importable by module name.
+
+Needs root and ``/dev/net/tun`` (:func:`deepcee.runtime.netns.require_realnet`); without them
+:class:`RuntimeSetupError` says why, and the in-process link emulation
+(:mod:`deepcee.runtime.emulation`) remains the fallback.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import os
+import pickle
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import deepcee
+from deepcee.cluster import Cluster
+from deepcee.errors import RuntimeSetupError, SpecError
+from deepcee.runtime import dist as rdist
+from deepcee.runtime.netns import (
+    VNET_HDR_BYTES,
+    Endpoint,
+    WanNamespaces,
+    cleanup_stale,
+    rank_address,
+    require_realnet,
+)
+from deepcee.runtime.relay import (
+    OWNER_MARKER,
+    RELAY_FILE,
+    PairSpec,
+    RelayConfig,
+    RelayControl,
+    RelayStats,
+    ResourceSpec,
+)
+
+log = logging.getLogger(__name__)
+
+DEFAULT_QUEUE_LIMIT_S = 0.05
+"""Relay buffer per resource, in seconds of serialisation (50 ms: 625 kB at 100 Mbit/s)."""
+RELAY_START_S = 10.0
+
+# Runs in each rank's namespace before anything of deepcee is imported (no torch needed here).
+_CHILD_BOOTSTRAP = r"""
+import json, os, pickle, sys, time, traceback
+payload_path, rank = sys.argv[1], int(sys.argv[2])
+with open(payload_path, "rb") as f:
+    outer = pickle.load(f)
+sys.path[:] = outer["sys_path"]
+try:
+    target, args = pickle.loads(outer["call"])
+    target(rank, outer["world_size"], outer["store_path"], *args)
+except BaseException as exc:
+    try:
+        from deepcee.errors import DeepceeError
+        domain = isinstance(exc, DeepceeError)
+    except Exception:
+        domain = False
+    rec = {"rank": rank, "time": time.time(), "type": type(exc).__name__, "domain": domain,
+           "message": str(exc), "traceback": "" if domain else traceback.format_exc()}
+    path = os.path.join(outer["error_dir"], f"error-rank{rank}.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(rec, f)
+    os.replace(path + ".tmp", path)
+    sys.exit(1)
+"""
+
+_RELAY_BOOTSTRAP = "import runpy, sys; runpy.run_path(sys.argv.pop(1), run_name='__main__')"
+
+
+def relay_config(cluster: Cluster, devices: Sequence[str], *, control_path: str, dilation: float = 1.0,
+                 queue_limit_s: float = DEFAULT_QUEUE_LIMIT_S, epoch_s: float | None = None,
+                 vnet_hdr_bytes: int = 0) -> RelayConfig:
+    """The relay's pairs and resources for ranks running ``devices`` (rank ``r`` = ``devices[r]``)."""
+    if dilation < 1:
+        raise SpecError(f"must be >= 1, got {dilation!r}", field="dilation")
+    if len(set(devices)) != len(devices):
+        raise SpecError(f"a device appears twice: {list(devices)}", field="devices")
+    pairs, resources = [], {}
+    for i, a in enumerate(devices):
+        for j, b in enumerate(devices):
+            if i == j:
+                continue
+            link = cluster.link(a, b)
+            pairs.append(PairSpec(src=i, dst=j, latency_s=link.latency_s * dilation, resource=link.resource))
+            trace = link.trace
+            spec = ResourceSpec(
+                name=link.resource, bandwidth_bytes_per_s=link.bandwidth_bytes_per_s / dilation,
+                trace_times_s=tuple(t * dilation for t in trace.times_s) if trace else (),
+                trace_bandwidth_bytes_per_s=tuple(bw / dilation for bw in trace.bandwidth_bytes_per_s) if trace else (),
+            )
+            known = resources.setdefault(link.resource, spec)
+            if known != spec:
+                # cluster.py gives one resource one spec; two differing would make the FIFO ambiguous
+                raise SpecError(f"links {a}->{b} and another share resource {link.resource!r} with different "
+                                f"bandwidth or trace ({spec.bandwidth_bytes_per_s} vs {known.bandwidth_bytes_per_s} B/s)")
+    return RelayConfig(addresses=tuple(rank_address(r) for r in range(len(devices))), pairs=tuple(pairs),
+                       resources=tuple(resources.values()), control_path=control_path,
+                       queue_limit_s=queue_limit_s, epoch_s=epoch_s, vnet_hdr_bytes=vnet_hdr_bytes)
+
+
+def _die_with_parent() -> None:
+    """In a child before exec: SIGKILL when the parent dies (survives ``ip netns exec``'s exec)."""
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
+
+
+class RealNetwork:
+    """Namespaces + relay for ``devices`` of ``cluster``; enter to set up, exit to tear down.
+
+    Rank ``r`` is ``devices[r]``; its namespace, TUN device and address are
+    ``endpoints[r]`` (:class:`deepcee.runtime.netns.Endpoint`).
+    """
+
+    def __init__(self, cluster: Cluster, devices: Sequence[str], *, dilation: float = 1.0, mtu_bytes: int = 1500,
+                 offload: bool = True, queue_limit_s: float = DEFAULT_QUEUE_LIMIT_S,
+                 setup_timeout_s: float = 20.0) -> None:
+        for d in devices:
+            cluster.device(d)  # names the unknown device
+        if len(devices) < 1:
+            raise SpecError("need at least one device", field="devices")
+        self.cluster, self.devices = cluster, tuple(devices)
+        self.dilation, self.mtu_bytes, self.queue_limit_s = dilation, mtu_bytes, queue_limit_s
+        self.setup_timeout_s, self.offload = setup_timeout_s, offload
+        self.tmp: Path | None = None
+        self.namespaces: WanNamespaces | None = None
+        self.relay: subprocess.Popen | None = None
+        self.control: RelayControl | None = None
+        self.final_stats: RelayStats | None = None
+        self._procs: list[subprocess.Popen] = []
+
+    @property
+    def world_size(self) -> int:
+        return len(self.devices)
+
+    @property
+    def endpoints(self) -> tuple[Endpoint, ...]:
+        return self.namespaces.endpoints
+
+    @property
+    def control_path(self) -> str:
+        return str(self.tmp / "relay.sock")
+
+    # -- set-up and tear-down ------------------------------------------------------------
+    def __enter__(self) -> RealNetwork:
+        self.tmp = Path(tempfile.mkdtemp(prefix="deepcee-realnet-"))
+        try:
+            cleanup_stale(timeout_s=self.setup_timeout_s)
+            require_realnet()
+            config = relay_config(self.cluster, self.devices, control_path=self.control_path, dilation=self.dilation,
+                                  queue_limit_s=self.queue_limit_s,
+                                  vnet_hdr_bytes=VNET_HDR_BYTES if self.offload else 0)
+            self.namespaces = WanNamespaces(self.world_size, mtu_bytes=self.mtu_bytes, offload=self.offload,
+                                            timeout_s=self.setup_timeout_s)
+            self.namespaces.create()
+            self._start_relay(config)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _start_relay(self, config: RelayConfig) -> None:
+        cfg_path = self.tmp / "relay.json"
+        cfg_path.write_text(json.dumps(config.to_dict()))
+        fds = self.namespaces.tun_fds
+        src_dir = str(Path(deepcee.__file__).resolve().parent.parent)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([src_dir, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+        with open(self.tmp / "relay.log", "wb") as logf:
+            self.relay = subprocess.Popen(
+                [sys.executable, "-c", _RELAY_BOOTSTRAP, RELAY_FILE, "--config", str(cfg_path),
+                 "--fds", ",".join(map(str, fds)), "--owner", f"{OWNER_MARKER}{os.getpid()}",
+                 "--stats-out", str(self.tmp / "relay-stats.json")],
+                pass_fds=fds, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+            )
+        self.namespaces.release_fds()  # the relay now holds the only copies
+        self.control = RelayControl(self.control_path, timeout_s=2.0)
+        t_end = time.monotonic() + min(RELAY_START_S, self.setup_timeout_s)
+        while True:
+            if self.relay.poll() is not None:
+                raise RuntimeSetupError(f"relay exited with code {self.relay.returncode} at start: {self._relay_log()}")
+            if Path(self.control_path).exists():
+                self.control.ping()
+                return
+            if time.monotonic() > t_end:
+                raise RuntimeSetupError(f"relay did not open its control socket within {RELAY_START_S:g} s: "
+                                        f"{self._relay_log()}")
+            time.sleep(0.02)
+
+    def _relay_log(self) -> str:
+        try:
+            return (self.tmp / "relay.log").read_text(errors="replace").strip()[-800:] or "(no output)"
+        except OSError:
+            return "(no log)"
+
+    def _stop_relay(self) -> None:
+        if self.relay is None:
+            return
+        if self.relay.poll() is None:
+            try:
+                self.final_stats = self.control.stop()
+            except (RuntimeSetupError, SpecError) as exc:
+                log.warning("relay did not stop on request (%s); killing pid %d", exc, self.relay.pid)
+            try:
+                self.relay.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.relay.kill()
+                self.relay.wait(timeout=5)
+        self.relay = None
+
+    def close(self) -> None:
+        """Kill ranks, stop the relay, delete namespaces, remove the temporary directory. Idempotent."""
+        for p in self._procs:
+            if p.poll() is None:
+                p.kill()
+        for p in self._procs:
+            try:
+                p.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                log.error("rank process %d did not die after SIGKILL", p.pid)
+        self._procs = []
+        try:
+            self._stop_relay()
+        finally:
+            if self.namespaces is not None:
+                self.namespaces.close()
+            if self.tmp is not None:
+                shutil.rmtree(self.tmp, ignore_errors=True)
+
+    # -- processes -----------------------------------------------------------------------
+    def rank_env(self, rank: int) -> dict[str, str]:
+        """Environment of a rank process: one thread (:data:`deepcee.runtime.dist.WORKER_ENV`), gloo on the TUN device."""
+        return {**rdist.child_env(), "GLOO_SOCKET_IFNAME": self.endpoints[rank].ifname}
+
+    def popen(self, rank: int, argv: Sequence[str], **kwargs: Any) -> subprocess.Popen:
+        """Start ``argv`` inside ``rank``'s namespace; killed (by pid) when the network closes."""
+        kwargs.setdefault("env", self.rank_env(rank))
+        p = subprocess.Popen(self.namespaces.exec_argv(rank, argv), preexec_fn=_die_with_parent, **kwargs)
+        self._procs.append(p)
+        return p
+
+    def run(self, target: Callable[..., None], args: tuple[Any, ...], *, deadline_s: float,
+            grace_s: float = 2.0) -> RelayStats:
+        """Run ``target(rank, world_size, store_path, *args)`` on every rank; the relay's counters after.
+
+        A rank's exception is raised here as in :func:`deepcee.runtime.launch.launch` (first
+        failure by time, same error class); past ``deadline_s`` every rank is killed and
+        :class:`RuntimeSetupError` names the ranks still running.
+        """
+        run_dir = Path(tempfile.mkdtemp(prefix="run-", dir=self.tmp))
+        payload = run_dir / "payload.pkl"
+        payload.write_bytes(pickle.dumps({
+            "sys_path": list(sys.path), "call": pickle.dumps((target, args)), "world_size": self.world_size,
+            "store_path": str(run_dir / "store"), "error_dir": str(run_dir),
+        }))
+        procs = [self.popen(r, [sys.executable, "-c", _CHILD_BOOTSTRAP, str(payload), str(r)])
+                 for r in range(self.world_size)]
+        try:
+            self._supervise(procs, run_dir, deadline_s=deadline_s, grace_s=grace_s)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                p.wait(timeout=5)
+        return self.control.stats()
+
+    def _supervise(self, procs: list[subprocess.Popen], run_dir: Path, *, deadline_s: float, grace_s: float) -> None:
+        # the same error records and reporting as the local launch
+        from deepcee.runtime.launch import _first_error
+
+        t_end = time.monotonic() + deadline_s
+        failed_at = None
+        while any(p.poll() is None for p in procs):
+            now = time.monotonic()
+            if failed_at is None and any(p.returncode not in (None, 0) for p in procs):
+                failed_at = now
+            if failed_at is not None and now - failed_at > grace_s:
+                break
+            if self.relay.poll() is not None:
+                raise RuntimeSetupError(f"relay exited with code {self.relay.returncode} while ranks ran: "
+                                        f"{self._relay_log()}")
+            if now > t_end:
+                running = [i for i, p in enumerate(procs) if p.poll() is None]
+                err = _first_error(run_dir)
+                raise RuntimeSetupError(f"realnet deadline of {deadline_s:g} s passed; ranks {running} still running"
+                                        + (f"; first failure: {err}" if err else ""))
+            time.sleep(0.05)
+        err = _first_error(run_dir)
+        if err is not None:
+            raise err
+        bad = [(i, p.returncode) for i, p in enumerate(procs) if p.returncode not in (0, None)]
+        if bad:
+            raise RuntimeSetupError(f"ranks exited abnormally without an error record: {bad} (killed by a signal?)")
+
+
+def launch_realnet(target: Callable[..., None], args: tuple[Any, ...], *, cluster: Cluster, devices: Sequence[str],
+                   deadline_s: float, dilation: float = 1.0, mtu_bytes: int = 1500, offload: bool = True,
+                   queue_limit_s: float = DEFAULT_QUEUE_LIMIT_S, grace_s: float = 2.0) -> RelayStats:
+    """Run ``target(rank, world_size, store_path, *args)`` with rank ``r`` on ``devices[r]`` over real TCP.
+
+    ``deadline_s`` bounds everything (set-up, run, tear-down excluded). Returns the relay's
+    counters (packets, bytes, drops per link resource; the relay's CPU seconds).
+    """
+    t_end = time.monotonic() + deadline_s
+    with RealNetwork(cluster, devices, dilation=dilation, mtu_bytes=mtu_bytes, offload=offload, queue_limit_s=queue_limit_s,
+                     setup_timeout_s=min(20.0, deadline_s)) as net:
+        left = t_end - time.monotonic()
+        if left <= 0:
+            raise RuntimeSetupError(f"realnet deadline of {deadline_s:g} s passed during set-up")
+        return net.run(target, args, deadline_s=left, grace_s=grace_s)
