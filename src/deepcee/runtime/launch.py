@@ -154,7 +154,7 @@ def launch_jobs(jobs: Sequence[Job], *, world_size: int | None = None, deadline_
     """Run several jobs, in order, in one set of processes (one start-up for all of them)."""
     if not jobs:
         return []
-    need = max(len(plan_from_dict(j.plan).devices) for j in jobs)
+    need = max(j.adapter.ranks(j) if j.adapter is not None else len(plan_from_dict(j.plan).devices) for j in jobs)
     world = need if world_size is None else world_size
     if world < need:
         raise RuntimeSetupError(f"a job needs {need} ranks, world_size is {world}")

@@ -152,6 +152,9 @@ class Job:
 
 class TrainerFactory(Protocol):
     def trainer(self, job: Job, worker: Worker) -> Trainer: ...
+    def ranks(self, job: Job) -> int:
+        """Processes the job needs (the launch's world size)."""
+        ...
 
 
 def plan_digest(plan: Plan) -> str:
@@ -438,7 +441,7 @@ class Trainer:
         self.stage.zero_grad()
         rec = run_step(self.actions, self.stage, self.p2p, self._feeds(step), self.pacer, trace=self.cfg.trace)
         sync_s = self._sync_gradients()
-        if self.cfg.capture and "grads" not in capture:
+        if self.cfg.capture and step == self.start_step:
             capture["grads"] = self._named(lambda p: p.grad)
         self.optimizer.step()
         return self._rank_record(rec, sync_s)
