@@ -59,8 +59,8 @@ def test_probe_on_a_tiny_net_is_positive_and_grows_with_the_microbatch():
     sizes = (1, 16, 64)
     cfg = ProbeConfig(microbatch_sizes=sizes, warmup=1, repeats=5)
     data = _Data().batch(0, 64)
-    layers, timer = probe_blocks(list(_mlp()), inputs=data.inputs, targets=data.targets,
-                                 loss_fn=nn.functional.mse_loss, config=cfg)
+    layers, ranges, timer = probe_blocks(list(_mlp()), inputs=data.inputs, targets=data.targets,
+                                         loss_fn=nn.functional.mse_loss, config=cfg)
     assert timer == "thread-cpu" and len(layers) == 4
     for la in layers:
         assert la.rounds == 5
@@ -80,8 +80,15 @@ def test_probe_on_a_tiny_net_is_positive_and_grows_with_the_microbatch():
     first = layers[2].first_stage
     assert first["I"].median_s[2] < 0.5 * layers[2].passes["I"].median_s[2]
     assert first["W"].median_s[2] > 0
-    # a layer without parameters in a first stage has nothing to differentiate
-    assert layers[1].first_stage["I"].median_s == (0.0,) * 3 and layers[1].first_stage["W"].fixed_s == 0
+    # a layer without parameters in a first stage has nothing to differentiate: its backward
+    # costs less than the same layer's inside a stage (where it passes the gradient through)
+    assert layers[1].first_stage["B"].median_s[2] < layers[1].passes["B"].median_s[2]
+    assert layers[1].first_stage["W"].median_s[2] < layers[1].passes["B"].median_s[2]
+    # the ranges [1, 4) inside a stage and [0, 4) as a first stage, timed in the same rounds
+    assert [(r.start, r.stop, r.rounds) for r in ranges] == [(1, 4, 5), (0, 4, 5)]
+    for r in ranges:
+        single = sum(la.passes["F"].median_s[2] for la in layers[r.start:r.stop])
+        assert 0.5 * single < r.passes["F"].median_s[2] < 2 * single
     # the fused backward (GPipe, 1F1B) is cheaper than the split one (I + W)
     for la in (layers[2], layers[3]):
         assert la.passes["B"].median_s[2] < la.passes["I"].median_s[2] + la.passes["W"].median_s[2]
@@ -107,13 +114,16 @@ def test_emulated_probe_reports_cpu_time_times_slowdown_and_pacing():
     clock = Clock(wall=lambda: wall[0], cpu=cpu, sleep=sleep)
     pacer = DevicePacer(slowdown=2.5, dilation=4.0, clock=clock)
     data = _Data().batch(0, 4)
-    layers, _ = probe_blocks(list(_mlp())[:2], inputs=data.inputs, targets=data.inputs, loss_fn=nn.functional.mse_loss,
-                             config=ProbeConfig(microbatch_sizes=(1, 4), warmup=0, repeats=3), pacer=pacer)
+    layers, ranges, _ = probe_blocks(list(_mlp())[:2], inputs=data.inputs, targets=data.inputs,
+                                     loss_fn=nn.functional.mse_loss, pacer=pacer,
+                                     config=ProbeConfig(microbatch_sizes=(1, 4), warmup=0, repeats=3))
+    assert [(r.start, r.stop) for r in ranges] == [(0, 2)]  # [1, 2) is a single layer
     for la in layers:
         for p in PASSES:
             assert la.passes[p].median_s == pytest.approx((1.25e-3, 1.25e-3))
             assert la.passes[p].fixed_s == pytest.approx(1.25e-3) and la.passes[p].per_sample_s == pytest.approx(0)
         assert la.pacing_ratio == pytest.approx(1.0)
+    assert ranges[0].passes["B"].median_s == pytest.approx((1.25e-3, 1.25e-3))
 
 
 def test_compute_score_and_probe_json_round_trip():
@@ -127,7 +137,7 @@ def test_compute_score_and_probe_json_round_trip():
     assert probe.emulated is False and probe.slowdown == 1.0 and probe.timer == "thread-cpu"
     assert "estimate from tensor sizes" in probe.memory_method
     back = probe_from_dict(probe_to_dict(probe))
-    assert back == probe
+    assert back == probe and len(back.ranges) == 2
     with pytest.raises(ProfileError, match="malformed"):
         probe_from_dict({"device": "x"})
 

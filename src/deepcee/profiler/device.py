@@ -10,11 +10,13 @@ graph analysis the runtime pays in ``I`` is in the figures.
 Each round runs two microbatches per size: ``F``, ``I``, ``W`` (the split backward of the
 zero-bubble schedules) and ``F``, ``B`` (the fused backward,
 :meth:`~deepcee.runtime.stage.StageRunner.backward`, that GPipe and 1F1B run; cheaper than
-``I + W``, which walks the graph and calls autograd once per weight group). Per layer and
-microbatch size (default 1, 2, 4, 8): ``warmup`` rounds, then ``repeats`` rounds; sizes are interleaved inside each round so slow drift of the host does not bend the
-fit; the figure per size is the median over rounds. A line ``fixed_s + per_sample_s x n`` is
-fitted per pass by non-negative least squares (:func:`fit_line`), giving a
-:class:`deepcee.profile.LayerTiming`.
+``I + W``, which walks the graph and calls autograd once per weight group). ``warmup``
+rounds, then ``repeats`` rounds; every round runs every layer (and every range of [Note: call
+overhead]) at every microbatch size (default 1, 2, 4, 8), interleaved, so slow drift of the
+host moves all figures alike instead of bending one fit or one difference; the figure per
+size is the median over rounds. A line ``fixed_s + per_sample_s x n`` is fitted per pass by
+non-negative least squares (:func:`fit_line`); :mod:`deepcee.profiler.model` turns the lines
+into the profile's :class:`deepcee.profile.LayerTiming` objects.
 
 [Note: probe timers]
 - **CUDA**: CUDA events around each pass (``elapsed_time``), the device's own clock, so host
@@ -45,10 +47,19 @@ fitted per pass by non-negative least squares (:func:`fit_line`), giving a
 A stage whose input needs no gradient (the first stage: its input is the data) skips the
 input-gradient computation: its ``I`` only walks the graph, and its ``W`` is one backward for
 all its parameters, cheaper than the ``I`` + ``W`` of the same layers inside a later stage
-(gpt-tiny on one CPU core: 1.4-2x). One line per layer and pass cannot hold both, and the
-profile data model (:class:`deepcee.profile.LayerTiming`) has one, so the profile gets the
-inner-stage lines; with ``first_stage`` (default) the probe also times every layer run as a
-first stage (``StageRunner(is_first=True)``) and ``probes.json`` keeps both sets.
+(gpt-tiny on one CPU core: 1.4-2x). With ``first_stage`` (default) the probe also times
+every layer run as a first stage (``StageRunner(is_first=True)``, including layers without
+parameters, whose first-stage backward is empty); ``probes.json`` keeps both sets and
+:func:`deepcee.profiler.model.first_stage_lines` builds the profile's ``first_stage`` timings.
+
+[Note: call overhead]
+A stage action pays some costs once per call, whatever the number of layers: the Python of the
+action, one ``autograd.grad``/``backward`` call with its engine start-up, hook registration. A
+single-layer probe includes them, so summing layers counts them once per layer. With
+``stage_ranges`` (default) the probe also times layers ``[1, L)`` (inside a stage) and
+``[0, L)`` (a first stage) each as one stage, interleaved with the single layers;
+:func:`deepcee.profiler.model.call_overheads` takes the per-call cost from the difference:
+``(sum of the k single-layer times - the range's time) / (k - 1)``.
 
 A compute score per device (:func:`compute_score`) times a fixed benchmark set (three
 square matmuls and a 3x3 convolution, sizes per device type) through the same timer, so
@@ -102,6 +113,8 @@ class ProbeConfig:
     score_repeats: int = 5
     first_stage: bool = True
     """Also time every layer as part of a first stage; see [Note: first-stage timings]."""
+    stage_ranges: bool = True
+    """Also time layers ``[1, L)`` and ``[0, L)`` each as one stage; see [Note: call overhead]."""
 
     def __post_init__(self) -> None:
         sizes = self.microbatch_sizes
@@ -164,6 +177,22 @@ def _timing(passes: dict[str, PassFit]) -> LayerTiming:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class RangeProbe:
+    """Layers ``[start, stop)`` timed as one stage (a first stage when ``start == 0``).
+
+    Set against the same layers' single-layer probes it gives the per-call overhead of a stage
+    action; see [Note: call overhead].
+    """
+
+    start: int
+    stop: int
+    passes: dict[str, PassFit]
+    """``F``, ``I``, ``W``, ``B`` of the whole range, per size as for a layer."""
+    rounds: int
+    pacing_ratio: float | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ComputeScore:
     """Achieved FLOP/s on a fixed benchmark set (geometric mean over the benchmarks)."""
 
@@ -191,6 +220,8 @@ class DeviceProbe:
     score: ComputeScore
     wall_s: float
     """Wall time the probe took."""
+    ranges: tuple[RangeProbe, ...] = ()
+    """Several layers as one stage (empty when not probed); see [Note: call overhead]."""
 
     @property
     def timings(self) -> tuple[LayerTiming, ...]:
@@ -234,14 +265,15 @@ class _Timer:
         self.cuda = device.type == "cuda"
         if self.cuda and pacer is not None and pacer.enabled:
             raise SpecError("device emulation paces CPU workers; probe CUDA devices without it", field="emulated")
-        self.pacing: list[float] = []
+        self.pacing: dict[object, list[float]] = {}
 
     @property
     def name(self) -> str:
         return "cuda-events" if self.cuda else ("thread-cpu" if self.cpu_timer == "thread" else "wall")
 
-    def run(self, fn: Callable[[], Any]) -> tuple[Any, float]:
-        """``(result, seconds)``: the device's time for ``fn`` (emulated: CPU time x slowdown)."""
+    def run(self, fn: Callable[[], Any], key: object = None) -> tuple[Any, float]:
+        """``(result, seconds)``: the device's time for ``fn`` (emulated: CPU time x slowdown);
+        the pacing ratio is recorded under ``key``."""
         if self.cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
@@ -253,17 +285,16 @@ class _Timer:
             out, t = self.pacer.run(fn)
             figure = t.cpu_s * self.pacer.slowdown
             if figure > 0:
-                self.pacing.append(t.wall_s / self.pacer.dilation / figure)
+                self.pacing.setdefault(key, []).append(t.wall_s / self.pacer.dilation / figure)
             return out, figure if self.cpu_timer == "thread" else t.wall_s / self.pacer.dilation
         clock = time.thread_time if self.cpu_timer == "thread" else time.perf_counter
         t0 = clock()
         out = fn()
         return out, clock() - t0
 
-    def take_pacing(self) -> float | None:
-        ratio = statistics.median(self.pacing) if self.pacing else None
-        self.pacing = []
-        return ratio
+    def take_pacing(self, key: object = None) -> float | None:
+        ratios = self.pacing.pop(key, None)
+        return statistics.median(ratios) if ratios else None
 
 
 # -- layers ----------------------------------------------------------------------------
@@ -282,10 +313,6 @@ def _layer_inputs(blocks: Sequence[nn.Module], inputs: torch.Tensor) -> list[tor
 def _fresh_grad(out: torch.Tensor, seed: int) -> torch.Tensor:
     g = torch.Generator(device="cpu").manual_seed(seed)
     return torch.randn(out.shape, generator=g, dtype=out.dtype).to(out.device)
-
-
-def _trainable(module: nn.Module) -> bool:
-    return any(p.requires_grad for p in module.parameters())
 
 
 def _param_bytes(module: nn.Module) -> int:
@@ -327,72 +354,85 @@ def _memory(runner: StageRunner, x: torch.Tensor, targets: torch.Tensor | None, 
     return peak, act / n
 
 
-def _microbatches(runner: StageRunner, timer: _Timer, mb: int, x: torch.Tensor, targets: torch.Tensor | None,
-                  grad: torch.Tensor | None) -> tuple[dict[str, list[float]], torch.Tensor]:
-    """Two microbatches through ``runner``: ``F, I, W`` (split) and ``F, B`` (fused); their times and
-    the output (for its gradient)."""
-    out, tf = timer.run(partial(runner.forward, mb, x, targets))
-    if grad is None and not runner.is_last:
-        grad = _fresh_grad(out, x.shape[0])
-    _, ti = timer.run(partial(runner.backward_input, mb, grad))
-    _, tw = timer.run(partial(runner.backward_weight, mb))
-    _, tf2 = timer.run(partial(runner.forward, mb + 1, x, targets))
-    _, tb = timer.run(partial(runner.backward, mb + 1, grad))
-    return {"F": [tf, tf2], "I": [ti], "W": [tw], "B": [tb]}, out
+@dataclass(slots=True)
+class _Subject:
+    """One runner the probe times: a layer inside a stage, a layer in a first stage, or a range."""
+
+    runner: StageRunner
+    x: torch.Tensor
+    """Its input at the largest size."""
+    targets: torch.Tensor | None
+    key: object
+    """Pacing key (the layer index, or the range)."""
+    times: dict[str, list[list[float]]]
+    """Pass -> per size -> the measured rounds' times."""
+    grads: dict[int, torch.Tensor | None] = field(default_factory=dict)
+    """Output gradient per size, made once."""
 
 
-def _probe_layer(i: int, name: str, runners: Sequence[StageRunner], x: torch.Tensor, targets: torch.Tensor | None,
-                 timer: _Timer, cfg: ProbeConfig, budget_s: float) -> LayerProbe:
-    """``runners[0]``: the layer as it runs inside a stage; ``runners[1]`` (optional): the layer in a
-    first stage (input without gradient). See [Note: first-stage timings]."""
-    sizes = cfg.microbatch_sizes
-    grads: dict[int, torch.Tensor | None] = {n: None for n in sizes}  # output gradients, made once per size
-    times = [{p: [[] for _ in sizes] for p in PASSES} for _ in runners]
-    mb, t_start, rounds = 0, time.monotonic(), 0
+def _subject(runner: StageRunner, x: torch.Tensor, targets: torch.Tensor | None, key: object,
+             sizes: Sequence[int]) -> _Subject:
+    return _Subject(runner=runner, x=x, targets=targets if runner.is_last else None, key=key,
+                    times={p: [[] for _ in sizes] for p in PASSES})
+
+
+def _microbatches(s: _Subject, timer: _Timer, mb: int, n: int) -> dict[str, list[float]]:
+    """Two microbatches of ``n`` samples through ``s``: ``F, I, W`` (split) and ``F, B`` (fused); their times."""
+    runner, x, targets = s.runner, s.x[:n], None if s.targets is None else s.targets[:n]
+    out, tf = timer.run(partial(runner.forward, mb, x, targets), s.key)
+    if runner.is_last:
+        grad = None
+    elif s.grads.get(n) is None:
+        grad = s.grads[n] = _fresh_grad(out, n)
+    else:
+        grad = s.grads[n]
+    _, ti = timer.run(partial(runner.backward_input, mb, grad), s.key)
+    _, tw = timer.run(partial(runner.backward_weight, mb), s.key)
+    _, tf2 = timer.run(partial(runner.forward, mb + 1, x, targets), s.key)
+    _, tb = timer.run(partial(runner.backward, mb + 1, grad), s.key)
+    return {"F": [tf, tf2], "I": [ti], "W": [tw], "B": [tb]}
+
+
+def _time_subjects(subjects: Sequence[_Subject], timer: _Timer, cfg: ProbeConfig) -> int:
+    """Time every subject at every size, interleaved in each round (so slow drift of the host
+    moves all of them alike); returns the number of measured rounds."""
+    t_start, rounds, mb = time.monotonic(), 0, 0
     for rnd in range(cfg.warmup + cfg.repeats):
         measured = rnd >= cfg.warmup
-        if measured and rounds >= 3 and time.monotonic() - t_start > budget_s:
-            log.info("layer %s: budget of %.3g s spent after %d rounds", name, budget_s, rounds)
+        if measured and rounds >= 3 and time.monotonic() - t_start > cfg.time_budget_s:
+            log.info("probe budget of %.3g s spent after %d rounds", cfg.time_budget_s, rounds)
             break
-        for k, n in enumerate(sizes):
-            xn, tn = x[:n], None if targets is None else targets[:n]
-            for runner, store in zip(runners, times, strict=True):
-                ts, out = _microbatches(runner, timer, mb, xn, tn, grads[n])
-                if grads[n] is None and not runner.is_last:
-                    grads[n] = _fresh_grad(out, n)
+        for k, n in enumerate(cfg.microbatch_sizes):
+            for s in subjects:
+                ts = _microbatches(s, timer, mb, n)
                 mb += 2
                 if measured:
                     for p, t in ts.items():
-                        store[p][k] += t
+                        s.times[p][k] += t
         rounds += measured
-        runners[0].zero_grad()
-    pacing = timer.take_pacing()
-    peak, act = _memory(runners[0], x, targets, max(sizes))
-    fits = [{p: _pass_fit(sizes, t[p]) for p in PASSES} for t in times]
-    first = fits[-1] if len(fits) > 1 or i == 0 else None
-    if first is None and cfg.first_stage and not runners[0].params:
-        # no parameters and an input without gradient: nothing to differentiate in a first stage
-        zero = PassFit(median_s=(0.0,) * len(sizes), iqr_s=(0.0,) * len(sizes), fixed_s=0.0, per_sample_s=0.0,
-                       max_residual_fraction=0.0)
-        first = {"F": fits[0]["F"], "I": zero, "W": zero, "B": zero}
-    log.debug("layer %d %s: F %s", i, name, fits[0]["F"])
-    return LayerProbe(name=name, microbatch_sizes=tuple(sizes), passes=fits[0], first_stage=first, rounds=rounds,
-                      peak_memory_bytes=peak, activation_bytes_per_sample=act, pacing_ratio=pacing)
+        for s in subjects:
+            s.runner.zero_grad()
+    return rounds
+
+
+def _fits(s: _Subject, sizes: Sequence[int]) -> dict[str, PassFit]:
+    return {p: _pass_fit(sizes, s.times[p]) for p in PASSES}
 
 
 def probe_blocks(blocks: Sequence[nn.Module], *, inputs: torch.Tensor, targets: torch.Tensor,
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                  names: Sequence[str] | None = None, device: torch.device | str = "cpu",
                  dtype: torch.dtype = torch.float32, config: ProbeConfig | None = None,
-                 pacer: DevicePacer | None = None) -> tuple[tuple[LayerProbe, ...], str]:
-    """Probe each block; ``inputs``/``targets`` hold at least ``max(sizes)`` samples.
+                 pacer: DevicePacer | None = None) -> tuple[tuple[LayerProbe, ...], tuple[RangeProbe, ...], str]:
+    """Probe each block (and the ranges of [Note: call overhead]); ``inputs``/``targets`` hold at
+    least ``max(sizes)`` samples.
 
-    Returns the layer probes and the timer's name. The blocks are moved to ``device`` and
-    ``dtype`` (the caller's modules are modified, as by ``Module.to``).
+    Returns the layer probes, the range probes and the timer's name. The blocks are moved to
+    ``device`` and ``dtype`` (the caller's modules are modified, as by ``Module.to``).
     """
     cfg = config or ProbeConfig()
     device = torch.device(device)
-    n_max = max(cfg.microbatch_sizes)
+    sizes, n_max = cfg.microbatch_sizes, max(cfg.microbatch_sizes)
     if inputs.shape[0] < n_max or targets.shape[0] < n_max:
         raise ProfileError(f"need >= {n_max} samples of inputs and targets, got {inputs.shape[0]}, {targets.shape[0]}")
     names = list(names) if names is not None else [f"layer{i}" for i in range(len(blocks))]
@@ -403,17 +443,32 @@ def probe_blocks(blocks: Sequence[nn.Module], *, inputs: torch.Tensor, targets: 
     if x0.is_floating_point():
         x0 = x0.to(dtype)
     moved = [b.to(device=device, dtype=dtype) for b in blocks]
-    xs = _layer_inputs(moved, x0)
+    xs, tg = _layer_inputs(moved, x0), targets[:n_max].to(device)
+    num = len(moved)
+
+    def runner(a: int, b: int, first: bool) -> StageRunner:
+        return StageRunner(moved[a:b], stage=a, is_first=first, is_last=b == num, loss_fn=loss_fn, device=device,
+                           dtype=dtype)
+
+    layers = [[_subject(runner(i, i + 1, i == 0), xs[i], tg, i, sizes)] for i in range(num)]
+    if cfg.first_stage:
+        for i in range(1, num):
+            layers[i].append(_subject(runner(i, i + 1, True), xs[i], tg, i, sizes))
+    ranges = [_subject(runner(a, num, a == 0), xs[a], tg, (a, num), sizes)
+              for a in ((1, 0) if cfg.stage_ranges else ()) if num - a >= 2]
+    rounds = _time_subjects([s for subs in layers for s in subs] + ranges, timer, cfg)
     out = []
-    for i, (name, block) in enumerate(zip(names, moved, strict=True)):
-        last = i == len(moved) - 1
-        runners = [StageRunner([block], stage=i, is_first=first, is_last=last, loss_fn=loss_fn, device=device,
-                               dtype=dtype)
-                   for first in ((i == 0, True) if cfg.first_stage and i > 0 and _trainable(block) else (i == 0,))]
-        budget = cfg.time_budget_s / len(moved)
-        out.append(_probe_layer(i, name, runners, xs[i], targets[:n_max].to(device) if last else None,
-                                timer, cfg, budget))
-    return tuple(out), timer.name
+    for i, (name, subs) in enumerate(zip(names, layers, strict=True)):
+        fits = [_fits(s, sizes) for s in subs]
+        peak, act = _memory(subs[0].runner, xs[i], subs[0].targets, n_max)
+        log.debug("layer %d %s: F %s", i, name, fits[0]["F"])
+        out.append(LayerProbe(name=name, microbatch_sizes=tuple(sizes), passes=fits[0],
+                              first_stage=fits[-1] if len(fits) > 1 or i == 0 else None, rounds=rounds,
+                              peak_memory_bytes=peak, activation_bytes_per_sample=act,
+                              pacing_ratio=timer.take_pacing(i)))
+    spans = tuple(RangeProbe(start=s.runner.stage, stop=num, passes=_fits(s, sizes), rounds=rounds,
+                             pacing_ratio=timer.take_pacing(s.key)) for s in ranges)
+    return tuple(out), spans, timer.name
 
 
 # -- compute score ---------------------------------------------------------------------
@@ -520,8 +575,9 @@ def probe_device(source: NetSource, *, device_name: str, kind: str, device: torc
     cfg = config or ProbeConfig()
     t0 = time.monotonic()
     inputs, targets = source.batch(max(cfg.microbatch_sizes))
-    layers, timer = probe_blocks(source.blocks, inputs=inputs, targets=targets, loss_fn=source.loss_fn,
-                                 names=source.block_names, device=device, dtype=dtype, config=cfg, pacer=pacer)
+    layers, ranges, timer = probe_blocks(source.blocks, inputs=inputs, targets=targets, loss_fn=source.loss_fn,
+                                         names=source.block_names, device=device, dtype=dtype, config=cfg,
+                                         pacer=pacer)
     score = compute_score(device, dtype=dtype, repeats=cfg.score_repeats, cpu_timer=cfg.cpu_timer, pacer=pacer)
     dev = torch.device(device)
     emulated = pacer is not None and pacer.enabled
@@ -529,7 +585,7 @@ def probe_device(source: NetSource, *, device_name: str, kind: str, device: torc
         device=device_name, torch_device=str(dev), kind=kind, timer=timer,
         memory_method=MEMORY_CUDA if dev.type == "cuda" else MEMORY_CPU,
         slowdown=pacer.slowdown if emulated else 1.0, dilation=pacer.dilation if emulated else 1.0,
-        emulated=emulated, layers=layers, score=score, wall_s=time.monotonic() - t0,
+        emulated=emulated, layers=layers, ranges=ranges, score=score, wall_s=time.monotonic() - t0,
     )
 
 
@@ -549,6 +605,8 @@ def probe_to_dict(p: DeviceProbe) -> dict[str, Any]:
              "first_stage": None if la.first_stage is None else _passes_to_dict(la.first_stage)}
             for la in p.layers
         ],
+        "ranges": [{"start": r.start, "stop": r.stop, "rounds": r.rounds, "pacing_ratio": r.pacing_ratio,
+                    "passes": _passes_to_dict(r.passes)} for r in p.ranges],
     }
 
 
@@ -574,9 +632,11 @@ def probe_from_dict(d: dict[str, Any]) -> DeviceProbe:
                        first_stage=None if la.get("first_stage") is None else _passes_from_dict(la["first_stage"]))
             for la in d["layers"]
         )
+        ranges = tuple(RangeProbe(start=r["start"], stop=r["stop"], rounds=r["rounds"], pacing_ratio=r["pacing_ratio"],
+                                  passes=_passes_from_dict(r["passes"])) for r in d.get("ranges", ()))
         return DeviceProbe(device=d["device"], torch_device=d["torch_device"], kind=d["kind"], timer=d["timer"],
                            memory_method=d["memory_method"], slowdown=d["slowdown"], dilation=d["dilation"],
-                           emulated=d["emulated"], layers=layers, wall_s=d["wall_s"],
+                           emulated=d["emulated"], layers=layers, ranges=ranges, wall_s=d["wall_s"],
                            score=ComputeScore(flops_per_s=d["score"]["flops_per_s"],
                                               benchmarks=dict(d["score"]["benchmarks"])))
     except (KeyError, TypeError) as exc:

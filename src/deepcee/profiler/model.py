@@ -7,14 +7,33 @@
   ``I`` and ``W`` actions, so the input/weight-gradient split is the runtime's).
 - :func:`measured_slowdowns`: each device's time relative to the fastest device of its kind
   (total of every layer's, pass's and size's median time).
-- :func:`kind_timings`: per kind, the mean over its devices of each device's fitted
-  per-layer lines divided by its slowdown; so ``slowdown x kind timing`` reproduces each
+- :func:`kind_lines`: per kind, the mean over its devices of each device's fitted
+  per-layer lines divided by its slowdown; so ``slowdown x kind line`` reproduces each
   device and measurement noise averages out over devices of a kind.
-- :func:`measured_profile`: the base profile with ``measured`` timings per kind
-  (:meth:`deepcee.profile.ModelProfile.with_measured`).
+- :func:`first_stage_rows`: what a layer costs as part of a first stage (see [Note: first-stage
+  composition]).
+- :func:`call_overheads`: the per-call cost of a stage action, from the range probes (see
+  [Note: call overhead] in :mod:`deepcee.profiler.device`).
+- :func:`kind_timings`: per kind, the profile's per-layer
+  :class:`~deepcee.profile.LayerTiming` objects (``F``, ``I``, ``W``, fused ``B`` inside a stage,
+  and ``first_stage``) with the call overhead taken out, and the call overhead itself.
+- :func:`measured_profile`: the base profile with ``measured`` timings and
+  ``measured_call_overhead`` per kind (:meth:`deepcee.profile.ModelProfile.with_measured`).
 - :func:`measured_kind`: a :class:`deepcee.cluster.DeviceKind` whose peak is the kind's
   compute score (fastest device) and whose achievable fraction is the FLOP/s the model
   actually reached there, so FLOP-based estimates agree with the measurement.
+
+[Note: first-stage composition]
+A stage that starts at layer 0 wants no input gradient, but a layer above one with parameters
+still has to pass a gradient down to it. So layer ``l`` of a first stage costs its own
+first-stage figures (probed with an input without gradient) only while no layer before it has
+parameters; after that it costs its inner ``F``, its fused inner ``B`` as ``W`` and as ``B``
+(a first stage's ``W`` is one plain backward through all its layers,
+:meth:`deepcee.runtime.stage.StageRunner.backward_weight`), and its first-stage ``I`` (a
+first stage's ``I`` only walks the graph). Summing first-stage figures instead leaves out the
+input gradients: gpt-tiny on one CPU core, 4 samples, layers [0, 6) as one stage: ``W``
+11.7 ms measured, 10.5 ms summed from first-stage figures, 12.5 ms from this composition
+(the rest is call overhead counted once per layer, which :func:`call_overheads` removes).
 """
 
 from __future__ import annotations
@@ -23,8 +42,9 @@ import statistics
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
-from typing import Any
+from typing import Any, TypeVar
 
+import numpy as np
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -35,7 +55,12 @@ from deepcee.profile import LayerProfile, LayerTiming, ModelProfile
 from deepcee.profiler.device import PASSES, DeviceProbe, NetSource
 from deepcee.runtime.stage import StageRunner
 
-_FIELDS = {"F": "forward", "I": "input_grad", "W": "weight_grad"}
+_FIELDS = {"F": "forward", "I": "input_grad", "W": "weight_grad", "B": "backward"}
+Line = tuple[float, float]
+"""``(fixed_s, per_sample_s)``."""
+Overhead = dict[str, float]
+"""Pass -> seconds per call."""
+T = TypeVar("T")
 
 
 def probe_total_s(probe: DeviceProbe) -> float:
@@ -57,30 +82,31 @@ def measured_slowdowns(probes: Sequence[DeviceProbe]) -> dict[str, float]:
     return out
 
 
-Line = tuple[float, float]
-"""``(fixed_s, per_sample_s)``."""
+def _by_kind(probes: Sequence[DeviceProbe]) -> dict[str, list[DeviceProbe]]:
+    out: dict[str, list[DeviceProbe]] = defaultdict(list)
+    for p in probes:
+        out[p.kind].append(p)
+    for kind, ps in out.items():
+        names = [la.name for la in ps[0].layers]
+        if any([la.name for la in p.layers] != names for p in ps):
+            raise ProfileError(f"devices of kind {kind!r} probed different layers")
+    return out
 
 
 def kind_lines(probes: Sequence[DeviceProbe], slowdowns: Mapping[str, float], *,
                first_stage: bool = False) -> dict[str, tuple[dict[str, Line], ...]]:
-    """Kind -> per layer, pass (``F``, ``I``, ``W``, ``B``) -> line at slowdown 1: the mean of its
-    devices' fitted lines, each divided by the device's slowdown.
+    """Kind -> per layer, pass (``F``, ``I``, ``W``, ``B``) -> single-layer line at slowdown 1: the
+    mean of its devices' fitted lines, each divided by the device's slowdown.
 
-    ``first_stage``: the layers' lines as part of a first stage (see [Note: first-stage
+    ``first_stage``: the layers' lines probed as a first stage (see [Note: first-stage
     timings] in :mod:`deepcee.profiler.device`); kinds whose probes lack them are left out.
     """
-    by_kind: dict[str, list[DeviceProbe]] = defaultdict(list)
-    for p in probes:
-        by_kind[p.kind].append(p)
     out = {}
-    for kind, ps in by_kind.items():
+    for kind, ps in _by_kind(probes).items():
         if first_stage and any(la.first_stage is None for p in ps for la in p.layers):
             continue
-        names = [la.name for la in ps[0].layers]
-        if any([la.name for la in p.layers] != names for p in ps):
-            raise ProfileError(f"devices of kind {kind!r} probed different layers")
         layers = []
-        for i in range(len(names)):
+        for i in range(len(ps[0].layers)):
             line = {}
             for pas in PASSES:
                 fits = [(p.layers[i].first_stage if first_stage else p.layers[i].passes)[pas] for p in ps]
@@ -92,30 +118,129 @@ def kind_lines(probes: Sequence[DeviceProbe], slowdowns: Mapping[str, float], *,
     return out
 
 
-def kind_timings(probes: Sequence[DeviceProbe], slowdowns: Mapping[str, float], *,
-                 first_stage: bool = False) -> dict[str, tuple[LayerTiming, ...]]:
-    """:func:`kind_lines` as the profile's :class:`~deepcee.profile.LayerTiming` (``F``, ``I``, ``W``)."""
-    return {kind: tuple(LayerTiming(**{fld: lines[p] for p, fld in _FIELDS.items()}) for lines in layers)
-            for kind, layers in kind_lines(probes, slowdowns, first_stage=first_stage).items()}
+def first_stage_rows(inner: Sequence[Mapping[str, T]], first: Sequence[Mapping[str, T] | None],
+                        parameter_counts: Sequence[int]) -> list[dict[str, T] | None]:
+    """Per layer, its per-pass figures as part of a first stage ([Note: first-stage composition]);
+    ``None`` where the layer's first-stage figures were not probed."""
+    out: list[dict[str, T] | None] = []
+    gradient_below = False
+    for own, fst, params in zip(inner, first, parameter_counts, strict=True):
+        if fst is None:
+            out.append(None)
+        elif gradient_below:
+            out.append({"F": own["F"], "I": fst["I"], "W": own["B"], "B": own["B"]})
+        else:
+            out.append(dict(fst))
+        gradient_below = gradient_below or params > 0
+    return out
+
+
+def _range_overhead(probe: DeviceProbe, start: int, stop: int, range_medians: Mapping[str, Sequence[float]],
+                    parameter_counts: Sequence[int]) -> Overhead | None:
+    """Per pass, ``(sum of the single-layer figures - the range's) / (k - 1)`` averaged over sizes."""
+    if start == 0:
+        rows = first_stage_rows([la.passes for la in probe.layers], [la.first_stage for la in probe.layers],
+                                parameter_counts)[start:stop]
+    else:
+        rows = [la.passes for la in probe.layers[start:stop]]
+    if any(r is None for r in rows):
+        return None
+    out = {}
+    for p in PASSES:
+        summed = np.sum([r[p].median_s for r in rows], axis=0)
+        out[p] = float(np.mean(summed - np.asarray(range_medians[p]))) / (stop - start - 1)
+    return out
+
+
+def call_overheads(probes: Sequence[DeviceProbe], slowdowns: Mapping[str, float],
+                   parameter_counts: Sequence[int]) -> dict[str, tuple[Overhead, Overhead]]:
+    """Kind -> ``(inside a stage, first stage)``: pass -> the per-call cost of a stage action at
+    slowdown 1, the mean over the kind's devices (see [Note: call overhead] in
+    :mod:`deepcee.profiler.device`). Raw estimates: noise can make one negative. An empty
+    mapping where no device of the kind probed that range."""
+    out = {}
+    for kind, ps in _by_kind(probes).items():
+        found: tuple[list[Overhead], list[Overhead]] = ([], [])
+        for p in ps:
+            for r in p.ranges:
+                if r.stop - r.start < 2:
+                    continue
+                c = _range_overhead(p, r.start, r.stop, {k: f.median_s for k, f in r.passes.items()},
+                                    parameter_counts)
+                if c is not None:
+                    found[r.start == 0].append({k: v / slowdowns[p.device] for k, v in c.items()})
+        out[kind] = tuple({k: statistics.fmean(c[k] for c in cs) for k in PASSES} if cs else {} for cs in found)
+    return out
+
+
+def _bounded(overhead: Overhead, rows: Sequence[Mapping[str, Line] | None]) -> Overhead:
+    """``overhead`` clamped to ``[0, the smallest fixed_s it is taken out of]`` per pass, so no layer
+    line is left with a negative fixed cost."""
+    rows = [r for r in rows if r is not None]
+    return {p: min([max(0.0, overhead.get(p, 0.0)), *(r[p][0] for r in rows)]) for p in PASSES}
+
+
+def _less(row: Mapping[str, Line], overhead: Overhead) -> LayerTiming:
+    kw = {fld: (max(0.0, row[p][0] - overhead[p]), row[p][1]) for p, fld in _FIELDS.items()}
+    return LayerTiming(**kw)
+
+
+def _constant(overhead: Overhead) -> LayerTiming:
+    return LayerTiming(**{fld: (overhead[p], 0.0) for p, fld in _FIELDS.items()})
+
+
+def kind_timings(probes: Sequence[DeviceProbe], slowdowns: Mapping[str, float],
+                 parameter_counts: Sequence[int]) -> dict[str, tuple[tuple[LayerTiming, ...], LayerTiming | None]]:
+    """Kind -> ``(per-layer timings, call overhead)`` for the profile.
+
+    Per layer: the inner ``F``/``I``/``W``/``B`` lines and, as ``first_stage``, the composed
+    first-stage lines ([Note: first-stage composition]), each less the kind's call overhead
+    (clamped by :func:`_bounded`); the overhead is returned apart, to be paid once per stage
+    action (:attr:`deepcee.profile.ModelProfile.measured_call_overhead`). ``None`` when no
+    range was probed: the layer lines then keep the whole single-layer figures.
+    """
+    inner, first = kind_lines(probes, slowdowns), kind_lines(probes, slowdowns, first_stage=True)
+    overheads = call_overheads(probes, slowdowns, parameter_counts)
+    out = {}
+    for kind, rows in inner.items():
+        firsts = first_stage_rows(rows, first.get(kind, (None,) * len(rows)), parameter_counts)
+        c_inner, c_first = overheads.get(kind, ({}, {}))
+        c_in, c_fs = _bounded(c_inner, rows[1:]), _bounded(c_first, firsts)
+        timings = []
+        for row, fst in zip(rows, firsts, strict=True):
+            t = _less(row, c_in)
+            timings.append(LayerTiming(forward=t.forward, input_grad=t.input_grad, weight_grad=t.weight_grad,
+                                       backward=t.backward, first_stage=None if fst is None else _less(fst, c_fs)))
+        call = None
+        if c_inner or c_first:
+            c = _constant(c_in)
+            call = LayerTiming(forward=c.forward, input_grad=c.input_grad, weight_grad=c.weight_grad,
+                               backward=c.backward, first_stage=_constant(c_fs))
+        out[kind] = (tuple(timings), call)
+    return out
 
 
 def measured_profile(base: ModelProfile, probes: Sequence[DeviceProbe], *, source: str) -> ModelProfile:
-    """``base`` with measured per-layer timings for every probed kind."""
+    """``base`` with measured per-layer timings and call overheads for every probed kind."""
     if not probes:
         raise ProfileError("no device probes to build a measured profile from")
     for p in probes:
         if len(p.layers) != base.num_layers:
             raise ProfileError(f"device {p.device!r} probed {len(p.layers)} layers, model {base.name!r} has "
                                f"{base.num_layers}")
-    timings = kind_timings(probes, measured_slowdowns(probes))
+    params = [la.parameter_count for la in base.layers]
     prof = base
-    for kind, t in sorted(timings.items()):
-        prof = prof.with_measured(kind, t, source=source)
+    for kind, (timings, call) in sorted(kind_timings(probes, measured_slowdowns(probes), params).items()):
+        prof = prof.with_measured(kind, timings, source=source, call_overhead=call)
     return prof
 
 
 def measured_kind(declared: DeviceKind, probes: Sequence[DeviceProbe], profile: ModelProfile) -> DeviceKind:
-    """The kind as measured: peak = fastest device's score, achievable = the model's achieved share of it."""
+    """The kind as measured: peak = fastest device's score, achievable = the model's achieved share of it.
+
+    The yardstick is every layer run as its own stage (its line plus one call overhead), the
+    same per-layer figures the FLOP-based estimate sums (``per_layer_overhead_s`` per layer).
+    """
     own = [p for p in probes if p.kind == declared.name]
     if not own:
         return declared
@@ -123,10 +248,12 @@ def measured_kind(declared: DeviceKind, probes: Sequence[DeviceProbe], profile: 
     ref = min(own, key=lambda p: slow[p.device])
     peak = ref.score.flops_per_s
     timings = profile.measured[declared.name]
+    call = profile.measured_call_overhead.get(declared.name, LayerTiming(forward=(0.0, 0.0), input_grad=(0.0, 0.0),
+                                                                          weight_grad=(0.0, 0.0)))
     n = max(ref.layers[0].microbatch_sizes)
-    per_sample_s = sum(t.time_s(p, n) for t in timings for p in ("F", "I", "W")) / n
+    per_sample_s = sum(t.time_s(p, n) + call.time_s(p, n) for t in timings for p in ("F", "I", "W")) / n
     achieved = profile.flops_per_sample() / per_sample_s if per_sample_s > 0 else peak
-    fixed = [getattr(t, f)[0] for t in timings for f in _FIELDS.values()]
+    fixed = [getattr(t, f)[0] + getattr(call, f)[0] for t in timings for f in ("forward", "input_grad", "weight_grad")]
     how = "emulated " if ref.emulated else ""
     return DeviceKind(
         name=declared.name, peak_flops_per_s=peak, memory_bytes=declared.memory_bytes,

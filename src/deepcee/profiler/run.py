@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from deepcee.cluster import Cluster, Device, Node, cluster_from_dict
+from deepcee.cluster import Cluster, Device, DeviceKind, Node, cluster_from_dict
 from deepcee.errors import ProfileError
 from deepcee.plan import save_json_atomic
 from deepcee.planner.grouping import (
@@ -67,6 +67,7 @@ from deepcee.profiler.device import (
 )
 from deepcee.profiler.model import (
     base_profile,
+    call_overheads,
     kind_lines,
     measured_kind,
     measured_profile,
@@ -217,26 +218,30 @@ def groups_text(grouping: Grouping) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _kind_lines_dict(probes: Sequence[DeviceProbe]) -> dict[str, Any]:
-    """Per kind, the per-layer ``F``/``I``/``W``/``B`` lines inside a stage and in a first stage."""
+def _kind_lines_dict(probes: Sequence[DeviceProbe], parameter_counts: Sequence[int]) -> dict[str, Any]:
+    """Per kind, the single-layer ``F``/``I``/``W``/``B`` lines inside a stage and in a first stage,
+    and the raw per-call overhead estimates (before :mod:`deepcee.profiler.model` clamps them)."""
     slow = measured_slowdowns(probes)
     inner, first = kind_lines(probes, slow), kind_lines(probes, slow, first_stage=True)
+    overheads = call_overheads(probes, slow, parameter_counts)
 
     def rows(layers: Sequence[dict[str, tuple[float, float]]]) -> list[dict[str, list[float]]]:
         return [{p: list(v) for p, v in layer.items()} for layer in layers]
 
-    return {kind: {"layers": rows(layers), "first_stage": rows(first.get(kind, ()))} for kind, layers in inner.items()}
+    return {kind: {"layers": rows(layers), "first_stage": rows(first.get(kind, ())),
+                   "call_overhead": dict(zip(("inner", "first_stage"), overheads.get(kind, ({}, {})), strict=True))}
+            for kind, layers in inner.items()}
 
 
-def probes_dict(cluster: Cluster, model: str, probes: Sequence[DeviceProbe], fits: Sequence[LinkFit], mode: PairMode,
-                *, emulated: bool, dilation: float, network_dilation: float, cores: float, config: ProbeConfig,
-                budget: NetworkBudget) -> dict[str, Any]:
+def probes_dict(cluster: Cluster, model: ModelProfile, probes: Sequence[DeviceProbe], fits: Sequence[LinkFit],
+                mode: PairMode, *, emulated: bool, dilation: float, network_dilation: float, cores: float,
+                config: ProbeConfig, budget: NetworkBudget) -> dict[str, Any]:
     return {
-        "format": "deepcee.probes", "schema_version": PROBES_SCHEMA_VERSION, "cluster": cluster.name, "model": model,
+        "format": "deepcee.probes", "schema_version": PROBES_SCHEMA_VERSION, "cluster": cluster.name, "model": model.name,
         "emulated": emulated, "dilation": dilation, "network_dilation": network_dilation, "cores": cores,
         "device_config": asdict(config), "network_budget": asdict(budget),
         "slowdowns": measured_slowdowns(probes),
-        "kind_lines": _kind_lines_dict(probes),
+        "kind_lines": _kind_lines_dict(probes, [la.parameter_count for la in model.layers]),
         "devices": [probe_to_dict(p) for p in probes],
         "links": {"mode": mode, "fits": [f.to_dict() for f in fits]},
     }
@@ -270,18 +275,22 @@ def profile_cluster(cluster: Cluster, model: str | Sequence[nn.Module] = "gpt-ti
              deadline_s)
     launch(_rank_main, (job,), world_size=world, deadline_s=deadline_s)
     probes, fits, mode = _read_raw(raw, world)
-    name = model if isinstance(model, str) else "user"
+    log.info("%d devices and %d directed links probed in %.1f s; building the measured profile and cluster",
+             len(probes), len(fits), time.monotonic() - t0)
     source = net_source(model, loss_fn=loss_fn, dataset=dataset)
     how = "emulated devices" if emulated else "real devices"
     profile = measured_profile(base_profile(source), probes,
                                source=f"measured by deepcee profile on {cluster.name} ({how}, {probes[0].timer})")
+    _log_profile(profile)
     measured = measured_cluster(cluster, probes, fits, mode, profile, emulated=emulated)
+    log.info("measured slowdowns: %s", ", ".join(f"{d.name} {d.slowdown:.3g}" for d in measured.devices))
     grouping = group_devices(measured, island_threshold_s=island_threshold_s, speed_ratio=speed_ratio)
+    log.info("grouping: %s", "; ".join(grouping.explain()[:1]))
     files = {"cluster": str(out / "cluster.json"), "profile": str(out / "profile.json"),
              "probes": str(out / "probes.json"), "groups": str(out / "groups.txt")}
     save_json_atomic(files["cluster"], measured.to_dict())
     save_json_atomic(files["profile"], profile.to_dict())
-    save_json_atomic(files["probes"], probes_dict(measured, name, probes, fits, mode, emulated=emulated,
+    save_json_atomic(files["probes"], probes_dict(measured, profile, probes, fits, mode, emulated=emulated,
                                                   dilation=dilation, network_dilation=net_dilation, cores=cores,
                                                   config=config, budget=budget))
     Path(files["groups"]).write_text(groups_text(grouping))
@@ -290,6 +299,21 @@ def profile_cluster(cluster: Cluster, model: str | Sequence[nn.Module] = "gpt-ti
     return ProfileResult(cluster=measured, profile=profile, grouping=grouping, probes=tuple(probes), links=tuple(fits),
                          pair_mode=mode, files=files, wall_s=wall)
 
+
+
+def _log_profile(profile: ModelProfile) -> None:
+    for kind in profile.measured:
+        whole = {p: profile.time_s(0, profile.num_layers, p, 1, _named(kind), 1.0) for p in ("F", "I", "W", "B")}
+        call = profile.measured_call_overhead.get(kind)
+        log.info("kind %s: whole model as one stage, 1 sample: %s; per-call overhead %s", kind,
+                 ", ".join(f"{p} {t * 1e3:.3g} ms" for p, t in whole.items()),
+                 "not measured" if call is None else ", ".join(
+                     f"{p} {call.time_s(p, 0.0) * 1e3:.3g} ms" for p in ("F", "I", "W", "B")))
+
+
+def _named(kind: str) -> DeviceKind:
+    """A stand-in kind of that name (``ModelProfile.time_s`` looks measured timings up by name)."""
+    return DeviceKind(name=kind, peak_flops_per_s=1.0, memory_bytes=1.0)
 
 
 def probe_links(cluster: Cluster, *, emulated: bool = True, dilation: float = 1.0,
