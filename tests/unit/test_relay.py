@@ -7,7 +7,9 @@ import struct
 
 import pytest
 
-from deepcee.errors import SpecError
+from deepcee.cluster import BandwidthTrace, LinkEntry, LinkSpec
+from deepcee.errors import RuntimeSetupError, SpecError
+from deepcee.runtime import netns
 from deepcee.runtime.realnet import relay_config
 from deepcee.runtime.relay import (
     PairSpec,
@@ -110,6 +112,17 @@ def test_bandwidth_trace_changes_the_rate_at_its_times():
     assert len(q.pop_due(59.0)) == 2
     assert q.offer(0, 1, 100, now=60.0) == pytest.approx(60.025)
     assert q.next_event_s() == pytest.approx(60.025)  # no trace change left
+
+
+def test_traces_restart_from_a_new_epoch():
+    q = WanQueue([PairSpec(src=0, dst=1, latency_s=0.0, resource="r")],
+                 [ResourceSpec(name="r", bandwidth_bytes_per_s=1000.0, trace_times_s=(1.0,),
+                               trace_bandwidth_bytes_per_s=(100.0,))], queue_limit_s=10.0, epoch_s=0.0)
+    assert q.advance(5.0) == [("r", 100.0)]
+    assert q.set_epoch(10.0, now=10.5) == []  # back to nominal until 11.0
+    assert q.stats().resource("r").bandwidth_bytes_per_s == 1000.0
+    assert q.next_event_s() == 11.0
+    assert q.advance(11.0) == [("r", 100.0)]
 
 
 def test_unknown_pair_is_counted_not_queued():
@@ -229,3 +242,28 @@ def test_relay_config_from_cluster_uses_links_resources_and_dilation(tmp_path):
     assert by_pair[(0, 2)].resource == by_pair[(1, 2)].resource != by_pair[(0, 1)].resource
     with pytest.raises(SpecError, match="appears twice"):
         relay_config(cluster, ["cloud0:0", "cloud0:0"], control_path="s")
+
+
+def test_relay_config_scales_traces_with_the_dilation(tmp_path):
+    trace = BandwidthTrace(times_s=(1.0, 2.0), bandwidth_bytes_per_s=(5e5, 2e6))
+    cluster = load_scenario("local-small").with_links(
+        [LinkEntry(a="cloud", b="edge", spec=LinkSpec(latency_s=0.02, bandwidth_bytes_per_s=1e6, trace=trace))])
+    cfg = relay_config(cluster, ["cloud0:0", "edge0:0"], control_path="s", dilation=2.0)
+    res = {r.name: r for r in cfg.resources}[cluster.link("cloud0:0", "edge0:0").resource]
+    assert res.bandwidth_bytes_per_s == 5e5
+    assert res.trace_times_s == (2.0, 4.0) and res.trace_bandwidth_bytes_per_s == (2.5e5, 1e6)
+
+
+def test_missing_privileges_give_a_one_line_reason(monkeypatch):
+    monkeypatch.setattr(netns.os, "geteuid", lambda: 1000)
+    reason = netns.realnet_unavailable()
+    assert reason is not None and reason.startswith("not root") and "\n" not in reason
+    with pytest.raises(RuntimeSetupError, match="real-network emulation unavailable: not root"):
+        netns.require_realnet()
+
+
+def test_rank_addresses_are_distinct_and_bounded():
+    addrs = [netns.rank_address(r) for r in range(600)]
+    assert len(set(addrs)) == 600 and addrs[0] == "10.77.0.1" and addrs[250] == "10.77.1.1"
+    with pytest.raises(SpecError, match="rank must be in"):
+        netns.rank_address(-1)

@@ -37,6 +37,7 @@ Needs root and ``/dev/net/tun`` (:func:`deepcee.runtime.netns.require_realnet`);
 from __future__ import annotations
 
 import ctypes
+import functools
 import json
 import logging
 import os
@@ -138,9 +139,16 @@ def relay_config(cluster: Cluster, devices: Sequence[str], *, control_path: str,
                        queue_limit_s=queue_limit_s, epoch_s=epoch_s, vnet_hdr_bytes=vnet_hdr_bytes)
 
 
-def _die_with_parent() -> None:
-    """In a child before exec: SIGKILL when the parent dies (survives ``ip netns exec``'s exec)."""
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
+PR_SET_PDEATHSIG = 1
+RELAY_CONTROL_ENV = "DEEPCEE_RELAY_CONTROL"
+"""Set in every rank's environment: the relay's control socket (for :class:`RelayControl`)."""
+
+
+def _death_signal() -> Callable[[], object]:
+    """A ``preexec_fn``: the child gets SIGKILL when this process dies (the setting survives the
+    ``exec`` of ``ip netns exec`` and of Python). Resolved here, in the parent, so that the
+    forked child makes no library lookups (safe with other threads running)."""
+    return functools.partial(ctypes.CDLL(None, use_errno=True).prctl, PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 class RealNetwork:
@@ -269,13 +277,15 @@ class RealNetwork:
 
     # -- processes -----------------------------------------------------------------------
     def rank_env(self, rank: int) -> dict[str, str]:
-        """Environment of a rank process: one thread (:data:`deepcee.runtime.dist.WORKER_ENV`), gloo on the TUN device."""
-        return {**rdist.child_env(), "GLOO_SOCKET_IFNAME": self.endpoints[rank].ifname}
+        """Environment of a rank process: one thread (:data:`deepcee.runtime.dist.WORKER_ENV`), gloo on
+        the TUN device, and :data:`RELAY_CONTROL_ENV`."""
+        return {**rdist.child_env(), "GLOO_SOCKET_IFNAME": self.endpoints[rank].ifname,
+                RELAY_CONTROL_ENV: self.control_path}
 
     def popen(self, rank: int, argv: Sequence[str], **kwargs: Any) -> subprocess.Popen:
         """Start ``argv`` inside ``rank``'s namespace; killed (by pid) when the network closes."""
         kwargs.setdefault("env", self.rank_env(rank))
-        p = subprocess.Popen(self.namespaces.exec_argv(rank, argv), preexec_fn=_die_with_parent, **kwargs)
+        p = subprocess.Popen(self.namespaces.exec_argv(rank, argv), preexec_fn=_death_signal(), **kwargs)
         self._procs.append(p)
         return p
 
@@ -310,7 +320,7 @@ class RealNetwork:
 
         t_end = time.monotonic() + deadline_s
         failed_at = None
-        while any(p.poll() is None for p in procs):
+        while [p.poll() for p in procs].count(None):  # poll every process: any() would stop at the first
             now = time.monotonic()
             if failed_at is None and any(p.returncode not in (None, 0) for p in procs):
                 failed_at = now

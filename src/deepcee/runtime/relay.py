@@ -17,8 +17,9 @@ share a resource share one FIFO and one rate. A packet that would wait more than
 buffer of ``queue_limit_s x bandwidth`` bytes), so TCP sees losses instead of an unbounded
 queue. Released packets leave through one priority queue (heap) ordered by release time.
 Rates and latencies change live through a control socket (:class:`RelayControl`) and
-bandwidth traces are applied at their change times (seconds after ``epoch_s``); packets
-already queued keep the times they were given (they are "on the wire").
+bandwidth traces are applied at their change times (seconds after ``epoch_s``, which a
+control request can move to the training run's start); packets already queued keep the
+times they were given (they are "on the wire").
 
 The timing logic is :class:`WanQueue` (pure: an injected ``now``, no I/O; unit-tested);
 :func:`serve` is the I/O loop around it and this file is also the relay process's entry::
@@ -278,9 +279,9 @@ class WanQueue:
             if p.resource not in self._resources:
                 raise SpecError(f"pair {p.src}->{p.dst} names unknown resource {p.resource!r}", field="pairs.resource")
             self._pairs[(p.src, p.dst)] = _Pair(p.latency_s, self._resources[p.resource])
-        changes = [(epoch_s + t, r.name, bw) for r in resources
-                   for t, bw in zip(r.trace_times_s, r.trace_bandwidth_bytes_per_s, strict=True)]
-        self._changes = sorted(changes, reverse=True)  # popped from the end, earliest first
+        self._specs = resources
+        self._changes: list[tuple[float, str, float]] = []
+        self._schedule_traces(epoch_s)
         self._heap: list[tuple[float, int, int, Any]] = []
         self._seq = 0
         self.unroutable = 0
@@ -328,6 +329,20 @@ class WanQueue:
         return len(self._heap)
 
     # -- rates ---------------------------------------------------------------------------
+    def _schedule_traces(self, epoch_s: float) -> None:
+        changes = [(epoch_s + t, r.name, bw) for r in self._specs
+                   for t, bw in zip(r.trace_times_s, r.trace_bandwidth_bytes_per_s, strict=True)]
+        self._changes = sorted(changes, reverse=True)  # popped from the end, earliest first
+
+    def set_epoch(self, epoch_s: float, now: float) -> list[tuple[str, float]]:
+        """Restart the traces from ``epoch_s`` (e.g. the training run's start): every traced
+        resource goes back to its nominal rate, then the changes due by ``now`` apply."""
+        for r in self._specs:
+            if r.trace_times_s:
+                self._resources[r.name].bandwidth_bytes_per_s = r.bandwidth_bytes_per_s
+        self._schedule_traces(epoch_s)
+        return self.advance(now)
+
     def advance(self, now: float) -> list[tuple[str, float]]:
         """Apply the trace changes due by ``now``; returns ``(resource, rate)`` applied."""
         applied = []
@@ -413,6 +428,8 @@ def _handle_control(sock: socket.socket, queue: WanQueue, stats: Callable[[], Re
                 queue.set_bandwidth(msg["resource"], float(msg["bandwidth_bytes_per_s"]))
             elif op == "set_latency":
                 queue.set_latency(int(msg["src"]), int(msg["dst"]), float(msg["latency_s"]))
+            elif op == "set_epoch":
+                queue.set_epoch(float(msg["epoch_s"]), time.monotonic())
             elif op == "stop":
                 keep = False
             elif op not in ("ping", "stats"):
@@ -533,6 +550,10 @@ class RelayControl:
 
     def set_latency(self, src: int, dst: int, latency_s: float) -> None:
         self._call({"op": "set_latency", "src": src, "dst": dst, "latency_s": latency_s})
+
+    def set_epoch(self, epoch_s: float) -> None:
+        """Restart the bandwidth traces at ``epoch_s`` (a ``time.monotonic()`` value of this machine)."""
+        self._call({"op": "set_epoch", "epoch_s": epoch_s})
 
     def stop(self) -> RelayStats:
         """Ask the relay to exit; returns its final counters."""
