@@ -25,26 +25,38 @@ split every microbatch by share and all-reduce their gradients. The planner sear
 1. Every (layout, ``n``) gets its layer split by dynamic programming over contiguous layer
    ranges (:func:`split_layers`), minimising the bottleneck iteration load
    ``max(M x (F+I+W) + all-reduce + optimizer of each stage, M x serialisation + latency of
-   each boundary)`` subject to memory (the in-flight count of each schedule; schedules with
-   equal memory masks share one run). A closed form ``T = bottleneck load + fill``
-   (fill: one microbatch through every other stage and link) ranks the results.
+   each boundary)`` subject to memory: first under the loosest limit (one microbatch in
+   flight); schedules whose in-flight counts that split also meets share it (it is optimal
+   for them too), the others get their own run. A closed form ``T = bottleneck load + fill``
+   (fill: one microbatch through every other stage and link) ranks the results. A layout
+   whose lower bound (all samples over the summed device speed, or the cheapest boundary's
+   bytes over the summed bandwidth of the link resources between two of its stages)
+   cannot beat the best closed form so far is skipped.
 2. The best ranked configurations get a second DP that minimises the fill subject to the
    bottleneck staying under ``tau`` for a few ``tau`` above the optimum (trading a slightly
    worse bottleneck for a shorter pipeline when there are few microbatches).
-3. The best ranked, plus the best for every stage count and every island (for the
-   explanation), are built as plans for every schedule and sync and scored by the analytic
-   cost model (:class:`~deepcee.planner.cost_model.AnalyticCostModel`); the best few are
-   refined by moving stage boundaries one layer at a time; ``compact`` schedules are built
-   for the best few splits (:func:`~deepcee.schedule.compact.build_compact`, memory limit =
-   what device memory allows per stage).
-4. The best ``confirm_top`` plans (distinct) are simulated; the lowest simulated iteration
-   time wins (ties: cost model, then a stable key).
+3. The best ranked are built as plans for every schedule and sync (ring and hierarchical
+   only when a stage spans nodes: otherwise they coincide) and scored by the analytic cost
+   model (:class:`~deepcee.planner.cost_model.AnalyticCostModel`), plus, with one schedule,
+   the best for every stage count and every island (for the explanation); plans that do
+   not fit memory are dropped. The best few are refined by moving stage boundaries one
+   layer at a time; ``compact`` schedules are built for the best distinct pipelines
+   (:func:`~deepcee.schedule.compact.build_compact`, memory limit = what device memory
+   allows per stage) within a budget of stages x microbatches, the builder's cost.
+4. The best ``confirm_top`` plans (distinct) are simulated, within a work budget; the lowest
+   simulated iteration time wins (ties: cost model, then a stable key).
 
-With at most ``exhaustive_islands`` islands every island subset and the best island order
-(by slow-link cost) and its reverse are tried; above that, the chain starts from all
-islands in a short-path order and islands or slow groups are dropped greedily while that
-helps. A plan that does not fit memory is never returned; when nothing fits,
-:class:`~deepcee.errors.InfeasiblePlanError` names the device and its shortfall.
+With at most ``exhaustive_islands`` islands every island subset, every prefix of groups, and
+the best island order (by slow-link cost) and its reverse are tried; above that, the chain
+starts from all islands in a short-path order and islands or slow groups are dropped
+greedily while that helps (moves are screened on the neighbourhood of the current best
+layout: half, same and double granularity and microbatch size). A plan that does not fit
+memory is never returned; when nothing fits, :class:`~deepcee.errors.InfeasiblePlanError`
+names the device and its shortfall.
+
+How good this is: ``benchmarks/planner_optimality.py`` compares it with an exact
+brute-force search of the same plan space, scored by the simulator, on small random
+instances; ``benchmarks/planning_time.py`` measures planning time up to 1,024 devices.
 """
 
 from __future__ import annotations
@@ -78,7 +90,7 @@ from deepcee.planner.grouping import (
     group_devices,
 )
 from deepcee.profile import ModelProfile
-from deepcee.schedule.compact import build_compact
+from deepcee.schedule.compact import RULE_GRID, Rules, build_compact, search_compact
 from deepcee.schedule.ir import format_schedule
 from deepcee.units import GIB, fmt_rate
 
@@ -118,7 +130,7 @@ class PlannerOptions:
     best plans are confirmed in order while they fit (a plan alone above it is not simulated)."""
     compact_max_actions: int = 800
     """Build compact schedules only for plans with at most this many stages x microbatches."""
-    compact_budget: int = 400
+    compact_budget: int = 250
     """Stages x microbatches summed over the compact schedules built (after the first)."""
     cost_model: CostModel | None = None
     """Scores candidates (default :class:`AnalyticCostModel`)."""
@@ -337,20 +349,29 @@ def in_flight_counts(schedule: str, num_stages: int, num_microbatches: int) -> t
     return (1,) * s
 
 
+SCREEN_RULES: tuple[Rules, ...] = tuple(r for r in RULE_GRID if r.feed_downstream == 0 and r.w_slack in (0.0, 1.0))
+"""The compact builder's rule settings used to *screen* splits while refining a compact plan: the
+six that won most often on the random instances of ``benchmarks/planner_optimality.py`` (about
+two thirds of all wins; the templates are always tried). The split a refinement ends on is
+built with the full grid."""
+
+
 def compact_plan(plan: Plan, cluster: Cluster, model: ModelProfile, cost: PlanCost,
-                 tables: RangeTables) -> Plan | None:
-    """``plan`` with a compact schedule built from ``cost`` (its stage and link times); ``None``
-    if some stage cannot hold even one microbatch."""
+                 tables: RangeTables, *, rules: Sequence[Rules] | None = None) -> Plan | None:
+    """``plan`` with a compact schedule built from ``cost`` (its stage and link times) by
+    :func:`~deepcee.schedule.compact.build_compact` (or with only ``rules``, see
+    :data:`SCREEN_RULES`); ``None`` if some stage cannot hold even one microbatch."""
     limits = []
     for st in plan.stages:
         k = tables.costs(st.devices, st.shares).max_in_flight(st.layer_start, st.layer_stop, plan.num_microbatches)
         if k < 1:
             return None
         limits.append(k)
-    sched = build_compact(num_microbatches=plan.num_microbatches, forward_s=cost.forward_s,
-                          input_grad_s=cost.input_grad_s, weight_grad_s=cost.weight_grad_s,
-                          comm_forward=[b.forward for b in cost.boundaries],
-                          comm_backward=[b.backward for b in cost.boundaries], memory_limit=limits)
+    costs = {"num_microbatches": plan.num_microbatches, "forward_s": cost.forward_s,
+             "input_grad_s": cost.input_grad_s, "weight_grad_s": cost.weight_grad_s,
+             "comm_forward": [b.forward for b in cost.boundaries],
+             "comm_backward": [b.backward for b in cost.boundaries], "memory_limit": limits}
+    sched = build_compact(**costs) if rules is None else search_compact(**costs, rules=rules).schedule
     return plan.replace(schedule="compact", actions=format_schedule(sched))
 
 
@@ -523,6 +544,7 @@ class _Search:
     _marginal: dict[str, float] = field(default_factory=dict)
     _shares: dict[tuple, tuple[int, ...]] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    compact_used: float = 0.0
     _pipes: dict[tuple, float] = field(default_factory=dict)
 
     # -- step 1 ---------------------------------------------------------------------------
@@ -676,27 +698,67 @@ class _Search:
         return out
 
     def refine(self, cand: Candidate) -> Candidate:
-        """Hill-climb: move one stage boundary by one layer while the cost model improves."""
+        """Hill-climb: move stage boundaries by one layer while the cost model improves.
+
+        A compact plan's neighbours are tried with its action order (any order is valid for any
+        split) and as zb-h2; the three best of them also get a compact schedule of their own
+        (screening rules, while the compact budget lasts); the split it ends on gets a full
+        one, if that is better."""
         best = cand
-        for _ in range(max(2, 64 // max(1, 2 * (best.plan.num_stages - 1)))):
+        for _ in range(max(2, 96 // max(1, 6 * (best.plan.num_stages - 1)))):
             plan = best.plan
             splits = [st.layer_start for st in plan.stages] + [plan.num_layers]
             trial = []
-            for k in range(1, len(splits) - 1):
-                for step in (-1, 1):
-                    new = list(splits)
+            # neighbours: one boundary moved by one or two layers, or a run of two or three
+            # adjacent ones moved by one layer
+            runs = [((k, k + r), step) for r in (1, 2, 3) for k in range(1, len(splits) - r)
+                    for step in ((-2, -1, 1, 2) if r == 1 else (-1, 1))]
+            proxies: list[tuple[float, int, tuple[StagePlan, ...]]] = []
+            for (lo, hi), step in runs:
+                new = list(splits)
+                for k in range(lo, hi):
                     new[k] += step
-                    if new[k - 1] < new[k] < new[k + 1]:
-                        stages = tuple(StagePlan(layer_start=new[s], layer_stop=new[s + 1], devices=st.devices,
-                                                 shares=st.shares) for s, st in enumerate(plan.stages))
-                        got = self.score(plan.replace(stages=stages, actions=()))
-                        if got is not None:
-                            trial.append(got)
+                if any(x >= y for x, y in itertools.pairwise(new)):
+                    continue
+                stages = tuple(StagePlan(layer_start=new[s], layer_stop=new[s + 1], devices=st.devices,
+                                         shares=st.shares) for s, st in enumerate(plan.stages))
+                moved = [plan.replace(stages=stages)]
+                if plan.schedule == "compact":  # and zb-h2, a proxy of what a compact schedule of its own gives
+                    moved.append(plan.replace(stages=stages, schedule="zb-h2", actions=()))
+                got = [g for g in map(self.score, moved) if g is not None]
+                trial += got
+                if got:
+                    proxies.append((min(g.estimate.iteration_s for g in got), len(proxies), stages))
+            # the most promising neighbours of a compact plan get a compact schedule of their own
+            for _, _, stages in sorted(proxies)[:3] if plan.schedule == "compact" else ():
+                built = self.compact(plan.replace(stages=stages, schedule="zb-h1", actions=()), screen=True)
+                got1 = self.score(built) if built is not None else None
+                if got1 is not None:
+                    trial.append(got1)
             better = min(trial, key=_rank, default=None)
             if better is None or _rank(better) >= _rank(best):
                 break
             best = better
+        if best is not cand and best.plan.schedule == "compact":
+            rebuilt = self.compact(best.plan.replace(schedule="zb-h1", actions=()))
+            got = self.score(rebuilt) if rebuilt is not None else None
+            if got is not None and _rank(got) < _rank(best):
+                best = got
         return best
+
+    def compact(self, plan: Plan, *, screen: bool = False) -> Plan | None:
+        """``plan`` with a compact schedule, or ``None`` (a stage cannot hold one microbatch, or the
+        compact budget of stages x microbatches is spent). ``screen``: with :data:`SCREEN_RULES`
+        only, charged a quarter of a full build."""
+        size = plan.num_stages * plan.num_microbatches
+        charge = size / 4 if screen else size
+        if size > self.options.compact_max_actions or (self.compact_used and
+                                                       self.compact_used + charge > self.options.compact_budget):
+            return None
+        self.compact_used += charge
+        cost = AnalyticCostModel().breakdown(plan, self.cluster, self.model)
+        return compact_plan(plan, self.cluster, self.model, cost, self.tables,
+                            rules=SCREEN_RULES if screen else None)
 
 
 def _rank(c: Candidate) -> tuple:
@@ -803,7 +865,7 @@ def plan_training(cluster: Cluster, model: ModelProfile, global_batch: int, *,
     cands = sorted(_dedupe(cands), key=_rank)
     refined = [search.refine(c) for c in cands[: options.refine_top]]
     cands = sorted(_dedupe(cands + refined), key=_rank)
-    cands += _compacts(search, cands)
+    cands += _compacts(search, cands, ranked)
     cands = sorted(_dedupe(cands), key=_rank)
     top = _confirm(search, cands)
     best = top[0]
@@ -834,32 +896,40 @@ def _coverage(ranked: list[_Config]) -> list[_Config]:
     return list(out.values())
 
 
-def _compacts(search: _Search, cands: list[Candidate]) -> list[Candidate]:
-    """Compact schedules for the best distinct pipelines (stages, split, shares), best first, up to
-    ``compact_top`` of them and ``compact_budget`` stages x microbatches in total (the first one
-    up to ``compact_max_actions``): the builder's cost grows with that product."""
+def _compacts(search: _Search, cands: list[Candidate], ranked: list[_Config]) -> list[Candidate]:
+    """Compact schedules for the best distinct pipelines (stage devices, microbatch size), taken in
+    turn from the cost-model ranking of fixed schedules and from the closed-form ranking (which
+    ignores the schedule, as a compact schedule nearly does), up to ``compact_top``; then the best
+    are refined. All within ``compact_budget`` stages x microbatches, the builder's cost."""
     opts = search.options
     if "compact" not in opts.schedules:
         return []
-    out, done, used, skipped = [], set(), 0, 0
+    by_model: dict[tuple, Plan] = {}
     for c in cands:
-        size = c.plan.num_stages * c.plan.num_microbatches
-        if c.plan.stages in done or c.plan.num_stages < 2:
-            continue
-        if size > opts.compact_max_actions or (done and used + size > opts.compact_budget):
-            skipped += 1
-            continue
-        done.add(c.plan.stages)
-        used += size
-        cost = AnalyticCostModel().breakdown(c.plan, search.cluster, search.model)
-        plan = compact_plan(c.plan, search.cluster, search.model, cost, search.tables)
-        if plan is not None:
-            got = search.score(plan)
-            if got is not None:
-                out.append(got)
-        if len(done) >= opts.compact_top:
+        if c.plan.num_stages >= 2 and c.plan.schedule != "compact":
+            by_model.setdefault((tuple(st.devices for st in c.plan.stages), c.plan.microbatch_size), c.plan)
+    by_form: dict[tuple, Plan] = {}
+    for cfg in ranked:
+        key = (cfg.layout.slots, cfg.n)
+        if len(cfg.layout.slots) >= 2 and key not in by_form:
+            by_form[key] = by_model.get(key) or build_plan(
+                cfg.layout, cfg.split, cluster=search.cluster, model=search.model, global_batch=search.global_batch,
+                microbatch_size=cfg.n, schedule="zb-h1", sync=opts.syncs[0], system=opts.system)
+        if len(by_form) >= opts.compact_top:
             break
-    if not done and skipped:
+    bases: dict[tuple, Plan] = {}
+    for a, b in itertools.zip_longest(list(by_model.items())[: opts.compact_top], by_form.items()):
+        for key, plan in (x for x in (a, b) if x is not None):
+            bases.setdefault(key, plan)
+    out = []
+    for plan in list(bases.values())[: opts.compact_top]:
+        built = search.compact(plan)
+        got = search.score(built) if built is not None else None
+        if got is not None:
+            out.append(got)
+    out.sort(key=_rank)
+    out += [search.refine(c) for c in out]  # all of them, as far as the budget lasts
+    if bases and not search.compact_used:
         search.notes.append(f"no compact schedule built: the best pipelines exceed compact_max_actions "
                             f"{opts.compact_max_actions} (stages x microbatches)")
     return out
@@ -887,33 +957,33 @@ def _confirm(search: _Search, cands: list[Candidate]) -> list[Candidate]:
 
 
 def _infeasible(search: _Search) -> InfeasiblePlanError:
-    """The closest miss: every device, finest layout, smallest microbatch, one microbatch in flight."""
-    g, model = search.grouping, search.model
-    n = search.sizes[0]
-    devs = [d for d in search.cluster.device_names]
-    slots = tuple((d,) for d in devs)[: model.num_layers] if n >= 1 else ()
-    layout = StageLayout(slots=slots, islands=tuple(i.name for i in g.islands), label="every device")
+    """The closest miss: one device per stage (the devices with the most memory, at most one per
+    layer), the smallest microbatch, one microbatch in flight, and the layer split that
+    minimises the worst shortfall (the DP with memory excess as the load)."""
+    cluster, model, n = search.cluster, search.model, search.sizes[0]
+    pos = {d: i for i, d in enumerate(cluster.device_names)}
+    devs = sorted(cluster.device_names, key=lambda d: (-cluster.memory_bytes(d), pos[d]))[: model.num_layers]
+    slots = tuple((d,) for d in sorted(devs, key=pos.__getitem__))
+    layout = StageLayout(slots=slots, islands=(), label="one device per stage")
     tab = search.dp_inputs(layout, n)
     excess = [np.where(np.tril(np.ones_like(rc.compute_s, dtype=bool)), _INF, rc.memory_excess(1))
               for rc in tab.costs]
     got = split_layers(excess, [np.full(excess[0].shape[0], -_INF)] * len(excess))
-    assert got is not None
+    assert got is not None  # every range of a one-layer-or-more split has a finite excess
     split = got[1]
-    worst = None
-    for s, devs_s in enumerate(slots):
-        a, b = split[s], split[s + 1]
-        for d in devs_s:
-            need = search.tables.costs(devs_s, (n,)).memory_excess(1)[a, b] + search.cluster.memory_bytes(d)
-            short = need - search.cluster.memory_bytes(d)
-            if worst is None or short > worst[0]:
-                worst = (short, d, s, a, b, need)
-    assert worst is not None
-    short, d, s, a, b, need = worst
-    have = search.cluster.memory_bytes(d)
+    short, s = max((float(excess[k][split[k], split[k + 1]]), -k) for k in range(len(slots)))
+    s, d = -s, slots[-s][0]
+    if short <= 0:
+        return InfeasiblePlanError(
+            f"no plan of {model.name} on {cluster.name} in the searched space (schedules "
+            f"{', '.join(search.options.schedules)}, microbatch sizes {search.sizes}); allow more schedules "
+            f"or microbatch sizes")
+    a, b = split[s], split[s + 1]
+    have = cluster.memory_bytes(d)
     return InfeasiblePlanError(
-        f"{model.name} needs {need / GIB:.1f} GiB on {d} (stage {s}, layers {a}-{b - 1}) but it has "
-        f"{have / GIB:.1f} GiB; short {max(short, 0) / GIB:.1f} GiB even with every device as its own stage, "
-        f"microbatch size {n} and one microbatch in flight; add devices or reduce microbatch size")
+        f"{model.name} needs {(have + short) / GIB:.1f} GiB on {d} (stage {s}, layers {a}-{b - 1}) but it has "
+        f"{have / GIB:.1f} GiB; short {short / GIB:.1f} GiB even with one device per stage ({len(slots)} "
+        f"stages), microbatch size {n} and one microbatch in flight; add devices or reduce microbatch size")
 
 
 # ----------------------------------------------------------------------------- explanation
