@@ -271,6 +271,16 @@ def cmd_group(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_validate(args: argparse.Namespace) -> int:
+    cluster, _ = _load_cluster(args.cluster, args.scenario)
+    from deepcee.profiler.fidelity import validate_cluster
+
+    report = validate_cluster(cluster, args.model, num_plans=args.plans, steps=args.steps, out_dir=args.output,
+                              profile_dir=args.profile_dir)
+    print(f"wrote {Path(args.output) / 'validate.json'}")
+    return 0 if report is not None else 1
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from deepcee.demo import DemoConfig, format_report, run_demo
 
@@ -335,6 +345,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--speed-ratio", type=float, default=1.5,
                    help="a speed gap above this ratio separates groups inside an island")
     p.set_defaults(func=cmd_group)
+
+    p = sub.add_parser("validate", help="run several plans for real on the emulated cluster and compare "
+                       "with the simulator")
+    _add_cluster_args(p)
+    p.add_argument("--model", default="gpt-tiny", help="gpt-tiny or resnet-tiny")
+    p.add_argument("--plans", type=int, default=8, help="number of different plans to run")
+    p.add_argument("--steps", type=int, default=6, help="steps per plan (the first is warm-up)")
+    p.add_argument("--profile-dir", help="reuse cluster.json/profile.json from `deepcee profile` instead of "
+                   "profiling first")
+    p.add_argument("-o", "--output", default="reports/validate")
+    p.set_defaults(func=cmd_validate)
 
     p = sub.add_parser("scenarios", help="list built-in clusters")
     p.set_defaults(func=cmd_scenarios)
