@@ -125,6 +125,14 @@ def failing_target(rank: int, world_size: int, store_path: str) -> None:
     time.sleep(30)
 
 
+def aborting_target(rank: int, world_size: int, store_path: str) -> None:
+    if rank == 1:
+        sys.stderr.write("native library gave up\n")
+        sys.stderr.flush()
+        os.abort()  # dies like a C++ std::terminate: no Python error record
+    time.sleep(30)
+
+
 def sleeping_target(rank: int, world_size: int, store_path: str, seconds: float) -> None:
     time.sleep(seconds)
 
@@ -226,6 +234,14 @@ def test_failing_rank_is_reported_and_everything_is_removed():
     with pytest.raises(RuntimeSetupError, match="rank 1: stage 1 found no weights"):
         launch_realnet(failing_target, (), cluster=wan_pair(), devices=["na:0", "nb:0"], deadline_s=30, grace_s=0.5)
     assert time.monotonic() - t0 < 20
+    assert_clean()
+
+
+def test_native_crash_is_reported_with_the_ranks_stderr():
+    from deepcee.runtime.realnet import launch_realnet
+
+    with pytest.raises(RuntimeSetupError, match=r"exited abnormally .*\[\(1, -6\)\].*native library gave up"):
+        launch_realnet(aborting_target, (), cluster=wan_pair(), devices=["na:0", "nb:0"], deadline_s=30, grace_s=0.5)
     assert_clean()
 
 

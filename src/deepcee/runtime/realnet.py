@@ -29,6 +29,20 @@ started as ``ip netns exec NS python -c <bootstrap>``: the bootstrap restores th
 ``sys.path`` (like ``multiprocessing``'s spawn) and unpickles ``(target, args)``, so
 ``target`` must be importable by module name.
 
+Limits: the relay is one Python process, so a link faster than its ceiling (2-3 Gbit/s
+measured, see :mod:`deepcee.runtime.relay`) is capped by it, e.g. the 10 Gbit/s intra-node
+links of ``local-small`` (emulate with ``dilation`` > 1 to bring them under it). Same-node
+devices still get separate namespaces and cross the relay. IPv4 only. Every rank's
+environment holds :data:`RELAY_CONTROL_ENV` (the control socket path).
+
+Use::
+
+    stats = launch_realnet(my_module.entry, (arg,), cluster=cluster, devices=plan.devices, deadline_s=300)
+
+    with RealNetwork(cluster, devices) as net:         # or: keep the network, steer it live
+        ...start a thread that calls net.control.set_bandwidth(resource, bytes_per_s)...
+        net.run(my_module.entry, (arg,), deadline_s=300)
+
 Needs root and ``/dev/net/tun`` (:func:`deepcee.runtime.netns.require_realnet`); without them
 :class:`RuntimeSetupError` says why, and the in-process link emulation
 (:mod:`deepcee.runtime.emulation`) remains the fallback.
@@ -303,15 +317,21 @@ class RealNetwork:
             "sys_path": list(sys.path), "call": pickle.dumps((target, args)), "world_size": self.world_size,
             "store_path": str(run_dir / "store"), "error_dir": str(run_dir),
         }))
-        procs = [self.popen(r, [sys.executable, "-c", _CHILD_BOOTSTRAP, str(payload), str(r)])
-                 for r in range(self.world_size)]
+        procs = []
         try:
+            for r in range(self.world_size):
+                # stderr to a file: a rank that dies in native code (abort, segfault) leaves no error
+                # record, and its last words are the only clue; they are echoed here after the run.
+                with open(run_dir / f"stderr-rank{r}.log", "wb") as err:
+                    procs.append(self.popen(r, [sys.executable, "-c", _CHILD_BOOTSTRAP, str(payload), str(r)],
+                                            stderr=err))
             self._supervise(procs, run_dir, deadline_s=deadline_s, grace_s=grace_s)
         finally:
             for p in procs:
                 if p.poll() is None:
                     p.kill()
                 p.wait(timeout=5)
+            _echo_stderr(run_dir, len(procs))
         return self.control.stats()
 
     def _supervise(self, procs: list[subprocess.Popen], run_dir: Path, *, deadline_s: float, grace_s: float) -> None:
@@ -340,7 +360,29 @@ class RealNetwork:
             raise err
         bad = [(i, p.returncode) for i, p in enumerate(procs) if p.returncode not in (0, None)]
         if bad:
-            raise RuntimeSetupError(f"ranks exited abnormally without an error record: {bad} (killed by a signal?)")
+            last = _tail(run_dir / f"stderr-rank{bad[0][0]}.log", 1500)
+            raise RuntimeSetupError(f"ranks exited abnormally without an error record: {bad} (killed by a signal?); "
+                                    f"rank {bad[0][0]}'s stderr ends: {last}")
+
+
+def _tail(path: Path, nbytes: int) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - nbytes))
+            return f.read().decode(errors="replace").strip() or "(empty)"
+    except OSError:
+        return "(no log)"
+
+
+def _echo_stderr(run_dir: Path, world_size: int) -> None:
+    """Copy each rank's captured stderr to ours, prefixed by the rank (as if inherited)."""
+    for r in range(world_size):
+        try:
+            text = (run_dir / f"stderr-rank{r}.log").read_text(errors="replace")
+        except OSError:
+            continue
+        for line in text.splitlines():
+            sys.stderr.write(f"[rank {r}] {line}\n")
 
 
 def launch_realnet(target: Callable[..., None], args: tuple[Any, ...], *, cluster: Cluster, devices: Sequence[str],
