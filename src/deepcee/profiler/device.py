@@ -50,7 +50,7 @@ all its parameters, cheaper than the ``I`` + ``W`` of the same layers inside a l
 (gpt-tiny on one CPU core: 1.4-2x). With ``first_stage`` (default) the probe also times
 every layer run as a first stage (``StageRunner(is_first=True)``, including layers without
 parameters, whose first-stage backward is empty); ``probes.json`` keeps both sets and
-:func:`deepcee.profiler.model.first_stage_lines` builds the profile's ``first_stage`` timings.
+:func:`deepcee.profiler.model.first_stage_rows` composes the profile's ``first_stage`` timings.
 
 [Note: call overhead]
 A stage action pays some costs once per call, whatever the number of layers: the Python of the
@@ -92,7 +92,6 @@ log = logging.getLogger(__name__)
 CpuTimer = Literal["thread", "wall"]
 PASSES: tuple[str, ...] = ("F", "I", "W", "B")
 """Forward, input gradient, weight gradient (split backward), and the fused backward ``B``."""
-SPLIT: tuple[str, ...] = ("F", "I", "W")
 MEMORY_CUDA = "cuda max_memory_allocated over one F/I/W of the largest microbatch (+ parameters)"
 MEMORY_CPU = "estimate from tensor sizes: parameters, gradients, saved tensors, output and its gradient"
 
@@ -171,9 +170,10 @@ class LayerProbe:
 
 
 def _timing(passes: dict[str, PassFit]) -> LayerTiming:
-    f, i, w = (passes[p] for p in SPLIT)
+    """The single-layer lines as measured (call overhead included; see [Note: call overhead])."""
+    f, i, w, b = (passes[p] for p in PASSES)
     return LayerTiming(forward=(f.fixed_s, f.per_sample_s), input_grad=(i.fixed_s, i.per_sample_s),
-                       weight_grad=(w.fixed_s, w.per_sample_s))
+                       weight_grad=(w.fixed_s, w.per_sample_s), backward=(b.fixed_s, b.per_sample_s))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
