@@ -49,8 +49,9 @@ split every microbatch by share and all-reduce their gradients. The planner sear
 With at most ``exhaustive_islands`` islands every island subset, every prefix of groups, and
 the best island order (by slow-link cost) and its reverse are tried; above that, the chain
 starts from all islands in a short-path order and islands or slow groups are dropped
-greedily while that helps (moves are screened on the neighbourhood of the current best
-layout: half, same and double granularity and microbatch size). A plan that does not fit
+greedily while that helps (moves are screened with the current best layout's kind and half,
+same and double its granularity and microbatch size; an accepted move's chain is then
+evaluated in full). A plan that does not fit
 memory is never returned; when nothing fits, :class:`~deepcee.errors.InfeasiblePlanError`
 names the device and its shortfall.
 
@@ -81,6 +82,7 @@ from deepcee.planner.cost_model import (
     RangeTables,
     SimulatorCostModel,
     largest_remainder_shares,
+    share_pairs,
 )
 from deepcee.planner.grouping import (
     DEFAULT_ISLAND_THRESHOLD_S,
@@ -131,6 +133,9 @@ class PlannerOptions:
     compact_max_actions: int = 800
     """Build compact schedules only for plans with at most this many stages x microbatches."""
     compact_budget: int = 250
+    refine_budget: int = 40_000
+    """Work of boundary refinement in total, counted per cost-model evaluation as devices +
+    stages x microbatches (what one evaluation costs); unlimited in effect for small clusters."""
     """Stages x microbatches summed over the compact schedules built (after the first)."""
     cost_model: CostModel | None = None
     """Scores candidates (default :class:`AnalyticCostModel`)."""
@@ -195,10 +200,11 @@ class StageLayout:
     """Each island's kept groups form one device set (else one per group)."""
     granularity: int = 0
     """Most devices per stage when cutting device sets; 0 for the all-islands data-parallel layout."""
+    devices: frozenset[str] = field(init=False, repr=False, compare=False)
+    """Every device of the layout."""
 
-    @property
-    def devices(self) -> frozenset[str]:
-        return frozenset(d for s in self.slots for d in s)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "devices", frozenset(d for s in self.slots for d in s))
 
 
 # ----------------------------------------------------------------------------- plan space
@@ -378,21 +384,6 @@ def compact_plan(plan: Plan, cluster: Cluster, model: ModelProfile, cost: PlanCo
 # ----------------------------------------------------------------------------- layer split DP
 
 
-def _overlaps(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, int, int]]:
-    """:func:`deepcee.plan.share_overlaps` by a linear merge of the two range lists (same result)."""
-    out, i, j, a_lo, b_lo = [], 0, 0, 0, 0
-    while i < len(src) and j < len(dst):
-        a_hi, b_hi = a_lo + src[i], b_lo + dst[j]
-        lo, hi = max(a_lo, b_lo), min(a_hi, b_hi)
-        if lo < hi:
-            out.append((i, j, lo, hi))
-        if a_hi <= b_hi:
-            i, a_lo = i + 1, a_hi
-        if b_hi <= a_hi:
-            j, b_lo = j + 1, b_hi
-    return out
-
-
 @dataclass(slots=True)
 class _Boundary:
     """Per boundary layer ``a``: forward/backward (latency, serialisation) of one microbatch."""
@@ -406,7 +397,7 @@ class _Boundary:
 def _boundary(cluster: Cluster, tables: RangeTables, src: tuple[str, ...], src_shares: tuple[int, ...],
               dst: tuple[str, ...], dst_shares: tuple[int, ...]) -> _Boundary:
     per: list[dict[str, list[float]]] = [{}, {}]
-    for i, j, lo, hi in _overlaps(src_shares, dst_shares):
+    for i, j, lo, hi in share_pairs(src_shares, dst_shares):
         for d, a, b in ((0, src[i], dst[j]), (1, dst[j], src[i])):
             link = cluster.link(a, b)
             r = per[d].setdefault(link.resource, [0.0, 0.0, link.bandwidth_bytes_per_s])
@@ -415,7 +406,7 @@ def _boundary(cluster: Cluster, tables: RangeTables, src: tuple[str, ...], src_s
     bnd = tables.boundary_bytes
     out = []
     for d in range(2):
-        sers = np.array([[samples * x / bw for x in bnd] for samples, _, bw in per[d].values()])
+        sers = np.outer([samples / bw for samples, _, bw in per[d].values()], bnd)
         lats = np.array([lat for _, lat, _ in per[d].values()])[:, None]
         ser = sers.max(axis=0)
         out += [(sers + lats).max(axis=0) - ser, ser]
@@ -545,6 +536,8 @@ class _Search:
     _shares: dict[tuple, tuple[int, ...]] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     compact_used: float = 0.0
+    forced_compacts: int = 0
+    refine_used: int = 0
     _pipes: dict[tuple, float] = field(default_factory=dict)
 
     # -- step 1 ---------------------------------------------------------------------------
@@ -695,6 +688,18 @@ class _Search:
                 cand = self.score(plan)
                 if cand is not None:
                     out.append(cand)
+        if full and not scheds and cfg.schedules == ("compact",) and self.forced_compacts < 2 \
+                and len(cfg.layout.slots) > 1:
+            # memory admits no fixed schedule here, only a compact one with fewer microbatches in flight
+            self.forced_compacts += 1
+            base = build_plan(cfg.layout, cfg.split, cluster=self.cluster, model=self.model,
+                              global_batch=self.global_batch, microbatch_size=cfg.n, schedule="zb-h1",
+                              sync=self.options.syncs[0], system=self.options.system)
+            built = self.compact(base, screen=base.num_stages * base.num_microbatches
+                                 > self.options.compact_max_actions, force=True)
+            cand = self.score(built) if built is not None else None
+            if cand is not None:
+                out.append(cand)
         return out
 
     def refine(self, cand: Candidate) -> Candidate:
@@ -705,14 +710,15 @@ class _Search:
         (screening rules, while the compact budget lasts); the split it ends on gets a full
         one, if that is better."""
         best = cand
-        for _ in range(max(2, 96 // max(1, 6 * (best.plan.num_stages - 1)))):
+        for _ in range(max(2, 96 // max(1, 6 * (best.plan.num_stages - 1))) if best.plan.num_stages <= 8 else 2):
             plan = best.plan
             splits = [st.layer_start for st in plan.stages] + [plan.num_layers]
             trial = []
             # neighbours: one boundary moved by one or two layers, or a run of two or three
-            # adjacent ones moved by one layer
-            runs = [((k, k + r), step) for r in (1, 2, 3) for k in range(1, len(splits) - r)
-                    for step in ((-2, -1, 1, 2) if r == 1 else (-1, 1))]
+            # adjacent ones moved by one layer (long pipelines: one boundary by one layer)
+            wide = plan.num_stages <= 8
+            runs = [((k, k + r), step) for r in ((1, 2, 3) if wide else (1,)) for k in range(1, len(splits) - r)
+                    for step in ((-2, -1, 1, 2) if r == 1 and wide else (-1, 1))]
             proxies: list[tuple[float, int, tuple[StagePlan, ...]]] = []
             for (lo, hi), step in runs:
                 new = list(splits)
@@ -725,6 +731,10 @@ class _Search:
                 moved = [plan.replace(stages=stages)]
                 if plan.schedule == "compact":  # and zb-h2, a proxy of what a compact schedule of its own gives
                     moved.append(plan.replace(stages=stages, schedule="zb-h2", actions=()))
+                work = len(moved) * (len(plan.devices) + plan.num_stages * plan.num_microbatches)
+                if self.refine_used + work > self.options.refine_budget:
+                    break
+                self.refine_used += work
                 got = [g for g in map(self.score, moved) if g is not None]
                 trial += got
                 if got:
@@ -746,14 +756,14 @@ class _Search:
                 best = got
         return best
 
-    def compact(self, plan: Plan, *, screen: bool = False) -> Plan | None:
+    def compact(self, plan: Plan, *, screen: bool = False, force: bool = False) -> Plan | None:
         """``plan`` with a compact schedule, or ``None`` (a stage cannot hold one microbatch, or the
         compact budget of stages x microbatches is spent). ``screen``: with :data:`SCREEN_RULES`
-        only, charged a quarter of a full build."""
+        only, charged a quarter of a full build; ``force``: regardless of size and budget."""
         size = plan.num_stages * plan.num_microbatches
         charge = size / 4 if screen else size
-        if size > self.options.compact_max_actions or (self.compact_used and
-                                                       self.compact_used + charge > self.options.compact_budget):
+        if not force and (size > self.options.compact_max_actions or (
+                self.compact_used and self.compact_used + charge > self.options.compact_budget)):
             return None
         self.compact_used += charge
         cost = AnalyticCostModel().breakdown(plan, self.cluster, self.model)
@@ -776,8 +786,9 @@ Hint = tuple[bool, int, int]
 
 
 def _chain_value(search: _Search, chain: Chain, hint: Hint | None = None) -> tuple[float, Hint | None]:
-    """Best closed form over the chain's layouts; with ``hint``, only layouts and microbatch
-    sizes next to it (half, same, double), which is how the greedy search screens its moves."""
+    """Best closed form over the chain's layouts; with ``hint``, only layouts of the same kind and
+    microbatch sizes next to it (half, same, double granularity and size), which is how the
+    greedy search screens its moves."""
     best: tuple[float, Hint | None] = (_INF, None)
     for lay in chain_layouts(search.grouping, chain, search.max_stages):
         sizes = None
@@ -1026,7 +1037,7 @@ def _pct(c: Candidate, best: Candidate) -> str:
 
 def _best_adding(search: _Search, plan: Plan, missing: list[str], cands: list[Candidate]) -> Candidate | None:
     """The best plan using every chosen device and some of ``missing``: among those scored, and
-    the five best such configurations of step 1 (scored now with one schedule)."""
+    the three best such configurations of step 1 (scored now with one schedule)."""
     chosen, extra = set(plan.devices), set(missing)
     def adds(devs: Iterable[str]) -> bool:
         devs = set(devs)
@@ -1034,11 +1045,11 @@ def _best_adding(search: _Search, plan: Plan, missing: list[str], cands: list[Ca
     found = [c for c in cands if adds(c.plan.devices)][:1]
     # layouts the lower bound pruned never got a split: give the first few one now, unpruned
     saved, search.best_closed_form = search.best_closed_form, _INF
-    for lay in [x for x in search.layouts_seen.values() if adds(x.devices)][:20]:
+    for lay in [x for x in search.layouts_seen.values() if adds(x.devices)][:8]:
         search.evaluate_layout(lay)
     search.best_closed_form = saved
     configs = [cfg for cfg in sorted(search.configs.values(), key=lambda c: c.key) if adds(cfg.layout.devices)]
-    for cfg in configs[:5]:  # the closed form ranks configurations roughly: score a few
+    for cfg in configs[:3]:  # the closed form ranks configurations roughly: score a few
         found += search.plans_for(cfg, full=False)
     return min(found, key=_rank, default=None)
 
