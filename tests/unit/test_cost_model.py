@@ -9,13 +9,14 @@ import pytest
 
 from deepcee.cluster import Cluster, Device, DeviceKind, Island, LinkEntry, LinkSpec, Node
 from deepcee.models import get_model
-from deepcee.plan import Plan, StagePlan
+from deepcee.plan import Plan, StagePlan, share_overlaps
 from deepcee.planner.cost_model import (
     AnalyticCostModel,
     RangeTables,
     SimulatorCostModel,
     largest_remainder_shares,
     pipeline_timing,
+    share_pairs,
     stage_compute_s,
 )
 from deepcee.profile import LayerProfile, ModelProfile
@@ -170,6 +171,16 @@ def test_boundary_resources_are_shared():
     lat, ser = cost.boundaries[0].forward
     assert ser == pytest.approx(2 * 1e6 / 12.5e6)
     assert lat == pytest.approx(0.01)
+
+
+def test_share_pairs_equal_share_overlaps():
+    rng = random.Random(5)
+    for _ in range(300):
+        src = [rng.randint(1, 5) for _ in range(rng.randint(1, 7))]
+        total = sum(src)
+        cuts = sorted(rng.sample(range(1, total), rng.randint(0, total - 1)))
+        dst = [b - a for a, b in zip([0, *cuts], [*cuts, total], strict=True)]
+        assert share_pairs(src, dst) == share_overlaps(src, dst)
 
 
 def test_largest_remainder_shares():
