@@ -31,7 +31,7 @@ started as ``ip netns exec NS python -c <bootstrap>``: the bootstrap restores th
 
 Limits: the relay is one Python process, so a link faster than its ceiling (2-3 Gbit/s
 measured, see :mod:`deepcee.runtime.relay`) is capped by it, e.g. the 10 Gbit/s intra-node
-links of ``local-small`` (emulate with ``dilation`` > 1 to bring them under it). Same-node
+links of ``local-small`` (a ``dilation`` > 1 brings them closer). Same-node
 devices still get separate namespaces and cross the relay. IPv4 only. Every rank's
 environment holds :data:`RELAY_CONTROL_ENV` (the control socket path).
 

@@ -36,9 +36,9 @@ call per packet; the ``write`` also runs the receiving namespace's IP/TCP input 
 the kernel charges to the relay. With TUN offload ([Note: TUN offload]) TCP hands over about
 12 kB per packet at 100 Mbit/s instead of 1500 B. Measured by ``benchmarks/realnet_link.py``
 (20 ms / 100 Mbit/s, one TCP stream saturating the link, 2-core machine at load average 3-7
-from other work): 16-17% of one core with offload (0.015 CPU-seconds per MB, about a third
-in the kernel), 36-45% without; idle, the relay wakes twice a second. Its ceiling on an
-unshaped pipe was 2.2-3.3 Gbit/s at about 55% of a core. It runs at nice -10 with a 1 us
+from other work; five runs): 16-18% of one core with offload (0.015-0.016 CPU-seconds per
+MB, about a third in the kernel), 36-45% without; idle, the relay wakes twice a second. Its
+ceiling on an unshaped pipe was 1.7-3.3 Gbit/s at 43-56% of a core. It runs at nice -10 with a 1 us
 timer slack so that contention delays its releases less. The smallest round trip it adds
 over the configured latencies is about 0.5 ms (40.5 ms measured for 2 x 20 ms).
 """
