@@ -30,7 +30,7 @@ import logging
 import statistics
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -336,6 +336,7 @@ def run_fidelity(declared: Cluster, measured: Cluster, profile: ModelProfile, an
 def validate_cluster(cluster: Cluster, model_name: str, *, num_plans: int = 8, steps: int = 6,
                      out_dir: str | Path, profile_dir: str | Path | None = None, cores: float = FIDELITY_CORES,
                      profile_cores: float | None = None, spread_repeats: int = 3,
+                     profile_options: Mapping[str, Any] | None = None, deadline_s: float | None = None,
                      say: Callable[[str], None] = print) -> FidelityReport:
     """``deepcee validate``: the simulator's iteration times against real emulated runs of ``cluster``.
 
@@ -347,7 +348,10 @@ def validate_cluster(cluster: Cluster, model_name: str, *, num_plans: int = 8, s
     the measured cluster and profile and with the analytic baseline, writes
     ``out_dir/validate.json`` (``deepcee.fidelity``, with the plans) and returns the report.
     ``say`` gets progress lines and the table. The device probe paces with ``profile_cores``
-    (default ``cores``): the same pacing as the runs it has to predict.
+    (default ``cores``): the same pacing as the runs it has to predict; ``profile_options`` are
+    further keyword arguments of :func:`deepcee.profiler.run.profile_cluster` (``device_config``,
+    ``network_budget``, ``deadline_s``, ...). ``deadline_s`` bounds the runs' launch (see
+    :func:`run_fidelity`).
     """
     from deepcee.profiler.run import profile_cluster
 
@@ -357,7 +361,8 @@ def validate_cluster(cluster: Cluster, model_name: str, *, num_plans: int = 8, s
     if profile_dir is None:
         say(f"profiling {cluster.name} for {model_name} ({len(cluster.devices)} devices, emulated) into "
             f"{out / 'profile'}")
-        res = profile_cluster(cluster, model_name, out / "profile", cores=profile_cores or cores)
+        res = profile_cluster(cluster, model_name, out / "profile", cores=profile_cores or cores,
+                              **dict(profile_options or {}))
         measured, profile, source = res.cluster, res.profile, str(out / "profile")
         say(f"profiled in {res.wall_s:.0f} s")
     else:
@@ -371,7 +376,8 @@ def validate_cluster(cluster: Cluster, model_name: str, *, num_plans: int = 8, s
     say(f"running {len(plans)} plans ({', '.join(p.system for p in plans)}), {steps} steps each, "
         f"{spread_repeats} runs of {plans[0].system} for the emulation spread")
     report = run_fidelity(cluster, measured, profile, without_measurements(profile), plans, steps=steps, cores=cores,
-                          spread_plan=plans[0].system, spread_repeats=spread_repeats, run_dir=out / "runs")
+                          spread_plan=plans[0].system, spread_repeats=spread_repeats, run_dir=out / "runs",
+                          deadline_s=deadline_s)
     report = dataclasses.replace(report, extra={
         "profile_dir": source, "profile_s": profile_s, "total_s": time.monotonic() - t0,
         "plans": [p.to_dict() for p in plans]})
