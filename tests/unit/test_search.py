@@ -209,13 +209,14 @@ def _optimality_module():
     return mod
 
 
+@pytest.mark.slow
 def test_reduced_optimality_against_brute_force():
-    """20 seeded instances (<= 5 devices, <= 6 layers): the planner is within 1% of the best plan of
+    """16 seeded instances (<= 5 devices, <= 6 layers): the planner is within 1% of the best plan of
     the same plan space found by exhaustive enumeration, scored by the simulator."""
     bench = _optimality_module()
-    rows = [bench.run_instance(seed, max_devices=5, max_layers=6) for seed in range(20)]
+    rows = [bench.run_instance(seed, max_devices=5, max_layers=6) for seed in range(16)]
     gaps = [r["gap"] for r in rows if r["brute_s"] is not None]
-    assert len(gaps) >= 15
+    assert len(gaps) >= 12
     assert max(gaps) <= 0.01, [r for r in rows if r["gap"] is not None and r["gap"] > 0.01]
     for r in rows:
         if r["brute_s"] is None:
