@@ -12,7 +12,8 @@ Clean-up, always: :meth:`WanNamespaces.close` kills the processes left in the na
 pid, from ``ip netns pids``), deletes the namespaces and closes the descriptors; it runs on
 any failure during set-up too. TUN devices are not persistent, so they vanish with the last
 descriptor or with their namespace. :func:`cleanup_stale` removes what a crashed run left
-(namespaces of a dead owner pid, relays whose owner died) and runs before every set-up.
+(namespaces, relays and temporary run directories of a dead owner pid) and runs before
+every set-up.
 
 Needs root (CAP_NET_ADMIN + CAP_SYS_ADMIN), ``/dev/net/tun`` and iproute2's ``ip``;
 :func:`realnet_unavailable` says in one line what is missing, :func:`require_realnet` raises
@@ -30,6 +31,7 @@ import signal
 import struct
 import subprocess
 import sys
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +43,8 @@ log = logging.getLogger(__name__)
 
 PREFIX = "dcee"
 """Namespaces are ``dcee-<owner pid>-<token>-<rank>``; nothing else on the host uses it."""
+RUN_DIR_PREFIX = "deepcee-realnet-"
+"""Temporary directories of realnet runs are ``<tmp>/deepcee-realnet-<owner pid>-<random>``."""
 TUNSETIFF = 0x400454CA
 IFF_TUN = 0x0001
 IFF_NO_PI = 0x1000
@@ -186,13 +190,19 @@ def _stale_relays() -> list[int]:
 
 
 def cleanup_stale(prefix: str = PREFIX, *, timeout_s: float = 10.0) -> list[str]:
-    """Remove namespaces (and relays) left by runs whose owner process is dead; returns what went."""
+    """Remove namespaces, relays and run directories left by runs whose owner process is dead;
+    returns what went."""
     removed = []
     for name in list_namespaces(prefix, timeout_s=timeout_s):
         parts = name.split("-")
         if len(parts) >= 2 and parts[1].isdigit() and not _pid_alive(int(parts[1])):
             delete_namespace(name, timeout_s=timeout_s)
             removed.append(name)
+    for d in Path(tempfile.gettempdir()).glob(f"{RUN_DIR_PREFIX}*"):
+        owner = d.name.removeprefix(RUN_DIR_PREFIX).split("-")[0]
+        if owner.isdigit() and not _pid_alive(int(owner)):
+            shutil.rmtree(d, ignore_errors=True)
+            removed.append(str(d))
     for pid in _stale_relays():
         try:
             os.kill(pid, signal.SIGKILL)

@@ -71,6 +71,7 @@ from deepcee.cluster import Cluster
 from deepcee.errors import RuntimeSetupError, SpecError
 from deepcee.runtime import dist as rdist
 from deepcee.runtime.netns import (
+    RUN_DIR_PREFIX,
     VNET_HDR_BYTES,
     Endpoint,
     WanNamespaces,
@@ -203,7 +204,7 @@ class RealNetwork:
 
     # -- set-up and tear-down ------------------------------------------------------------
     def __enter__(self) -> RealNetwork:
-        self.tmp = Path(tempfile.mkdtemp(prefix="deepcee-realnet-"))
+        self.tmp = Path(tempfile.mkdtemp(prefix=f"{RUN_DIR_PREFIX}{os.getpid()}-"))
         try:
             cleanup_stale(timeout_s=self.setup_timeout_s)
             require_realnet()
