@@ -234,7 +234,10 @@ class Cluster:
             explicit[(e.a, e.b)] = e.spec
             if not e.directed:
                 explicit.setdefault((e.b, e.a), e.spec)
-        self._index.update(devices=dev_by_name, nodes=node_by_name, explicit=explicit, cache={})
+        island_pos = {i.name: k for k, i in enumerate(self.islands)}
+        # ring/report order: island (file order), node name, device (file order)
+        order = {d.name: (island_pos[d.island], d.node, k) for k, d in enumerate(self.devices)}
+        self._index.update(devices=dev_by_name, nodes=node_by_name, explicit=explicit, cache={}, order=order)
         self._index["island_routes"] = self._island_routes()
 
     # -- lookups -------------------------------------------------------------------------
@@ -246,6 +249,10 @@ class Cluster:
 
     def node(self, name: str) -> Node:
         return self._index["nodes"][name]
+
+    def topology_key(self, device: str) -> tuple[int, str, int]:
+        """Sort key that keeps the devices of an island, then of a node, together."""
+        return self._index["order"][device]
 
     def kind_of(self, device: str) -> DeviceKind:
         return self.kinds[self.device(device).kind]

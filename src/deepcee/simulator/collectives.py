@@ -25,12 +25,7 @@ from deepcee.cluster import Cluster
 
 def ring_order(cluster: Cluster, devices: Sequence[str]) -> list[str]:
     """Devices ordered so the ring crosses each island and node boundary as rarely as possible."""
-    pos = {d.name: i for i, d in enumerate(cluster.devices)}
-    island_pos = {i.name: k for k, i in enumerate(cluster.islands)}
-    return sorted(
-        devices,
-        key=lambda n: (island_pos[cluster.device(n).island], cluster.device(n).node, pos[n]),
-    )
+    return sorted(devices, key=cluster.topology_key)
 
 
 def ring_step_s(cluster: Cluster, ring: Sequence[str], chunk_bytes: float, at_s: float = 0.0) -> float:
