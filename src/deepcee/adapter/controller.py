@@ -384,6 +384,14 @@ class _Coordinator:
         self.policy = spec.policy.build(ctx) if spec.adapt else None
         self.steps = ctx.steps
 
+    def warm_up(self, plan: Plan) -> None:
+        """Score the starting plan once, so the first real decision pays no imports."""
+        scorer = getattr(self.policy, "scorer", None)
+        if scorer is not None:
+            scorer(plan, self.nominal)
+        if getattr(self.policy, "planner", None) is not None:
+            import deepcee.planner.search  # noqa: F401  (imported by the first re-plan otherwise)
+
     def observe(self, gathered: Sequence[dict[str, Any] | None]) -> None:
         """Feed the monitor with one step's received pieces (emulated seconds)."""
         self.monitor.observe_batch([TransferObservation(resource=res, nbytes=n, seconds=t1 - t0, start_s=t0)
@@ -437,6 +445,7 @@ class AdaptiveTrainer(Trainer):
         self.plans: list[Plan] = []
         self.changes: list[dict[str, Any]] = []
         self._pending: DecisionMessage | None = None
+        self._rank_change: dict[str, float] = {}
         self._coordinator: _Coordinator | None = None
         super().__init__(job, w)
         self.plans.append(self.plan)
@@ -458,8 +467,8 @@ class AdaptiveTrainer(Trainer):
     def _emulated_devices(self) -> Sequence[str]:
         return self.spec.devices  # fixed for the run, whatever the plans use
 
-    def setup(self) -> None:
-        super().setup()
+    def _prepare(self) -> None:
+        self._warm_up()
         if self.w.rank == 0:
             planning = (cluster_from_dict(dict(self.spec.planning_cluster)) if self.spec.planning_cluster is not None
                         else snapshot(self.cluster, 0.0).subset(self.spec.devices))
@@ -469,6 +478,35 @@ class AdaptiveTrainer(Trainer):
             opt = self.cfg.optimizer
             self._coordinator = _Coordinator(self.spec, self.plan, planning, ctx,
                                              layer_state_bytes(self.blocks, opt.name, opt.momentum))
+            self._coordinator.warm_up(self.plan)
+
+    def _warm_up(self) -> None:
+        """Pay one-off costs now, not in the first step a rank runs after a change (a standby
+        device is kept ready): the first optimizer built in a process imports ``torch._dynamo``
+        (measured: about 4 s), and the first forward and backward through a block costs its
+        process about 2x a later one. Runs every block once on two samples and leaves
+        parameters, gradients and buffers as they were."""
+        dummy = nn.Parameter(torch.zeros(1, device=self.w.device))
+        opt = self.cfg.optimizer.build([dummy])
+        dummy.grad = torch.zeros_like(dummy)
+        opt.step()
+        if self.loss_fn is None:
+            return
+        buffers = [(b, b.detach().clone()) for block in self.blocks for b in block.buffers()]
+        batch = self.dataset.batch(0, 2)
+        x = batch.inputs.to(self.w.device)
+        dtype = getattr(torch, self.cfg.dtype)
+        x = x.to(dtype) if x.is_floating_point() else x
+        for block in self.blocks:
+            x = block(x)
+        targets = batch.targets.to(self.w.device)
+        self.loss_fn(x, targets.to(dtype) if targets.is_floating_point() else targets).backward()
+        with torch.no_grad():
+            for block in self.blocks:
+                for p in block.parameters():
+                    p.grad = None
+            for b, saved in buffers:
+                b.copy_(saved)
 
     def _decide(self, step: int, gathered: list[Any] | None) -> dict[str, Any]:
         t0 = self.clock.wall()
@@ -476,6 +514,10 @@ class AdaptiveTrainer(Trainer):
         if self._coordinator is not None:
             self._coordinator.observe(gathered)
             out.update(self._coordinator.estimates_record())
+            changed = {r["device"]: {"change_s": r["change_s"], "move_s": r["move_s"]}
+                       for r in gathered if r is not None and "change_s" in r}
+            if changed:  # every active rank's part of the change before this step
+                out["change_by_device"] = changed
         if step == self.cfg.steps - 1:
             return out
         box: list[Any] = [None]
@@ -495,6 +537,7 @@ class AdaptiveTrainer(Trainer):
             return {}
         t0 = self.clock.wall()
         received = self._move_state(msg.moves)
+        t_moved = self.clock.wall()
         kept_state = self.optimizer.state if self.active else {}
         old_plan, was_active = self.plan, self.active
         self._set_plan(msg.plan)  # every rank: the new stage groups
@@ -508,6 +551,7 @@ class AdaptiveTrainer(Trainer):
         else:
             self.stage = self.optimizer = self.p2p = None
         change_s = (self.clock.wall() - t0) / self.dilation
+        self._rank_change = {"change_s": change_s, "move_s": (t_moved - t0) / self.dilation}
         self.changes.append({"start_step": msg.start_step, "kind": msg.kind.value, "reason": msg.reason,
                              "change_s": change_s, "moved_bytes": msg.moved_bytes,
                              "moves": [[m.layer, m.src, m.dst] for m in msg.moves],
@@ -516,6 +560,12 @@ class AdaptiveTrainer(Trainer):
         log.info("rank %d: %s from step %d (%s -> %s stages) in %.3g s", self.w.rank, msg.kind, msg.start_step,
                  old_plan.num_stages, msg.plan.num_stages, change_s)
         return {"change": msg.kind.value, "change_s": change_s, "moved_bytes": msg.moved_bytes}
+
+    def _rank_record(self, rec: Any, sync_s: float) -> dict[str, Any]:
+        out = super()._rank_record(rec, sync_s)
+        out.update(self._rank_change)  # this rank's part of the change before this step
+        self._rank_change = {}
+        return out
 
     # -- applying a change ---------------------------------------------------------------
     def _retune(self) -> None:

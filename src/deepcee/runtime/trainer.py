@@ -258,6 +258,9 @@ class Trainer:
         self.info = emulation_info(self.cfg.mode, self.dilation, self.cfg.cores)
         self.pacer = DevicePacer(slowdown=self.cluster.device(self._device_name()).slowdown, dilation=self.dilation,
                                  enabled=emulated, clock=self.clock)
+        self._prepare()
+        # emulated time (and every bandwidth trace) starts when all ranks are ready to train
+        self._barrier()
         self.epoch = self._epoch()
         self.shaper = None
         if emulated:
@@ -266,6 +269,9 @@ class Trainer:
         if self.active:
             self.p2p = self._make_p2p()
         self.start_step = self._resume() if self.active else 0
+
+    def _prepare(self) -> None:
+        """Last set-up work before the shared epoch is taken (one-off costs that must not count)."""
 
     def _build_stage(self, key: str, metas: tuple[TensorMeta | None, TensorMeta | None] | None = None) -> None:
         """This rank's stage of the plan in force, its schedule row and optimizer; boundary shapes
