@@ -41,8 +41,8 @@ from pathlib import Path
 from typing import Literal, Protocol
 
 from deepcee.cluster import Link
-from deepcee.simulator.engine import serialise_end_s
 from deepcee.errors import SpecError
+from deepcee.simulator.engine import serialise_end_s
 
 Mode = Literal["emulated", "real"]
 DEFAULT_CORES = 1.2
