@@ -149,6 +149,7 @@ def _plot(path: Path, report: dict[str, Any], title: str) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.4), sharey=True)
     m, s = report["measured"], report["simulated"]
@@ -166,8 +167,10 @@ def _plot(path: Path, report: dict[str, Any], title: str) -> None:
                 fontsize=8, rotation=90, va="bottom")
     ax.set_title(f"measured (emulated devices and links, D = {report['emulation']['dilation']:.2f})", fontsize=10)
     ax = axes[1]
+    shown = [i for i, k in enumerate(s["k"]) if k >= m["k"][0]]  # the measured panel's range
     for key in ("static", "adaptive"):
-        ax.plot(s["k"], s[key]["samples_per_s"], marker=".", color=colors[key], label=names[key])
+        ax.plot([s["k"][i] for i in shown], [s[key]["samples_per_s"][i] for i in shown], marker=".",
+                color=colors[key], label=names[key])
     for k, kind in s["adaptive"]["changes_k"]:
         ax.axvline(k - 0.5, color=colors["adaptive"], ls=":", lw=1)
         ax.text(k - 0.5, 0.02, f" {kind}", transform=ax.get_xaxis_transform(), color=colors["adaptive"],
@@ -178,10 +181,11 @@ def _plot(path: Path, report: dict[str, Any], title: str) -> None:
         ax.axhline(0.9 * data["optimum"], color="k", ls=":", lw=0.8, label="90% of optimum")
         ax.axvspan(-0.5, 0.5, color="grey", alpha=0.2, label="iteration with the 5x drop")
         ax.set_xlabel("iterations since the drop")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
         ax.set_ylim(bottom=0)
     axes[0].set_ylabel("samples/s per iteration")
-    axes[0].legend(loc="lower left", fontsize=8)
+    axes[0].legend(loc="lower right", fontsize=8)
     fig.suptitle(title, fontsize=11)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -79,6 +79,7 @@ from deepcee.adapter.policy import (
 from deepcee.cluster import BandwidthTrace, Cluster, cluster_from_dict
 from deepcee.errors import PlanError, RuntimeSetupError, SpecError
 from deepcee.plan import Plan, plan_from_dict
+from deepcee.profile import ModelProfile
 from deepcee.runtime.executor import schedule_for
 from deepcee.runtime.launch import TrainResult, launch_jobs
 from deepcee.runtime.partition import Placement, Topology
@@ -720,17 +721,21 @@ def run_adaptive_training(plan: Plan, cluster: Cluster, *, model: Any = "gpt-tin
                           link_trace: BandwidthTrace | str | Path | None = None,
                           between: Iterable[tuple[str, str]] | None = None, trace_time_scale: float = 1.0,
                           devices: Sequence[str] | None = None, policy: PolicyFactory | None = None,
-                          monitor: MonitorConfig | None = None, planning_cluster: Cluster | None = None,
-                          run_dir: str | Path | None = None, deadline_s: float = 600.0,
-                          **config: Any) -> AdaptiveResult:
+                          profile: ModelProfile | None = None, monitor: MonitorConfig | None = None,
+                          planning_cluster: Cluster | None = None, run_dir: str | Path | None = None,
+                          deadline_s: float = 600.0, **config: Any) -> AdaptiveResult:
     """Train ``plan`` on local processes (one per device of ``devices``, default every device of
     ``cluster``) with ``link_trace`` playing on the emulated links, adapting when ``adapt``.
 
     ``link_trace`` is rescaled to each traced link and stretched by ``trace_time_scale``
-    (emulated seconds); ``config`` holds :class:`~deepcee.runtime.trainer.TrainConfig` fields.
-    The policy plans on ``planning_cluster`` (default: ``cluster`` without the trace).
+    (times in emulated seconds: the built-in ``drop-5x`` drops at 20 s x ``trace_time_scale``);
+    ``config`` holds :class:`~deepcee.runtime.trainer.TrainConfig` fields. The policy is
+    ``policy`` or :class:`DefaultPolicy` with ``profile`` (default: the model's analytic
+    profile) and plans on ``planning_cluster`` (default: ``cluster`` without the trace).
     This is what ``deepcee train --plan plan.json --adapt --link-trace drop-5x`` runs.
     """
+    if policy is None:
+        policy = DefaultPolicy(profile=None if profile is None else profile.to_dict())
     cfg = TrainConfig(steps=steps, **config)
     run_dir = Path(run_dir) if run_dir is not None else Path(tempfile.mkdtemp(prefix="deepcee-adapt-"))
     traced = traced_cluster(cluster, link_trace, between=between, time_scale=trace_time_scale)
