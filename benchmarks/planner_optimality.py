@@ -37,7 +37,12 @@ import numpy as np
 from deepcee.cluster import Cluster, Device, DeviceKind, Island, LinkEntry, LinkSpec, Node
 from deepcee.errors import InfeasiblePlanError
 from deepcee.plan import Plan, save_json_atomic, share_overlaps
-from deepcee.planner.cost_model import AnalyticCostModel, RangeTables, largest_remainder_shares
+from deepcee.planner.cost_model import (
+    AnalyticCostModel,
+    RangeTables,
+    largest_remainder_shares,
+    range_time_s,
+)
 from deepcee.planner.grouping import group_devices
 from deepcee.planner.search import (
     PlannerOptions,
@@ -119,7 +124,10 @@ class BruteResult:
 
 
 class _Terms:
-    """Per stage and layer range ``[a, b)``: the terms of the lower bound (numpy matrices)."""
+    """Per stage and layer range ``[a, b)``: the terms of the lower bound (numpy matrices).
+
+    ``B`` is taken as ``I + W``, which holds for the analytic instances generated here (a
+    measured profile's fused backward is cheaper and would need its own term)."""
 
     def __init__(self, cluster: Cluster, model: ModelProfile, devices: tuple[str, ...], shares: tuple[int, ...],
                  m: int, syncs: tuple[str, ...]) -> None:
@@ -129,9 +137,7 @@ class _Terms:
         for d, share in zip(devices, shares, strict=True):
             kind, slow = cluster.kind_of(d), cluster.device(d).slowdown
             for p in "FIW":
-                cum = np.concatenate([[0.0], np.cumsum([model.time_s(k, k + 1, p, share, kind, slow)
-                                                         for k in range(n)])])
-                per[p].append(cum[None, :] - cum[:, None])
+                per[p].append(range_time_s(model, kind, p, share, slow))
             opt.append(np.array([[optimizer_step_s(model, a, b, kind, slow) if a < b else 0.0 for b in range(n + 1)]
                                  for a in range(n + 1)]))
             mem.append((share, cluster.memory_bytes(d)))

@@ -7,7 +7,7 @@ import random
 
 import numpy as np
 import pytest
-from test_bound import random_cluster, toy_model
+from conftest import random_cluster, toy_model
 
 from deepcee.models import get_model
 from deepcee.planner.baselines import (

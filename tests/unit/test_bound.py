@@ -6,58 +6,17 @@ import itertools
 import random
 
 import pytest
+from conftest import measured_model, random_cluster, toy_model
 
 from deepcee.cluster import Cluster, cluster_from_toml_dict
 from deepcee.errors import InfeasiblePlanError
+from deepcee.plan import Plan, StagePlan
 from deepcee.planner.bound import _islands, _topology, cut_bytes_per_sample, upper_bound
-from deepcee.profile import LayerProfile, ModelProfile
+from deepcee.profile import ModelProfile
 from deepcee.scenarios import load_scenario
+from deepcee.simulator.engine import simulate
 
 GIB = 1024**3
-
-
-def toy_model(layers: int = 6, *, params: int = 10_000_000, flops: float = 3e9, act: float = 4e6,
-              out: float = 1e6, state: float = 16.0, name: str = "toy") -> ModelProfile:
-    return ModelProfile(
-        name=name,
-        layers=tuple(
-            LayerProfile(name=f"l{i}", forward_flops=flops / 3, input_grad_flops=flops / 3,
-                         weight_grad_flops=flops / 3, parameter_count=params, activation_bytes=act,
-                         output_bytes=out * (1 + (i % 3)))
-            for i in range(layers)
-        ),
-        input_bytes=1e5,
-        state_bytes_per_parameter=state,
-    )
-
-
-def random_cluster(rng: random.Random, name: str = "rand") -> Cluster:
-    """2-4 islands, 1-2 nodes each, 1-3 devices per node, random speeds and links."""
-    n_islands = rng.randint(2, 4)
-    islands = [f"i{k}" for k in range(n_islands)]
-    data: dict = {
-        "name": name,
-        "kinds": {
-            "fast": {"peak_tflops": rng.uniform(10, 40), "memory_gib": rng.choice([4.0, 8.0, 16.0]),
-                     "achievable_fraction": 0.5},
-            "slow": {"peak_tflops": rng.uniform(1, 10), "memory_gib": rng.choice([2.0, 4.0, 8.0]),
-                     "achievable_fraction": 0.5},
-        },
-        "islands": {i: {"latency_us": rng.uniform(10, 500), "bandwidth_gbit_per_s": rng.choice([1, 10])}
-                    for i in islands},
-        "nodes": [],
-        "links": [],
-    }
-    for i in islands:
-        for n in range(rng.randint(1, 2)):
-            data["nodes"].append({
-                "name": f"{i}n{n}", "island": i, "kind": rng.choice(["fast", "slow"]),
-                "devices": rng.randint(1, 3), "slowdown": rng.choice([1.0, 1.0, 2.0]),
-            })
-    for a, b in itertools.combinations(islands, 2):
-        data["links"].append({"between": [a, b], "latency_ms": rng.uniform(1, 50),
-                              "bandwidth_mbit_per_s": rng.choice([10, 50, 100, 500, 1000])})
-    return cluster_from_toml_dict(data)
 
 
 def closed_form(cluster: Cluster, model: ModelProfile, batch: int) -> float:
@@ -161,3 +120,18 @@ def test_memory_skips_sets_that_cannot_hold_the_state() -> None:
     huge = toy_model(6, params=10_000_000_000)  # 960 GB > 330 GiB of all devices
     with pytest.raises(InfeasiblePlanError, match="state needs"):
         upper_bound(c, huge, 128)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "zb-h1"])
+def test_measured_bound_holds_for_fused_backward_and_first_stage_lines(schedule: str) -> None:
+    """A whole-model stage runs first-stage lines and (gpipe) the fused B, both cheaper than the
+    layers' own F + I + W: the bound takes the cheapest per layer and stays above the simulation."""
+    c, m = one_device_cluster(), measured_model("k", 4)
+    # every line has a positive fixed part, so time per sample is least at the largest share
+    least = sum(min(v.time_s("F", 32) + min(v.time_s("B", 32), v.time_s("I", 32) + v.time_s("W", 32))
+                    for v in (t, t.first_stage)) for t in m.measured["k"]) / 32
+    b = upper_bound(c, m, 32)
+    assert b.samples_per_s == pytest.approx(1.0 / (2.0 * least), rel=1e-9)  # slowdown 2
+    plan = Plan(system="t", cluster=c.name, model=m.name, global_batch=32, microbatch_size=32, num_microbatches=1,
+                stages=(StagePlan(layer_start=0, layer_stop=4, devices=("n:0",), shares=(32,)),), schedule=schedule)
+    assert simulate(plan, c, m, record=False).samples_per_s <= b.samples_per_s

@@ -6,6 +6,7 @@ import json
 import math
 
 import pytest
+from conftest import measured_model, random_cluster, toy_model
 
 from deepcee.cluster import Cluster, cluster_from_toml_dict
 from deepcee.planner import compare as compare_mod
@@ -21,6 +22,7 @@ from deepcee.planner.compare import (
 )
 from deepcee.profile import LayerProfile, ModelProfile
 from deepcee.scenarios import load_scenario
+from deepcee.schedule.ir import ActionKind
 
 EFF_FLOPS = 10e12 * 0.5
 FLOPS_PER_SAMPLE = 6e12
@@ -65,6 +67,23 @@ def best_baseline_planner(monkeypatch: pytest.MonkeyPatch) -> None:
         return best.replace(system="deepcee"), 0.0
 
     monkeypatch.setattr(compare_mod, "_deepcee", plan)
+
+
+def test_fixed_cost_of_an_action_is_the_share_independent_part_of_time_s() -> None:
+    c, m = pair(), measured_model("k", 5)
+    lines, call = m.measured["k"], m.measured_call_overhead["k"]
+    fixed = compare_mod._fixed_s
+    # a middle range: its layers' fixed parts and one call overhead
+    assert fixed(m, c, "na:0", 1, 4, ActionKind.F) == pytest.approx(
+        sum(t.forward[0] for t in lines[1:4]) + call.forward[0])
+    # from layer 0 with the fused backward: the first-stage lines
+    assert fixed(m, c, "na:0", 0, 3, ActionKind.B) == pytest.approx(
+        sum(t.first_stage.backward[0] for t in lines[:3]) + call.first_stage.backward[0])
+    # analytic: the kind's per-layer overhead, twice for B, times the slowdown
+    ls, toy = load_scenario("local-small"), toy_model(5)
+    d = max(ls.device_names, key=lambda x: ls.device(x).slowdown)
+    want = 2 * 3 * ls.kind_of(d).per_layer_overhead_s * ls.device(d).slowdown
+    assert want > 0 and fixed(toy, ls, d, 1, 4, ActionKind.B) == pytest.approx(want)
 
 
 def test_find_crossover_interpolates_on_log_scales() -> None:
@@ -170,8 +189,6 @@ def test_bound_is_never_beaten_by_deepcee(scenario: str, name: str, batch: int) 
 def test_bound_is_never_beaten_by_deepcee_on_random_clusters() -> None:
     pytest.importorskip("deepcee.planner.search")
     import random
-
-    from test_bound import random_cluster, toy_model
 
     from deepcee.planner.bound import upper_bound
     from deepcee.planner.search import plan_training

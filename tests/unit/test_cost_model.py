@@ -6,6 +6,7 @@ import random
 
 import numpy as np
 import pytest
+from conftest import measured_model
 
 from deepcee.cluster import Cluster, Device, DeviceKind, Island, LinkEntry, LinkSpec, Node
 from deepcee.models import get_model
@@ -16,9 +17,11 @@ from deepcee.planner.cost_model import (
     SimulatorCostModel,
     largest_remainder_shares,
     pipeline_timing,
+    range_time_s,
     share_pairs,
     stage_compute_s,
 )
+from deepcee.planner.search import compact_plan
 from deepcee.profile import LayerProfile, ModelProfile
 from deepcee.scenarios import load_scenario
 from deepcee.schedule.builders import build_schedule
@@ -208,3 +211,54 @@ def test_range_tables_match_direct_terms():
     assert np.all(np.triu(rc.optimizer_s) >= 0)
     assert rc.optimizer_s[0, 14] == pytest.approx(max(
         optimizer_step_s(m, 0, 14, c.kind_of(d), c.device(d).slowdown) for d in devs))
+
+
+# ----------------------------------------------------------------------------- measured profiles
+
+
+@pytest.mark.parametrize("layers", [1, 2, 3, 7])
+def test_range_times_equal_time_s_on_every_range(layers: int):
+    """Call overhead once per range, first-stage lines from layer 0, fused B: the range tables are
+    ``ModelProfile.time_s`` itself (a per-layer sum would pay the overhead once per layer)."""
+    c = _chain_cluster(2)
+    gpu = c.kinds["gpu"]
+    for model in (measured_model("gpu", layers, seed=layers), _uniform_model(layers)):
+        for share, slow in ((1, 1.0), (3, 1.7)):
+            for p in "FIWB":
+                got = range_time_s(model, gpu, p, share, slow)
+                want = np.array([[model.time_s(a, b, p, share, gpu, slow) for b in range(layers + 1)]
+                                 for a in range(layers + 1)])
+                np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-15)
+
+
+def test_range_tables_are_time_s_over_the_range_with_a_measured_profile():
+    c, model = _chain_cluster(2), measured_model("gpu", 7)
+    gpu = c.kinds["gpu"]
+    # the overhead really is paid once: a 3-layer range costs less than its layers one by one
+    assert model.time_s(2, 5, "F", 1, gpu) < sum(model.time_s(k, k + 1, "F", 1, gpu) for k in range(2, 5))
+    devs = ("n0:0", "n1:0")
+    rc = RangeTables(c, model).costs(devs, (3, 2))
+    for a in range(7):
+        for b in range(a + 1, 8):
+            st = StagePlan(layer_start=a, layer_stop=b, devices=devs, shares=(3, 2))
+            assert rc.compute_s[a, b] == pytest.approx(sum(stage_compute_s(model, c, st)), rel=1e-12)
+
+
+@pytest.mark.parametrize("schedule", [*FIXED, "compact"])
+def test_measured_one_device_stages_match_the_simulator(schedule: str):
+    """gpipe/1f1b run the fused B, zero-bubble ones I and W; every action pays the call overhead once."""
+    c = _chain_cluster(3, wan_bytes_per_s=1e8)
+    model = measured_model("gpu", 7, seed=1)
+    p = _plan(c, [0, 3, 5, 7], [("n0:0",), ("n1:0",), ("n2:0",)], 2, 5, "zb-h1" if schedule == "compact" else schedule)
+    if schedule == "compact":
+        cost = AnalyticCostModel().breakdown(p, c, model)
+        p = compact_plan(p, c, model, cost, RangeTables(c, model))
+        assert p is not None and p.actions
+    cost = AnalyticCostModel().breakdown(p, c, model)
+    sim = SimulatorCostModel().estimate(p, c, model)
+    assert cost.iteration_s == pytest.approx(sim.iteration_s, rel=1e-9)
+    for s, st in enumerate(p.stages):
+        for x, got in zip("FIWB", (cost.forward_s[s], cost.input_grad_s[s], cost.weight_grad_s[s],
+                                   cost.backward_s[s]), strict=True):
+            assert got == model.time_s(st.layer_start, st.layer_stop, x, 2, c.kinds["gpu"])
+    assert all(b < i + w for b, i, w in zip(cost.backward_s, cost.input_grad_s, cost.weight_grad_s, strict=True))

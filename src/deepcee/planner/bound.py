@@ -51,13 +51,12 @@ from scipy.optimize import linprog
 from deepcee.cluster import Cluster
 from deepcee.errors import InfeasiblePlanError, ProfileError
 from deepcee.planner.grouping import group_devices
-from deepcee.profile import ModelProfile
+from deepcee.profile import LayerTiming, ModelProfile, Pass
 from deepcee.units import fmt_bytes, fmt_rate
 
 log = logging.getLogger(__name__)
 
 MAX_ISLANDS = 16
-_PASSES = ("F", "I", "W")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -100,9 +99,11 @@ def device_samples_per_s(cluster: Cluster, model: ModelProfile, device: str, glo
     """Most samples/s one device can compute (forward + backward), overheads ignored.
 
     Analytic profiles: effective FLOP/s over FLOPs per sample. Measured profiles (lines
-    ``a + b n`` per layer and pass): the least time per sample any share ``n`` in
-    ``1 .. global_batch`` can reach, ``min(t(1), t(B) / B)`` per layer and pass (``t(n)/n``
-    is monotone in ``n`` for a line).
+    ``a + b n`` per layer and pass): per layer, the least time per sample any share ``n`` in
+    ``1 .. global_batch`` can reach, ``min(t(1), t(B) / B)`` per pass (``t(n)/n`` is monotone
+    in ``n`` for a line), with the cheaper of the fused backward and ``I + W``, and the
+    cheaper of the layer's own and its first-stage lines (a plan may run either); the
+    per-call overhead is left out.
     """
     kind = cluster.kind_of(device)
     slowdown = cluster.device(device).slowdown
@@ -112,14 +113,18 @@ def device_samples_per_s(cluster: Cluster, model: ModelProfile, device: str, glo
         if flops <= 0:
             raise ProfileError(f"model {model.name!r} has no FLOPs per sample; no throughput bound exists")
         return cluster.effective_flops_per_s(device) / flops
-    per_sample = 0.0
-    for t in timings:
-        for p in _PASSES:
-            per_sample += min(t.time_s(p, 1), t.time_s(p, global_batch) / global_batch)
-    per_sample *= slowdown
+    per_sample = slowdown * sum(min(_least_per_sample_s(v, global_batch) for v in (t, t.first_stage) if v is not None)
+                                for t in timings)
     if per_sample <= 0:
         raise ProfileError(f"model {model.name!r}: measured time per sample on {kind.name!r} is {per_sample!r} s")
     return 1.0 / per_sample
+
+
+def _least_per_sample_s(timing: LayerTiming, global_batch: int) -> float:
+    """Least forward + backward seconds per sample of one layer's lines over shares ``1 .. global_batch``."""
+    def per(p: Pass) -> float:
+        return min(timing.time_s(p, 1), timing.time_s(p, global_batch) / global_batch)
+    return per("F") + min(per("B"), per("I") + per("W"))
 
 
 def cut_bytes_per_sample(model: ModelProfile, global_batch: int) -> tuple[float, str]:

@@ -221,15 +221,12 @@ def simulated(plan: Plan, cluster: Cluster, model: ModelProfile) -> Plan:
 
 
 def _fixed_s(model: ModelProfile, cluster: Cluster, device: str, start: int, stop: int, kind: ActionKind) -> float:
-    """Per-microbatch fixed cost (per-layer overheads) of one compute action on ``device``."""
-    dk = cluster.kind_of(device)
-    passes = {ActionKind.B: ("I", "W")}.get(kind, (kind.value,))
-    timings = model.measured.get(dk.name)
-    if timings is None:
-        fixed = len(passes) * (stop - start) * dk.per_layer_overhead_s
-    else:
-        fixed = sum(max(0.0, t.time_s(p, 0)) for t in timings[start:stop] for p in passes)
-    return fixed * cluster.device(device).slowdown
+    """Per-microbatch fixed cost of one compute action on ``device``: the part of
+    ``model.time_s`` that does not grow with the share (per-layer overheads, and a measured
+    kind's call overhead), ``2 t(1) - t(2)`` for a time linear in the samples."""
+    dk, slow = cluster.kind_of(device), cluster.device(device).slowdown
+    one, two = (model.time_s(start, stop, kind.value, n, dk, slow) for n in (1, 2))
+    return max(0.0, 2 * one - two)
 
 
 def breakdown(plan: Plan, cluster: Cluster, model: ModelProfile) -> dict[str, float]:
@@ -237,7 +234,8 @@ def breakdown(plan: Plan, cluster: Cluster, model: ModelProfile) -> dict[str, fl
 
     ``bubble`` is the simulator's bubble fraction; ``sync`` and ``receive_wait`` the largest
     per-device time in gradient synchronisation and blocked receives; ``per_layer_overhead``
-    the largest per-device sum of fixed per-layer costs (what the upper bound leaves out).
+    the largest per-device sum of fixed costs per action (per-layer and per-call overheads,
+    what the upper bound leaves out).
     """
     result = simulate(plan, cluster, model, record=False)
     it = result.iteration_s

@@ -5,9 +5,11 @@ few with the simulator (:class:`SimulatorCostModel`); both implement :class:`Cos
 
 The model, per plan (``S`` stages, ``M`` microbatches):
 
-1. **Stage compute.** ``F``, ``I``, ``W`` of stage ``s`` per microbatch: the maximum over the
-   stage's devices of ``model.time_s(layers of s, pass, device share, kind, slowdown)`` (the
-   stage waits for its slowest device; shares proportional to speed make that small).
+1. **Stage compute.** ``F``, ``I``, ``W`` and ``B`` of stage ``s`` per microbatch: the maximum
+   over the stage's devices of ``model.time_s(layers of s, pass, device share, kind, slowdown)``
+   (the stage waits for its slowest device; shares proportional to speed make that small).
+   ``B`` is its own pass, not ``I + W``: a measured profile's fused backward costs less, and
+   a measured kind pays its call overhead once per action (see :mod:`deepcee.profile`).
 2. **Boundary transfers.** Between stage ``s`` and ``s+1`` every sender/receiver pair that
    shares samples (see [Note: share-based resharding] in :mod:`deepcee.plan`) moves
    ``samples x boundary bytes``; pairs on the same link resource (see [Note: link resources]
@@ -34,8 +36,9 @@ The model, per plan (``S`` stages, ``M`` microbatches):
    GPipe ``M``, 1F1B/ZB-H1 ``min(S-s, M)``, ZB-H2 ``min(2(S-s)-1, M)``, compact from its
    actions), checked against ``cluster.memory_bytes``.
 
-For the planner's layer-split search, :class:`RangeCosts` tabulates the same terms for every
-contiguous layer range ``[a, b)`` of one device set at once (numpy matrices).
+For the planner's layer-split search, :class:`~deepcee.planner.ranges.RangeCosts` tabulates
+the same terms for every contiguous layer range ``[a, b)`` of one device set at once (numpy
+matrices; see [Note: range times] in :mod:`deepcee.planner.ranges`).
 
 What is approximate against the simulator: a stage is timed by its slowest device (the
 simulator lets each device of a stage start as soon as its own pieces arrive), a boundary
@@ -45,17 +48,18 @@ boundaries that share one resource are not queued behind each other.
 
 from __future__ import annotations
 
-import heapq
 from collections import defaultdict, deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Protocol
 
-import numpy as np
-
 from deepcee.cluster import Cluster
 from deepcee.plan import Estimate, Plan, StagePlan
+from deepcee.planner.ranges import RangeCosts as RangeCosts
+from deepcee.planner.ranges import RangeTables as RangeTables
+from deepcee.planner.ranges import largest_remainder_shares as largest_remainder_shares
+from deepcee.planner.ranges import range_time_s as range_time_s
 from deepcee.profile import ModelProfile
 from deepcee.schedule.builders import build_schedule
 from deepcee.schedule.ir import ActionKind, Schedule, parse_schedule
@@ -114,6 +118,8 @@ class PlanCost:
     forward_s: tuple[float, ...]
     input_grad_s: tuple[float, ...]
     weight_grad_s: tuple[float, ...]
+    backward_s: tuple[float, ...]
+    """Fused ``B`` per stage (what ``gpipe``/``1f1b`` run; at most ``I + W``)."""
     boundaries: tuple[BoundaryCost, ...]
     pipeline: PipelineTiming
     allreduce_s: tuple[float, ...]
@@ -133,14 +139,20 @@ class PlanCost:
 # ----------------------------------------------------------------------------- pieces
 
 
-def stage_compute_s(model: ModelProfile, cluster: Cluster, stage: StagePlan) -> tuple[float, float, float]:
-    """``(F, I, W)`` of one microbatch on the stage: the slowest device with its share."""
-    best = [0.0, 0.0, 0.0]
+def stage_pass_s(model: ModelProfile, cluster: Cluster, stage: StagePlan, passes: str = "FIWB") -> tuple[float, ...]:
+    """Each of ``passes`` for one microbatch on the stage: the slowest device with its share."""
+    best = [0.0] * len(passes)
     for dev, share in zip(stage.devices, stage.shares, strict=True):
         kind, slow = cluster.kind_of(dev), cluster.device(dev).slowdown
-        for k, p in enumerate("FIW"):
+        for k, p in enumerate(passes):
             best[k] = max(best[k], model.time_s(stage.layer_start, stage.layer_stop, p, share, kind, slow))
-    return best[0], best[1], best[2]
+    return tuple(best)
+
+
+def stage_compute_s(model: ModelProfile, cluster: Cluster, stage: StagePlan) -> tuple[float, float, float]:
+    """``(F, I, W)`` of one microbatch on the stage: the slowest device with its share."""
+    f, i, w = stage_pass_s(model, cluster, stage, "FIW")
+    return f, i, w
 
 
 def share_pairs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, int, int]]:
@@ -196,9 +208,10 @@ def _named(name: str, num_stages: int, num_microbatches: int) -> tuple[Schedule,
 
 def pipeline_timing(schedule: Schedule | Sequence[Sequence[tuple[int, int]]], forward_s: Sequence[float], input_grad_s: Sequence[float],
                     weight_grad_s: Sequence[float], comm_forward: Sequence[LinkCost],
-                    comm_backward: Sequence[LinkCost]) -> PipelineTiming:
+                    comm_backward: Sequence[LinkCost], backward_s: Sequence[float] | None = None) -> PipelineTiming:
     """Each stage's finish under the dry-run model (:func:`deepcee.schedule.passes.dry_run`).
 
+    ``B`` takes ``backward_s`` (default ``I + W``, as in the dry run).
     The same rules as the dry run, on plain lists: a stage runs its compute-only list in
     order; ``F`` on ``s > 0`` waits for its activation, ``I``/``B`` on ``s < S-1`` for its
     gradient; a send issued at ``t`` starts at ``max(t, link free)`` and is delivered after
@@ -209,7 +222,7 @@ def pipeline_timing(schedule: Schedule | Sequence[Sequence[tuple[int, int]]], fo
     rows = schedule if schedule and schedule[0] and isinstance(schedule[0][0], tuple) else _rows(schedule)
     m_count = 1 + max((m for row in rows for _, m in row), default=0)
     f, i, w = list(forward_s), list(input_grad_s), list(weight_grad_s)
-    dur = [f, i, w, [a + b for a, b in zip(i, w, strict=True)]]
+    dur = [f, i, w, [a + b for a, b in zip(i, w, strict=True)] if backward_s is None else list(backward_s)]
     arr_f = [[-1.0] * m_count for _ in range(n)]
     arr_b = [[-1.0] * m_count for _ in range(n)]
     free_f, free_b = [0.0] * n, [0.0] * n
@@ -294,12 +307,12 @@ class AnalyticCostModel:
     def breakdown(self, plan: Plan, cluster: Cluster, model: ModelProfile) -> PlanCost:
         """Every term of the estimate (see the module docstring)."""
         plan.check_against(num_layers=model.num_layers, device_names=cluster.device_names)
-        fiw = [stage_compute_s(model, cluster, st) for st in plan.stages]
-        f, i, w = (tuple(x[k] for x in fiw) for k in range(3))
+        fiwb = [stage_pass_s(model, cluster, st) for st in plan.stages]
+        f, i, w, b_ = (tuple(x[k] for x in fiwb) for k in range(4))
         bounds = tuple(boundary_cost(cluster, a, b, model.boundary_bytes(a.layer_stop))
                        for a, b in zip(plan.stages, plan.stages[1:], strict=False))
         rows, in_flight = _schedule_rows(plan)
-        timing = pipeline_timing(rows, f, i, w, [b.forward for b in bounds], [b.backward for b in bounds])
+        timing = pipeline_timing(rows, f, i, w, [b.forward for b in bounds], [b.backward for b in bounds], b_)
         ar, opt, ends = [], [], []
         for s, st in enumerate(plan.stages):
             t = timing.stage_end_s[s]
@@ -318,7 +331,7 @@ class AnalyticCostModel:
                 if need > cluster.memory_bytes(d):
                     short[d] = need - cluster.memory_bytes(d)
         iteration = max(ends)
-        cost = PlanCost(forward_s=f, input_grad_s=i, weight_grad_s=w, boundaries=bounds, pipeline=timing,
+        cost = PlanCost(forward_s=f, input_grad_s=i, weight_grad_s=w, backward_s=b_, boundaries=bounds, pipeline=timing,
                         allreduce_s=tuple(ar), optimizer_s=tuple(opt), iteration_s=iteration,
                         in_flight=in_flight, memory_bytes=memory, shortfall_bytes=short, bottleneck="")
         return _with_bottleneck(cost, plan)
@@ -329,7 +342,7 @@ def _with_bottleneck(cost: PlanCost, plan: Plan) -> PlanCost:
     m, it = plan.num_microbatches, cost.iteration_s
     terms: list[tuple[float, str]] = []
     for s, st in enumerate(plan.stages):
-        per_mb = cost.forward_s[s] + cost.input_grad_s[s] + cost.weight_grad_s[s]
+        per_mb = cost.pipeline.busy_s[s] / m  # what the schedule runs: F + B, or F + I + W
         terms.append((m * per_mb, f"stage {s} compute ({len(st.devices)} device(s) from {st.devices[0]}, "
                                   f"layers {st.layer_start}-{st.layer_stop - 1}): {m} x {per_mb * 1e3:.4g} ms"))
         if cost.allreduce_s[s] > 0:
@@ -363,151 +376,3 @@ class SimulatorCostModel:
     def estimate(self, plan: Plan, cluster: Cluster, model: ModelProfile) -> Estimate:
         result = simulate(plan, cluster, model, iterations=self.iterations, record=False)
         return to_estimate(result, plan, cluster)
-
-
-# ----------------------------------------------------------------------------- all layer ranges at once
-
-
-def largest_remainder_shares(devices: Sequence[str], speeds: Sequence[float], samples: int) -> tuple[int, ...]:
-    """Whole samples per device, proportional to ``speeds`` (largest remainder), each at least 1.
-
-    Needs ``samples >= len(devices)``; ties go to the earlier device, so the result is deterministic.
-    """
-    k = len(devices)
-    if samples < k:
-        raise ValueError(f"{samples} samples cannot give each of {k} devices at least one")
-    total = float(sum(speeds))
-    ideal = [samples * v / total for v in speeds]
-    out = [int(x) for x in ideal]
-    order = sorted(range(k), key=lambda j: (-(ideal[j] - out[j]), j))
-    for j in order[: samples - sum(out)]:
-        out[j] += 1
-    zeros = [j for j in range(k) if out[j] == 0]
-    if zeros:  # each device rounded to 0 takes one sample from the most loaded device
-        heap = [(-(out[x] - 1) / speeds[x], x) for x in range(k) if out[x] > 1]
-        heapq.heapify(heap)
-        for j in zeros:
-            _, donor = heapq.heappop(heap)
-            out[donor] -= 1
-            out[j] = 1
-            if out[donor] > 1:
-                heapq.heappush(heap, (-(out[donor] - 1) / speeds[donor], donor))
-    return tuple(out)
-
-
-class RangeCosts:
-    """Costs of one device set (a candidate stage) for every layer range ``[a, b)``.
-
-    Matrices are ``(L+1) x (L+1)``, indexed ``[a, b]``, meaningful for ``a < b``:
-    ``compute_s`` (``F+I+W`` of one microbatch on the slowest device), ``allreduce_s`` (the
-    best of the tables' syncs), ``optimizer_s``, and per in-flight count a memory matrix (the
-    worst device's need minus its memory; > 0 means it does not fit), from the same formulas
-    as :class:`AnalyticCostModel`. Build through :class:`RangeTables`, which shares work.
-    """
-
-    def __init__(self, tables: RangeTables, devices: Sequence[str], shares: Sequence[int]) -> None:
-        cluster = tables.cluster
-        self.devices, self.shares = tuple(devices), tuple(shares)
-        self._tables = tables
-        self._profiles = sorted({(cluster.device(d).kind, cluster.device(d).slowdown, sh, cluster.memory_bytes(d))
-                                 for d, sh in zip(devices, shares, strict=True)})
-        rows = [tables.layer_prefix(kind, slow, share) for kind, slow, share, _ in self._profiles]
-        self.compute_s = np.max([p[None, :] - p[:, None] for p in rows], axis=0)
-        self.allreduce_s = tables.allreduce(self.devices)
-        slope = max(tables.optimizer_slope(d) for d in devices)
-        self.optimizer_s = tables.params * slope
-        self._memory: dict[int, np.ndarray] = {}
-
-    def memory_excess(self, in_flight: int) -> np.ndarray:
-        """Worst device's ``need - memory`` (bytes) per range with ``in_flight`` microbatches held."""
-        got = self._memory.get(in_flight)
-        if got is None:
-            t = self._tables
-            got = np.full_like(t.params, -np.inf)
-            for _, _, share, mem in self._profiles:
-                got = np.maximum(got, t.state + in_flight * share * t.acts + share * t.buffers - mem)
-            self._memory[in_flight] = got
-        return got
-
-    def max_in_flight(self, start: int, stop: int, cap: int) -> int:
-        """Most microbatches (<= ``cap``) the stage can hold on layers ``[start, stop)``; 0 if not one."""
-        t = self._tables
-        best = cap
-        for _, _, share, mem in self._profiles:
-            room = mem - t.state[start, stop] - share * t.buffers[start, stop]
-            per = share * t.acts[start, stop]
-            k = 0 if room < 0 else cap if per <= 0 else int(np.floor(room / per * (1 + 1e-12)))
-            best = min(best, k)
-        return max(0, best)
-
-
-class RangeTables:
-    """Shared tables for :class:`RangeCosts`: per-layer time prefixes per (kind, slowdown,
-    share), all-reduce curves per device set, parameter/activation/buffer matrices.
-
-    All-reduce curves interpolate linearly in gradient bytes between exact
-    :func:`~deepcee.simulator.collectives.allreduce_s` evaluations on a geometric grid of
-    ``grid_points`` sizes (exact at the grid points; the curve is piecewise linear and
-    convex, so the interpolation is a slight over-estimate in between).
-    """
-
-    def __init__(self, cluster: Cluster, model: ModelProfile, syncs: Sequence[str] = ("allreduce-ring",),
-                 grid_points: int = 4) -> None:
-        self.cluster, self.model, self.syncs, self.grid_points = cluster, model, tuple(syncs), grid_points
-        n = model.num_layers
-        params = np.concatenate([[0.0], np.cumsum([la.parameter_count for la in model.layers])])
-        self.params = params[None, :] - params[:, None]
-        acts = np.concatenate([[0.0], np.cumsum([la.activation_bytes for la in model.layers])])
-        self.acts = acts[None, :] - acts[:, None]
-        self.state = self.params * model.state_bytes_per_parameter
-        self.boundary_bytes = np.array([model.boundary_bytes(b) for b in range(n + 1)])
-        self.buffers = self.boundary_bytes[:, None] + self.boundary_bytes[None, :]
-        self._prefix: dict[tuple, np.ndarray] = {}
-        self._allreduce: dict[tuple[str, ...], np.ndarray] = {}
-        self._slope: dict[tuple[str, float], float] = {}
-        self._costs: dict[tuple, RangeCosts] = {}
-
-    def costs(self, devices: Sequence[str], shares: Sequence[int]) -> RangeCosts:
-        key = (tuple(devices), tuple(shares))
-        got = self._costs.get(key)
-        if got is None:
-            got = self._costs[key] = RangeCosts(self, devices, shares)
-        return got
-
-    def layer_prefix(self, kind: str, slowdown: float, share: int) -> np.ndarray:
-        """Cumulative ``F+I+W`` time over layers (length ``L+1``) of one device profile."""
-        key = (kind, slowdown, share)
-        got = self._prefix.get(key)
-        if got is None:
-            m, k = self.model, self.cluster.kinds[kind]
-            per = [m.time_s(la, la + 1, "F", share, k, slowdown) + m.time_s(la, la + 1, "I", share, k, slowdown)
-                   + m.time_s(la, la + 1, "W", share, k, slowdown) for la in range(m.num_layers)]
-            got = self._prefix[key] = np.concatenate([[0.0], np.cumsum(per)])
-        return got
-
-    def optimizer_slope(self, device: str) -> float:
-        """Optimizer seconds per parameter on ``device`` (:func:`optimizer_step_s` is linear)."""
-        d = self.cluster.device(device)
-        key = (d.kind, d.slowdown)
-        if key not in self._slope:
-            m = self.model
-            self._slope[key] = optimizer_step_s(m, 0, m.num_layers, self.cluster.kinds[d.kind], d.slowdown) / max(
-                1, m.parameter_count)
-        return self._slope[key]
-
-    def allreduce(self, devices: tuple[str, ...]) -> np.ndarray:
-        got = self._allreduce.get(devices)
-        if got is None:
-            grad = self.params * self.model.gradient_bytes_per_parameter
-            got = np.zeros_like(grad)
-            if len(devices) > 1 and grad.max() > 0:
-                positive = grad[grad > 0]
-                xs = np.unique(np.geomspace(positive.min(), positive.max(), self.grid_points))
-                nodes = [self.cluster.device(d).node for d in devices]
-                # hierarchical equals ring unless some node holds several of the devices and there are
-                # several nodes
-                syncs = self.syncs if 1 < len(set(nodes)) < len(nodes) else self.syncs[:1]
-                ys = [min(allreduce_s(self.cluster, devices, float(x), s) for s in syncs) for x in xs]
-                got = np.where(grad > 0, np.interp(grad, xs, ys), 0.0)
-            self._allreduce[devices] = got
-        return got

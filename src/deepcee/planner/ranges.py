@@ -1,0 +1,197 @@
+"""Costs of every contiguous layer range ``[a, b)`` at once, for the planner's split search.
+
+Torch-free. :class:`RangeTables` holds numpy matrices indexed ``[a, b]`` (``(L+1) x (L+1)``,
+meaningful for ``a < b``) built once per cluster and model; :class:`RangeCosts` combines them
+for one device set (a candidate stage) with its shares. The terms are those of
+:class:`deepcee.planner.cost_model.AnalyticCostModel`, so a split chosen on these tables is
+scored the same way afterwards.
+
+[Note: range times]
+:meth:`deepcee.profile.ModelProfile.time_s` is the definition of a stage's compute time, and
+it is not a sum of one-layer times: a measured kind pays its ``measured_call_overhead`` once
+per call (per stage pass), and a stage that starts at layer 0 runs the layers' first-stage
+lines. :func:`range_time_s` therefore builds each range's time from ``time_s`` itself:
+
+- analytic kinds: ``time_s`` is a sum over layers, so one prefix sum gives every range;
+- measured kinds: each one-layer time ``t(l, l+1)`` carries the call overhead once, read off
+  as ``c = t(1, 2) + t(2, 3) - t(1, 3)``; a range ``[a, b)`` with ``a >= 1`` is the sum of
+  its one-layer times minus ``(b - a - 1) x c``; the ranges ``[0, b)`` (first-stage lines)
+  are evaluated directly, ``L`` calls.
+
+Both agree with ``time_s`` over any range up to rounding (tested on measured profiles with
+call overheads, fused backward and first-stage lines).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+
+import numpy as np
+
+from deepcee.cluster import Cluster, DeviceKind
+from deepcee.profile import ModelProfile, Pass
+from deepcee.simulator.collectives import allreduce_s
+from deepcee.simulator.engine import optimizer_step_s
+
+
+def range_time_s(model: ModelProfile, kind: DeviceKind, pass_: Pass, samples: float,
+                 slowdown: float = 1.0) -> np.ndarray:
+    """``out[a, b] = model.time_s(a, b, pass_, samples, kind, slowdown)`` for every ``a, b`` in
+    ``0 .. L`` (0 where ``b <= a``, as ``time_s`` says). See [Note: range times]."""
+    n = model.num_layers
+    one = np.array([model.time_s(a, a + 1, pass_, samples, kind, slowdown) for a in range(n)])
+    if kind.name in model.measured:
+        call = one[1] + one[2] - model.time_s(1, 3, pass_, samples, kind, slowdown) if n >= 3 else 0.0
+        prefix = np.concatenate([[0.0], np.cumsum(one - call)])
+        out = prefix[None, :] - prefix[:, None] + call
+        out[0, 1:] = [model.time_s(0, b, pass_, samples, kind, slowdown) for b in range(1, n + 1)]
+    else:
+        prefix = np.concatenate([[0.0], np.cumsum(one)])
+        out = prefix[None, :] - prefix[:, None]
+    return np.triu(out, k=1)
+
+
+def largest_remainder_shares(devices: Sequence[str], speeds: Sequence[float], samples: int) -> tuple[int, ...]:
+    """Whole samples per device, proportional to ``speeds`` (largest remainder), each at least 1.
+
+    Needs ``samples >= len(devices)``; ties go to the earlier device, so the result is deterministic.
+    """
+    k = len(devices)
+    if samples < k:
+        raise ValueError(f"{samples} samples cannot give each of {k} devices at least one")
+    total = float(sum(speeds))
+    ideal = [samples * v / total for v in speeds]
+    out = [int(x) for x in ideal]
+    order = sorted(range(k), key=lambda j: (-(ideal[j] - out[j]), j))
+    for j in order[: samples - sum(out)]:
+        out[j] += 1
+    zeros = [j for j in range(k) if out[j] == 0]
+    if zeros:  # each device rounded to 0 takes one sample from the most loaded device
+        heap = [(-(out[x] - 1) / speeds[x], x) for x in range(k) if out[x] > 1]
+        heapq.heapify(heap)
+        for j in zeros:
+            _, donor = heapq.heappop(heap)
+            out[donor] -= 1
+            out[j] = 1
+            if out[donor] > 1:
+                heapq.heappush(heap, (-(out[donor] - 1) / speeds[donor], donor))
+    return tuple(out)
+
+
+class RangeCosts:
+    """Costs of one device set (a candidate stage) for every layer range ``[a, b)``.
+
+    Matrices are ``(L+1) x (L+1)``, indexed ``[a, b]``, meaningful for ``a < b``:
+    ``compute_s`` (``F+I+W`` of one microbatch on the slowest device, exactly
+    :func:`~deepcee.planner.cost_model.stage_compute_s` summed), ``allreduce_s`` (the best of
+    the tables' syncs), ``optimizer_s``, and per in-flight count a memory matrix (the worst
+    device's need minus its memory; > 0 means it does not fit), from the same formulas as
+    :class:`~deepcee.planner.cost_model.AnalyticCostModel`. Build through :class:`RangeTables`,
+    which shares work.
+    """
+
+    def __init__(self, tables: RangeTables, devices: Sequence[str], shares: Sequence[int]) -> None:
+        cluster = tables.cluster
+        self.devices, self.shares = tuple(devices), tuple(shares)
+        self._tables = tables
+        self._profiles = sorted({(cluster.device(d).kind, cluster.device(d).slowdown, sh, cluster.memory_bytes(d))
+                                 for d, sh in zip(devices, shares, strict=True)})
+        self.compute_s = np.max([tables.range_compute_s(kind, slow, share) for kind, slow, share, _ in self._profiles],
+                                axis=0)
+        self.allreduce_s = tables.allreduce(self.devices)
+        slope = max(tables.optimizer_slope(d) for d in devices)
+        self.optimizer_s = tables.params * slope
+        self._memory: dict[int, np.ndarray] = {}
+
+    def memory_excess(self, in_flight: int) -> np.ndarray:
+        """Worst device's ``need - memory`` (bytes) per range with ``in_flight`` microbatches held."""
+        got = self._memory.get(in_flight)
+        if got is None:
+            t = self._tables
+            got = np.full_like(t.params, -np.inf)
+            for _, _, share, mem in self._profiles:
+                got = np.maximum(got, t.state + in_flight * share * t.acts + share * t.buffers - mem)
+            self._memory[in_flight] = got
+        return got
+
+    def max_in_flight(self, start: int, stop: int, cap: int) -> int:
+        """Most microbatches (<= ``cap``) the stage can hold on layers ``[start, stop)``; 0 if not one."""
+        t = self._tables
+        best = cap
+        for _, _, share, mem in self._profiles:
+            room = mem - t.state[start, stop] - share * t.buffers[start, stop]
+            per = share * t.acts[start, stop]
+            k = 0 if room < 0 else cap if per <= 0 else int(np.floor(room / per * (1 + 1e-12)))
+            best = min(best, k)
+        return max(0, best)
+
+
+class RangeTables:
+    """Shared tables for :class:`RangeCosts`: range compute times per (kind, slowdown, share),
+    all-reduce curves per device set, parameter/activation/buffer matrices.
+
+    All-reduce curves interpolate linearly in gradient bytes between exact
+    :func:`~deepcee.simulator.collectives.allreduce_s` evaluations on a geometric grid of
+    ``grid_points`` sizes (exact at the grid points; the curve is piecewise linear and
+    convex, so the interpolation is a slight over-estimate in between).
+    """
+
+    def __init__(self, cluster: Cluster, model: ModelProfile, syncs: Sequence[str] = ("allreduce-ring",),
+                 grid_points: int = 4) -> None:
+        self.cluster, self.model, self.syncs, self.grid_points = cluster, model, tuple(syncs), grid_points
+        n = model.num_layers
+        params = np.concatenate([[0.0], np.cumsum([la.parameter_count for la in model.layers])])
+        self.params = params[None, :] - params[:, None]
+        acts = np.concatenate([[0.0], np.cumsum([la.activation_bytes for la in model.layers])])
+        self.acts = acts[None, :] - acts[:, None]
+        self.state = self.params * model.state_bytes_per_parameter
+        self.boundary_bytes = np.array([model.boundary_bytes(b) for b in range(n + 1)])
+        self.buffers = self.boundary_bytes[:, None] + self.boundary_bytes[None, :]
+        self._compute: dict[tuple, np.ndarray] = {}
+        self._allreduce: dict[tuple[str, ...], np.ndarray] = {}
+        self._slope: dict[tuple[str, float], float] = {}
+        self._costs: dict[tuple, RangeCosts] = {}
+
+    def costs(self, devices: Sequence[str], shares: Sequence[int]) -> RangeCosts:
+        key = (tuple(devices), tuple(shares))
+        got = self._costs.get(key)
+        if got is None:
+            got = self._costs[key] = RangeCosts(self, devices, shares)
+        return got
+
+    def range_compute_s(self, kind: str, slowdown: float, share: int) -> np.ndarray:
+        """``F+I+W`` of one device profile for every range (see [Note: range times])."""
+        key = (kind, slowdown, share)
+        got = self._compute.get(key)
+        if got is None:
+            k = self.cluster.kinds[kind]
+            got = self._compute[key] = sum(range_time_s(self.model, k, p, share, slowdown) for p in "FIW")
+        return got
+
+    def optimizer_slope(self, device: str) -> float:
+        """Optimizer seconds per parameter on ``device`` (:func:`optimizer_step_s` is linear)."""
+        d = self.cluster.device(device)
+        key = (d.kind, d.slowdown)
+        if key not in self._slope:
+            m = self.model
+            self._slope[key] = optimizer_step_s(m, 0, m.num_layers, self.cluster.kinds[d.kind], d.slowdown) / max(
+                1, m.parameter_count)
+        return self._slope[key]
+
+    def allreduce(self, devices: tuple[str, ...]) -> np.ndarray:
+        got = self._allreduce.get(devices)
+        if got is None:
+            grad = self.params * self.model.gradient_bytes_per_parameter
+            got = np.zeros_like(grad)
+            if len(devices) > 1 and grad.max() > 0:
+                positive = grad[grad > 0]
+                xs = np.unique(np.geomspace(positive.min(), positive.max(), self.grid_points))
+                nodes = [self.cluster.device(d).node for d in devices]
+                # hierarchical equals ring unless some node holds several of the devices and there are
+                # several nodes
+                syncs = self.syncs if 1 < len(set(nodes)) < len(nodes) else self.syncs[:1]
+                ys = [min(allreduce_s(self.cluster, devices, float(x), s) for s in syncs) for x in xs]
+                got = np.where(grad > 0, np.interp(grad, xs, ys), 0.0)
+            self._allreduce[devices] = got
+        return got
