@@ -3,7 +3,7 @@
 For seeded random instances (at most 8 devices in up to 3 islands, at most 12 layers, random
 speeds, memories, links and layer costs) this compares :func:`plan_training` with an
 exhaustive search over the *same plan space* (see [Note: plan space] in
-:mod:`deepcee.planner.search`): every island subset in every order, every prefix of groups,
+:mod:`deepcee.planner.space`): every island subset in every order, every prefix of groups,
 every layout, every microbatch size, every contiguous layer split, every schedule (compact
 built as the planner builds it) and sync, with shares proportional to speed. Both are scored
 by the same final scorer, one simulated iteration (:func:`deepcee.simulator.engine.simulate`).

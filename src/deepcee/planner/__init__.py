@@ -3,9 +3,14 @@
 - :mod:`deepcee.planner.grouping`: two-level grouping (islands by link cost, groups by speed).
 - :mod:`deepcee.planner.cost_model`: the analytic cost model and the :class:`CostModel`
   protocol (the simulator plugs in through :class:`SimulatorCostModel`).
-- :mod:`deepcee.planner.search`: :func:`plan_training`, the search over the plan space.
+- :mod:`deepcee.planner.ranges`: the same costs for every contiguous layer range at once.
+- :mod:`deepcee.planner.search`: :func:`plan_training`, the search over the plan space, run
+  on :mod:`~deepcee.planner.space` (the plan space), :mod:`~deepcee.planner.split` (the
+  layer-split DP), :mod:`~deepcee.planner.steps` (the search state and its steps) and
+  :mod:`~deepcee.planner.explain` (the explanation).
 - :mod:`deepcee.planner.baselines`, :mod:`deepcee.planner.bound`, :mod:`deepcee.planner.compare`:
-  baseline plans on the same cost model, an upper bound, comparisons.
+  baseline plans on the same cost model, an upper bound, comparisons (with the crossover
+  study of :mod:`deepcee.planner.crossover`).
 
 The names below are imported on first use, so importing one submodule does not load the rest.
 

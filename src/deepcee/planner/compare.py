@@ -11,7 +11,8 @@ When leaving slow devices out is best (deepcee's plan excludes devices, or a bas
 island or one node comes within 1% of deepcee), the report says so and computes the
 **crossover**: it sweeps the global batch and the bandwidth of the slow links the left-out
 devices sit behind, and finds where the best plan that uses the left-out devices
-starts to beat the best plan without them. See [Note: crossover].
+starts to beat the best plan without them (:mod:`deepcee.planner.crossover`, which this
+module re-exports). See [Note: crossover].
 """
 
 from __future__ import annotations
@@ -19,32 +20,36 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from deepcee.cluster import Cluster, LinkEntry, LinkSpec
+from deepcee.cluster import Cluster
 from deepcee.errors import DeepceeError, InfeasiblePlanError
 from deepcee.plan import Plan
 from deepcee.planner.baselines import BaselineResult, build_baselines
 from deepcee.planner.bound import Bound, upper_bound
+from deepcee.planner.crossover import SWEEP_BANDWIDTHS_BYTES_PER_S as SWEEP_BANDWIDTHS_BYTES_PER_S
+from deepcee.planner.crossover import SWEEP_BATCHES as SWEEP_BATCHES
+from deepcee.planner.crossover import Crossover as Crossover
+from deepcee.planner.crossover import Sweep as Sweep
+from deepcee.planner.crossover import SweepPlanner as SweepPlanner
+from deepcee.planner.crossover import SweepPoint as SweepPoint
+from deepcee.planner.crossover import crossover_study as crossover_study
+from deepcee.planner.crossover import find_crossover as find_crossover
+from deepcee.planner.crossover import slow_link_entries as slow_link_entries
+from deepcee.planner.crossover import with_without as with_without
 from deepcee.profile import ModelProfile
 from deepcee.schedule.ir import ActionKind
 from deepcee.simulator.engine import simulate, stage_schedule, to_estimate
-from deepcee.units import GIB, fmt_rate
+from deepcee.units import GIB
 
 log = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 1
 LEAVE_OUT_TOLERANCE = 0.01
 """A baseline on one island or node within 1% of deepcee counts as "leaving devices out is best"."""
-SWEEP_BATCHES: tuple[int, ...] = tuple(2**k for k in range(4, 13))
-"""16 .. 4096."""
-SWEEP_BANDWIDTHS_BYTES_PER_S: tuple[float, ...] = tuple(
-    m * 1e6 / 8 for m in (10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
-)
-"""10 Mbit/s .. 10 Gbit/s, about x2 per step."""
 SINGLE_PLACE_BASELINES = ("ddp-best-island", "best-single-node")
 
 
@@ -79,56 +84,6 @@ class CompareRow:
             "devices_used": self.devices_used,
             "reason": self.reason,
             "plan": self.plan.to_dict() if self.plan is not None else None,
-        }
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class SweepPoint:
-    value: float
-    """Global batch (samples) or link bandwidth (bytes/s)."""
-    with_samples_per_s: float
-    """Best plan that uses the left-out devices (0 when none fits)."""
-    without_samples_per_s: float
-    """Best plan on the kept devices only (0 when none fits)."""
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Sweep:
-    parameter: str
-    """``global_batch`` or ``bandwidth_bytes_per_s``."""
-    points: tuple[SweepPoint, ...]
-    crossover: float | None
-    """Where the plan with the left-out devices starts to win (log-interpolated), or ``None``."""
-    note: str
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Crossover:
-    """The crossover study. See [Note: crossover]."""
-
-    kept_devices: tuple[str, ...]
-    left_out_devices: tuple[str, ...]
-    slow_links: tuple[str, ...]
-    """The links swept, as ``a<->b`` (islands or nodes)."""
-    batch: Sweep
-    bandwidth: Sweep
-
-    def to_dict(self) -> dict[str, Any]:
-        def sweep(s: Sweep) -> dict[str, Any]:
-            return {
-                "parameter": s.parameter,
-                "crossover": s.crossover,
-                "note": s.note,
-                "points": [{"value": p.value, "with_left_out_samples_per_s": p.with_samples_per_s,
-                            "without_left_out_samples_per_s": p.without_samples_per_s} for p in s.points],
-            }
-
-        return {
-            "kept_devices": list(self.kept_devices),
-            "left_out_devices": list(self.left_out_devices),
-            "slow_links": list(self.slow_links),
-            "global_batch_sweep": sweep(self.batch),
-            "bandwidth_sweep": sweep(self.bandwidth),
         }
 
 
@@ -271,121 +226,13 @@ def _deepcee(cluster: Cluster, model: ModelProfile, global_batch: int, *,
     return simulated(result.plan, cluster, model), time.perf_counter() - t0
 
 
-# ---------------------------------------------------------------------------------------
-# [Note: crossover]
-# "Without" is the best plan on the kept devices alone: deepcee planning on the sub-cluster,
-# or any baseline that stays on them. "With" is the best plan that uses at least one
-# left-out device: deepcee planning on the whole cluster with exclusion forbidden (every
-# device used), deepcee's free plan when it uses one, and the baselines that use one.
-# The bandwidth sweep sets every inter-island link that touches a left-out device's island
-# (and, inside an island, every link between a kept node and a left-out node) to the swept
-# bandwidth, latency unchanged; the batch sweep keeps the links as they are. The sweeps plan
-# with a lighter search (SWEEP_SEARCH: fewer candidates refined and confirmed by the
-# simulator) to keep ~60 plans affordable, so their figures can sit slightly below a full
-# search's. The crossover is the first sweep value where "with" beats "without" after a
-# value where it did not, interpolated on log scales.
-# ---------------------------------------------------------------------------------------
-
-
 def _planned(cluster: Cluster, model: ModelProfile, batch: int, *, use_all_devices: bool = False) -> Plan | None:
+    """The crossover sweeps' :class:`SweepPlanner`: :func:`_deepcee` with the light search."""
     try:
         plan, _ = _deepcee(cluster, model, batch, use_all_devices=use_all_devices, light=True)
     except InfeasiblePlanError:
         return None
     return plan
-
-
-def with_without(cluster: Cluster, model: ModelProfile, batch: int, kept: Sequence[str]) -> tuple[float, float]:
-    """(best samples/s using a left-out device, best samples/s on the kept devices only)."""
-    kept_set = set(kept)
-    without: list[float] = []
-    with_: list[float] = []
-    for plan in (_planned(cluster.subset(kept), model, batch), _planned(cluster, model, batch),
-                 _planned(cluster, model, batch, use_all_devices=True)):
-        if plan is not None:
-            (without if set(plan.devices) <= kept_set else with_).append(plan.estimate.samples_per_s)
-    for b in build_baselines(cluster, model, batch):
-        if b.plan is not None:
-            (without if set(b.plan.devices) <= kept_set else with_).append(b.samples_per_s)
-    return max(with_, default=0.0), max(without, default=0.0)
-
-
-def slow_link_entries(cluster: Cluster, kept: Sequence[str], bandwidth_bytes_per_s: float
-                      ) -> tuple[list[LinkEntry], list[str]]:
-    """Link entries that set the links the left-out devices sit behind to ``bandwidth_bytes_per_s``.
-
-    Every inter-island link that touches a left-out device's island, and, inside an island,
-    the links between a kept node and a left-out node; latency unchanged.
-    """
-    kept_set = set(kept)
-    out = [d for d in cluster.device_names if d not in kept_set]
-    order = {isl.name: k for k, isl in enumerate(cluster.islands)}
-    entries: dict[tuple[str, str], LinkEntry] = {}
-    for b in out:
-        for a in cluster.device_names:
-            da, db = cluster.device(a), cluster.device(b)
-            if da.island != db.island:
-                ends = tuple(sorted((da.island, db.island), key=order.__getitem__))
-            elif a in kept_set and da.node != db.node:
-                ends = (da.node, db.node)
-            else:
-                continue
-            if ends in entries or ends[::-1] in entries:
-                continue
-            link = cluster.link(a, b)
-            entries[ends] = LinkEntry(a=ends[0], b=ends[1], spec=LinkSpec(
-                latency_s=link.latency_s, bandwidth_bytes_per_s=bandwidth_bytes_per_s))
-    return list(entries.values()), [f"{a}<->{b}" for a, b in entries]
-
-
-def find_crossover(values: Sequence[float], with_sps: Sequence[float], without_sps: Sequence[float]
-                   ) -> float | None:
-    """First value where ``with`` overtakes ``without`` (log-interpolated ratio = 1), or ``None``."""
-    for k in range(1, len(values)):
-        before = with_sps[k - 1] / without_sps[k - 1] if without_sps[k - 1] > 0 else math.inf
-        after = with_sps[k] / without_sps[k] if without_sps[k] > 0 else math.inf
-        if before <= 1.0 < after:
-            if not (math.isfinite(after) and before > 0):
-                return float(values[k])
-            lo, hi = math.log(values[k - 1]), math.log(values[k])
-            frac = -math.log(before) / (math.log(after) - math.log(before))
-            return float(math.exp(lo + frac * (hi - lo)))
-    return None
-
-
-def _sweep(parameter: str, values: Sequence[float], evaluate: Callable[[float], tuple[float, float]],
-           fmt: Callable[[float], str]) -> Sweep:
-    points = []
-    for v in values:
-        w, wo = evaluate(v)
-        points.append(SweepPoint(value=float(v), with_samples_per_s=w, without_samples_per_s=wo))
-    cross = find_crossover(values, [p.with_samples_per_s for p in points], [p.without_samples_per_s for p in points])
-    if cross is not None:
-        note = f"the left-out devices start to pay off at {parameter} ~ {fmt(cross)}"
-    elif points and all(p.with_samples_per_s > p.without_samples_per_s for p in points):
-        note = f"the left-out devices pay off over the whole {parameter} range swept"
-    else:
-        note = f"leaving the devices out stays best over the whole {parameter} range swept ({fmt(values[0])} .. {fmt(values[-1])})"
-    return Sweep(parameter=parameter, points=tuple(points), crossover=cross, note=note)
-
-
-def crossover_study(cluster: Cluster, model: ModelProfile, global_batch: int, kept: Sequence[str], *,
-                    batches: Sequence[int] = SWEEP_BATCHES,
-                    bandwidths_bytes_per_s: Sequence[float] = SWEEP_BANDWIDTHS_BYTES_PER_S) -> Crossover:
-    """Sweep the global batch and the kept-to-left-out bandwidth. See [Note: crossover]."""
-    left_out = tuple(d for d in cluster.device_names if d not in set(kept))
-    if not left_out:
-        raise DeepceeError("crossover needs left-out devices; every device is kept")
-    _, links = slow_link_entries(cluster, kept, 1.0)
-
-    def at_bandwidth(bw: float) -> tuple[float, float]:
-        entries, _ = slow_link_entries(cluster, kept, bw)
-        return with_without(cluster.with_links(entries), model, global_batch, kept)
-
-    batch = _sweep("global_batch", batches, lambda b: with_without(cluster, model, int(b), kept), lambda v: f"{v:.0f}")
-    bandwidth = _sweep("bandwidth_bytes_per_s", bandwidths_bytes_per_s, at_bandwidth, fmt_rate)
-    return Crossover(kept_devices=tuple(kept), left_out_devices=left_out, slow_links=tuple(links),
-                     batch=batch, bandwidth=bandwidth)
 
 
 # ---------------------------------------------------------------------------------------
@@ -437,7 +284,7 @@ def compare(cluster: Cluster, model: ModelProfile, global_batch: int, *, crossov
     line, kept = _leave_out(plan, baselines, cluster) if plan is not None else ("", ())
     study = None
     if line and crossover:
-        study = crossover_study(cluster, model, global_batch, kept)
+        study = crossover_study(cluster, model, global_batch, kept, planner=_planned)
     return CompareReport(
         cluster=cluster.name, model=model.name, global_batch=global_batch, source=figure_source(cluster, model),
         bound=bound, rows=tuple(rows), fraction_of_bound=sps / bound.samples_per_s, leave_out=line,

@@ -1,0 +1,201 @@
+"""The crossover study: where do the devices a plan leaves out start to pay off (torch-free).
+
+When leaving slow devices out is best (see :func:`deepcee.planner.compare.compare`),
+:func:`crossover_study` sweeps the global batch and the bandwidth of the slow links the
+left-out devices sit behind, and finds where the best plan that uses them starts to beat the
+best plan without them. Plans come from a :class:`SweepPlanner` (``compare`` passes deepcee's
+search with a lighter effort) and from :func:`~deepcee.planner.baselines.build_baselines`,
+all scored by the simulator.
+
+[Note: crossover]
+"Without" is the best plan on the kept devices alone: deepcee planning on the sub-cluster,
+or any baseline that stays on them. "With" is the best plan that uses at least one
+left-out device: deepcee planning on the whole cluster with exclusion forbidden (every
+device used), deepcee's free plan when it uses one, and the baselines that use one.
+The bandwidth sweep sets every inter-island link that touches a left-out device's island
+(and, inside an island, every link between a kept node and a left-out node) to the swept
+bandwidth, latency unchanged; the batch sweep keeps the links as they are. The sweeps plan
+with a lighter search (:data:`deepcee.planner.compare.SWEEP_SEARCH`: fewer candidates refined and confirmed by the
+simulator) to keep ~60 plans affordable, so their figures can sit slightly below a full
+search's. The crossover is the first sweep value where "with" beats "without" after a
+value where it did not, interpolated on log scales.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from deepcee.cluster import Cluster, LinkEntry, LinkSpec
+from deepcee.errors import DeepceeError
+from deepcee.plan import Plan
+from deepcee.planner.baselines import build_baselines
+from deepcee.profile import ModelProfile
+from deepcee.units import fmt_rate
+
+SWEEP_BATCHES: tuple[int, ...] = tuple(2**k for k in range(4, 13))
+"""16 .. 4096."""
+SWEEP_BANDWIDTHS_BYTES_PER_S: tuple[float, ...] = tuple(
+    m * 1e6 / 8 for m in (10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
+)
+"""10 Mbit/s .. 10 Gbit/s, about x2 per step."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SweepPoint:
+    """One sweep value with the best samples/s with and without the left-out devices."""
+
+    value: float
+    """Global batch (samples) or link bandwidth (bytes/s)."""
+    with_samples_per_s: float
+    """Best plan that uses the left-out devices (0 when none fits)."""
+    without_samples_per_s: float
+    """Best plan on the kept devices only (0 when none fits)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Sweep:
+    """One swept parameter, its points and where the left-out devices start to pay off."""
+
+    parameter: str
+    """``global_batch`` or ``bandwidth_bytes_per_s``."""
+    points: tuple[SweepPoint, ...]
+    crossover: float | None
+    """Where the plan with the left-out devices starts to win (log-interpolated), or ``None``."""
+    note: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Crossover:
+    """The crossover study. See [Note: crossover]."""
+
+    kept_devices: tuple[str, ...]
+    left_out_devices: tuple[str, ...]
+    slow_links: tuple[str, ...]
+    """The links swept, as ``a<->b`` (islands or nodes)."""
+    batch: Sweep
+    bandwidth: Sweep
+
+    def to_dict(self) -> dict[str, Any]:
+        def sweep(s: Sweep) -> dict[str, Any]:
+            return {
+                "parameter": s.parameter,
+                "crossover": s.crossover,
+                "note": s.note,
+                "points": [{"value": p.value, "with_left_out_samples_per_s": p.with_samples_per_s,
+                            "without_left_out_samples_per_s": p.without_samples_per_s} for p in s.points],
+            }
+
+        return {
+            "kept_devices": list(self.kept_devices),
+            "left_out_devices": list(self.left_out_devices),
+            "slow_links": list(self.slow_links),
+            "global_batch_sweep": sweep(self.batch),
+            "bandwidth_sweep": sweep(self.bandwidth),
+        }
+
+
+
+class SweepPlanner(Protocol):
+    """deepcee's plan for one point of a sweep, its estimate simulated; ``None`` when nothing fits.
+    ``use_all_devices`` forbids leaving any device out."""
+
+    def __call__(self, cluster: Cluster, model: ModelProfile, global_batch: int, *,
+                 use_all_devices: bool = False) -> Plan | None: ...
+
+
+def with_without(cluster: Cluster, model: ModelProfile, batch: int, kept: Sequence[str], *,
+                 planner: SweepPlanner) -> tuple[float, float]:
+    """(best samples/s using a left-out device, best samples/s on the kept devices only)."""
+    kept_set = set(kept)
+    without: list[float] = []
+    with_: list[float] = []
+    for plan in (planner(cluster.subset(kept), model, batch), planner(cluster, model, batch),
+                 planner(cluster, model, batch, use_all_devices=True)):
+        if plan is not None:
+            (without if set(plan.devices) <= kept_set else with_).append(plan.estimate.samples_per_s)
+    for b in build_baselines(cluster, model, batch):
+        if b.plan is not None:
+            (without if set(b.plan.devices) <= kept_set else with_).append(b.samples_per_s)
+    return max(with_, default=0.0), max(without, default=0.0)
+
+
+
+def slow_link_entries(cluster: Cluster, kept: Sequence[str], bandwidth_bytes_per_s: float
+                      ) -> tuple[list[LinkEntry], list[str]]:
+    """Link entries that set the links the left-out devices sit behind to ``bandwidth_bytes_per_s``.
+
+    Every inter-island link that touches a left-out device's island, and, inside an island,
+    the links between a kept node and a left-out node; latency unchanged.
+    """
+    kept_set = set(kept)
+    out = [d for d in cluster.device_names if d not in kept_set]
+    order = {isl.name: k for k, isl in enumerate(cluster.islands)}
+    entries: dict[tuple[str, str], LinkEntry] = {}
+    for b in out:
+        for a in cluster.device_names:
+            da, db = cluster.device(a), cluster.device(b)
+            if da.island != db.island:
+                ends = tuple(sorted((da.island, db.island), key=order.__getitem__))
+            elif a in kept_set and da.node != db.node:
+                ends = (da.node, db.node)
+            else:
+                continue
+            if ends in entries or ends[::-1] in entries:
+                continue
+            link = cluster.link(a, b)
+            entries[ends] = LinkEntry(a=ends[0], b=ends[1], spec=LinkSpec(
+                latency_s=link.latency_s, bandwidth_bytes_per_s=bandwidth_bytes_per_s))
+    return list(entries.values()), [f"{a}<->{b}" for a, b in entries]
+
+
+def find_crossover(values: Sequence[float], with_sps: Sequence[float], without_sps: Sequence[float]
+                   ) -> float | None:
+    """First value where ``with`` overtakes ``without`` (log-interpolated ratio = 1), or ``None``."""
+    for k in range(1, len(values)):
+        before = with_sps[k - 1] / without_sps[k - 1] if without_sps[k - 1] > 0 else math.inf
+        after = with_sps[k] / without_sps[k] if without_sps[k] > 0 else math.inf
+        if before <= 1.0 < after:
+            if not (math.isfinite(after) and before > 0):
+                return float(values[k])
+            lo, hi = math.log(values[k - 1]), math.log(values[k])
+            frac = -math.log(before) / (math.log(after) - math.log(before))
+            return float(math.exp(lo + frac * (hi - lo)))
+    return None
+
+
+def _sweep(parameter: str, values: Sequence[float], evaluate: Callable[[float], tuple[float, float]],
+           fmt: Callable[[float], str]) -> Sweep:
+    points = []
+    for v in values:
+        w, wo = evaluate(v)
+        points.append(SweepPoint(value=float(v), with_samples_per_s=w, without_samples_per_s=wo))
+    cross = find_crossover(values, [p.with_samples_per_s for p in points], [p.without_samples_per_s for p in points])
+    if cross is not None:
+        note = f"the left-out devices start to pay off at {parameter} ~ {fmt(cross)}"
+    elif points and all(p.with_samples_per_s > p.without_samples_per_s for p in points):
+        note = f"the left-out devices pay off over the whole {parameter} range swept"
+    else:
+        note = f"leaving the devices out stays best over the whole {parameter} range swept ({fmt(values[0])} .. {fmt(values[-1])})"
+    return Sweep(parameter=parameter, points=tuple(points), crossover=cross, note=note)
+
+
+def crossover_study(cluster: Cluster, model: ModelProfile, global_batch: int, kept: Sequence[str], *,
+                    planner: SweepPlanner, batches: Sequence[int] = SWEEP_BATCHES,
+                    bandwidths_bytes_per_s: Sequence[float] = SWEEP_BANDWIDTHS_BYTES_PER_S) -> Crossover:
+    """Sweep the global batch and the kept-to-left-out bandwidth. See [Note: crossover]."""
+    left_out = tuple(d for d in cluster.device_names if d not in set(kept))
+    if not left_out:
+        raise DeepceeError("crossover needs left-out devices; every device is kept")
+    _, links = slow_link_entries(cluster, kept, 1.0)
+
+    def at_bandwidth(bw: float) -> tuple[float, float]:
+        entries, _ = slow_link_entries(cluster, kept, bw)
+        return with_without(cluster.with_links(entries), model, global_batch, kept, planner=planner)
+
+    batch = _sweep("global_batch", batches, lambda b: with_without(cluster, model, int(b), kept, planner=planner), lambda v: f"{v:.0f}")
+    bandwidth = _sweep("bandwidth_bytes_per_s", bandwidths_bytes_per_s, at_bandwidth, fmt_rate)
+    return Crossover(kept_devices=tuple(kept), left_out_devices=left_out, slow_links=tuple(links),
+                     batch=batch, bandwidth=bandwidth)

@@ -1,0 +1,239 @@
+"""The plan space: layouts of island chains into stages, and the plans they make.
+
+Torch-free. :func:`enumerate_chains` and :func:`chain_layouts` list the points of the space
+that :mod:`deepcee.planner.search` explores, :func:`build_plan` turns one point into a
+:class:`~deepcee.plan.Plan`, and :func:`compact_plan` gives a plan a compact schedule.
+
+[Note: plan space]
+A plan is one pipeline (see :mod:`deepcee.plan`): stages are device sets, devices of a stage
+split every microbatch by share and all-reduce their gradients. The planner searches:
+
+- **chains**: an ordered subset of islands (:mod:`deepcee.planner.grouping`); inside each
+  used island a prefix of its groups, fastest first (the slower groups can be left out).
+  Islands are chained so the pipeline crosses each slow link once; leaving an island out
+  removes its link from the pipeline altogether.
+- **layouts** of a chain into stages: each island's kept devices form one device set
+  (*merged*) or one per group (*per group*); each set is cut into contiguous chunks of at
+  most ``g`` devices (``g`` a power of two, the same for the whole chain: more stages
+  inside an island, for memory or for less all-reduce traffic); plus, for a chain of
+  several islands, one stage over all of them (data parallel across islands).
+- **microbatch size** ``n`` (a divisor of the global batch, at least the largest stage's
+  device count so every device gets a sample), **schedule** (gpipe, 1f1b, zb-h1, zb-h2,
+  compact), **sync** (ring or hierarchical all-reduce), and the **layer split** (any
+  contiguous split, every stage at least one layer). Shares are proportional to device
+  speed (:func:`~deepcee.planner.ranges.largest_remainder_shares`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from deepcee.cluster import Cluster
+from deepcee.errors import PlanError
+from deepcee.plan import Plan, StagePlan
+from deepcee.planner.cost_model import PlanCost
+from deepcee.planner.grouping import Grouping, distance_s
+from deepcee.planner.ranges import RangeTables, largest_remainder_shares
+from deepcee.profile import ModelProfile
+from deepcee.schedule.compact import RULE_GRID, Rules, build_compact, search_compact
+from deepcee.schedule.ir import format_schedule
+
+if TYPE_CHECKING:
+    from deepcee.planner.search import PlannerOptions
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StageLayout:
+    """Device sets of a pipeline, in order (a chain laid out; see [Note: plan space])."""
+
+    slots: tuple[tuple[str, ...], ...]
+    islands: tuple[str, ...]
+    """Islands used, in pipeline order."""
+    label: str
+    merged: bool = True
+    """Each island's kept groups form one device set (else one per group)."""
+    granularity: int = 0
+    """Most devices per stage when cutting device sets; 0 for the all-islands data-parallel layout."""
+    devices: frozenset[str] = field(init=False, repr=False, compare=False)
+    """Every device of the layout."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "devices", frozenset(d for s in self.slots for d in s))
+
+
+def microbatch_sizes(global_batch: int, options: PlannerOptions) -> list[int]:
+    """The microbatch sizes to search: every divisor of the global batch, or the options' own."""
+    divisors = [n for n in range(1, global_batch + 1) if global_batch % n == 0]
+    if options.microbatch_sizes is None:
+        return divisors
+    bad = [n for n in options.microbatch_sizes if n not in divisors]
+    if bad:
+        raise PlanError(f"microbatch size {bad[0]} does not divide the global batch {global_batch}",
+                        field="microbatch_sizes")
+    return sorted(set(options.microbatch_sizes))
+
+
+def _chunks(devices: Sequence[str], most: int) -> list[tuple[str, ...]]:
+    q = -(-len(devices) // most)
+    base, extra = divmod(len(devices), q)
+    out, i = [], 0
+    for k in range(q):
+        size = base + (1 if k < extra else 0)
+        out.append(tuple(devices[i:i + size]))
+        i += size
+    return out
+
+
+Chain = tuple[tuple[int, int], ...]
+"""(island index, groups kept) in pipeline order."""
+
+
+def chain_layouts(grouping: Grouping, chain: Chain, max_stages: int) -> list[StageLayout]:
+    """Every layout of ``chain`` (see [Note: plan space]) with at most ``max_stages`` stages."""
+    islands = [grouping.islands[i] for i, _ in chain]
+    kept = [isl.groups[:keep] for isl, (_, keep) in zip(islands, chain, strict=True)]
+    biggest = max(len(g.devices) for gs in kept for g in gs)
+    biggest = max(biggest, max(sum(len(g.devices) for g in gs) for gs in kept))
+    sizes = sorted({2 ** k for k in range(int(math.ceil(math.log2(biggest))) + 1)} | {biggest}, reverse=True)
+    out: list[StageLayout] = []
+    for merged in ((True, False) if any(len(gs) > 1 for gs in kept) else (True,)):
+        for g in sizes:
+            slots: list[tuple[str, ...]] = []
+            parts = []
+            for isl, gs in zip(islands, kept, strict=True):
+                member = {d for x in gs for d in x.devices}
+                sets = [tuple(d for d in isl.devices if d in member)] if merged else [x.devices for x in gs]
+                pieces = [c for s in sets for c in _chunks(s, g)]
+                slots += pieces
+                dropped = len(isl.groups) - len(gs)
+                parts.append(f"{isl.name}[{'+'.join(str(len(p)) for p in pieces)}]"
+                             + (f"(-{dropped} slow group{'s' if dropped > 1 else ''})" if dropped else ""))
+            if len(slots) <= max_stages:
+                out.append(StageLayout(slots=tuple(slots), islands=tuple(i.name for i in islands),
+                                       label=" > ".join(parts), merged=merged, granularity=g))
+    if len(chain) > 1:
+        member = {d for gs in kept for x in gs for d in x.devices}
+        every = tuple(d for isl in islands for d in isl.devices if d in member)
+        out.append(StageLayout(slots=(every,), islands=tuple(i.name for i in islands),
+                               label="data parallel over " + " + ".join(i.name for i in islands)))
+    return out
+
+
+def island_distances(cluster: Cluster, grouping: Grouping) -> np.ndarray:
+    """Symmetric 1 MB transfer time between islands (first devices, worse direction)."""
+    n = len(grouping.islands)
+    out = np.zeros((n, n))
+    for i, j in itertools.combinations(range(n), 2):
+        a, b = grouping.islands[i].devices[0], grouping.islands[j].devices[0]
+        out[i, j] = out[j, i] = max(distance_s(cluster.link(a, b)), distance_s(cluster.link(b, a)))
+    return out
+
+
+def short_path(dist: np.ndarray, members: Sequence[int]) -> tuple[int, ...]:
+    """A short Hamiltonian path over ``members`` (exact up to 6, else nearest neighbour + 2-opt)."""
+    members = sorted(members)
+    cost = lambda p: sum(dist[a, b] for a, b in zip(p, p[1:], strict=False))  # noqa: E731
+    if len(members) <= 6:
+        return min(itertools.permutations(members), key=lambda p: (cost(p), p))
+    best: tuple[float, tuple[int, ...]] | None = None
+    for start in members:
+        path, left = [start], set(members) - {start}
+        while left:
+            path.append(min(left, key=lambda x: (dist[path[-1], x], x)))
+            left.discard(path[-1])
+        improved = True
+        while improved:  # 2-opt on a path: reversing path[i..j] only changes its two end edges
+            improved = False
+            for i in range(1, len(path) - 1):
+                for j in range(i + 1, len(path)):
+                    old = dist[path[i - 1], path[i]] + (dist[path[j], path[j + 1]] if j + 1 < len(path) else 0.0)
+                    new = dist[path[i - 1], path[j]] + (dist[path[i], path[j + 1]] if j + 1 < len(path) else 0.0)
+                    if new < old - 1e-12:
+                        path[i:j + 1] = path[i:j + 1][::-1]
+                        improved = True
+        cand = (cost(path), tuple(path))
+        if best is None or cand < best:
+            best = cand
+    assert best is not None
+    return best[1]
+
+
+def island_orders(dist: np.ndarray, members: Sequence[int], all_orders: bool) -> list[tuple[int, ...]]:
+    if all_orders:
+        return list(itertools.permutations(members))
+    best = short_path(dist, members)
+    return list(dict.fromkeys([best, best[::-1]]))
+
+
+def enumerate_chains(grouping: Grouping, dist: np.ndarray, options: PlannerOptions) -> list[Chain]:
+    """Every chain of the plan space for a small cluster (all subsets, orders, group prefixes)."""
+    n = len(grouping.islands)
+    subsets = ([c for k in range(1, n + 1) for c in itertools.combinations(range(n), k)]
+               if options.allow_exclusion else [tuple(range(n))])
+    out: list[Chain] = []
+    for sub in subsets:
+        for order in island_orders(dist, sub, options.all_orders):
+            keeps = [range(1, len(grouping.islands[i].groups) + 1) if options.allow_exclusion
+                     else [len(grouping.islands[i].groups)] for i in order]
+            for ks in itertools.product(*keeps):
+                out.append(tuple(zip(order, ks, strict=True)))
+    return out
+
+
+def build_plan(layout: StageLayout, split: Sequence[int], *, cluster: Cluster, model: ModelProfile,
+               global_batch: int, microbatch_size: int, schedule: str, sync: str,
+               actions: tuple[tuple[str, ...], ...] = (), system: str = "deepcee") -> Plan:
+    """The plan of one point of the plan space (shares proportional to speed)."""
+    stages = []
+    for s, devs in enumerate(layout.slots):
+        shares = largest_remainder_shares(devs, [cluster.effective_flops_per_s(d) for d in devs], microbatch_size)
+        stages.append(StagePlan(layer_start=split[s], layer_stop=split[s + 1], devices=devs, shares=shares))
+    used = layout.devices
+    return Plan(system=system, cluster=cluster.name, model=model.name, global_batch=global_batch,
+                microbatch_size=microbatch_size, num_microbatches=global_batch // microbatch_size,
+                stages=tuple(stages), schedule=schedule, sync=sync, actions=actions,
+                excluded_devices=tuple(d for d in cluster.device_names if d not in used))
+
+
+def in_flight_counts(schedule: str, num_stages: int, num_microbatches: int) -> tuple[int, ...]:
+    """Microbatches held per stage by a named schedule (``compact``: at least 1, see its limit)."""
+    s, m = num_stages, num_microbatches
+    if schedule == "gpipe":
+        return (m,) * s
+    if schedule in ("1f1b", "zb-h1"):
+        return tuple(min(s - k, m) for k in range(s))
+    if schedule == "zb-h2":
+        return tuple(min(2 * (s - k) - 1, m) for k in range(s))
+    return (1,) * s
+
+
+SCREEN_RULES: tuple[Rules, ...] = tuple(r for r in RULE_GRID if r.feed_downstream == 0 and r.w_slack in (0.0, 1.0))
+"""The compact builder's rule settings used to *screen* splits while refining a compact plan: the
+six that won most often on the random instances of ``benchmarks/planner_optimality.py`` (about
+two thirds of all wins; the templates are always tried). The split a refinement ends on is
+built with the full grid."""
+
+
+def compact_plan(plan: Plan, cluster: Cluster, model: ModelProfile, cost: PlanCost,
+                 tables: RangeTables, *, rules: Sequence[Rules] | None = None) -> Plan | None:
+    """``plan`` with a compact schedule built from ``cost`` (its stage and link times) by
+    :func:`~deepcee.schedule.compact.build_compact` (or with only ``rules``, see
+    :data:`SCREEN_RULES`); ``None`` if some stage cannot hold even one microbatch."""
+    limits = []
+    for st in plan.stages:
+        k = tables.costs(st.devices, st.shares).max_in_flight(st.layer_start, st.layer_stop, plan.num_microbatches)
+        if k < 1:
+            return None
+        limits.append(k)
+    costs = {"num_microbatches": plan.num_microbatches, "forward_s": cost.forward_s,
+             "input_grad_s": cost.input_grad_s, "weight_grad_s": cost.weight_grad_s,
+             "comm_forward": [b.forward for b in cost.boundaries],
+             "comm_backward": [b.backward for b in cost.boundaries], "memory_limit": limits}
+    sched = build_compact(**costs) if rules is None else search_compact(**costs, rules=rules).schedule
+    return plan.replace(schedule="compact", actions=format_schedule(sched))
