@@ -4,6 +4,7 @@ One machine, emulated devices and links (the default; one process per device of 
 
     deepcee plan --model gpt-tiny --scenario local-small -o plan.json
     python -m deepcee.train --plan plan.json --steps 50 --run-dir runs/gpt
+    deepcee train --plan plan.json --steps 60 --adapt --link-trace drop-5x   # links change mid-run
 
 Several machines (``mode real``; every rank needs the same plan and cluster files; ``nnodes``
 x ``nproc-per-node`` must equal the plan's device count, ranks follow the plan's device order)::
@@ -48,6 +49,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cuda", action="store_true", help="use CUDA + NCCL when available (mode real)")
     p.add_argument("--trace", action="store_true", help="record every action's start and end in the metrics")
     p.add_argument("--dry-run", action="store_true", help="print each stage's lowered schedule and exit")
+    p.add_argument("--link-trace", help="bandwidth trace on the emulated wide-area links: a built-in name "
+                   "(drop-5x, drop-recover, periodic, ramp, noisy-stationary) or a trace file")
+    p.add_argument("--trace-time-scale", type=float, default=1.0,
+                   help="stretch the trace's times by this factor (emulated seconds)")
+    p.add_argument("--adapt", action="store_true",
+                   help="watch link speed from the runtime's own transfers and re-tune or re-plan when it changes")
+    p.add_argument("--profile", help="measured profile.json for the adapter's predictions (default: analytic)")
     return p.parse_args(argv)
 
 
@@ -84,6 +92,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             trace=args.trace, use_cuda=args.cuda,
         )
         env = rdist.torchrun_env()
+        if args.adapt or args.link_trace:
+            if env is not None:
+                raise DeepceeError("--adapt and --link-trace run on local emulated processes, not under torchrun")
+            return _adaptive(args, plan, cluster, model, cfg)
         if env is None:
             from deepcee.runtime.launch import run_training
 
@@ -104,6 +116,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     except DeepceeError as exc:
         print(f"deepcee.train: {exc}", file=sys.stderr)
         return 2
+
+
+def _adaptive(args: argparse.Namespace, plan, cluster, model: str, cfg) -> int:
+    from deepcee.adapter.controller import run_adaptive_training
+    from deepcee.profile import load_profile
+
+    res = run_adaptive_training(
+        plan, cluster, model=model, steps=args.steps, adapt=args.adapt, link_trace=args.link_trace,
+        trace_time_scale=args.trace_time_scale, profile=load_profile(args.profile) if args.profile else None,
+        run_dir=args.run_dir, deadline_s=args.deadline,
+        **{f: getattr(cfg, f) for f in cfg.__dataclass_fields__ if f != "steps"},
+    )
+    t = res.train
+    _summary(t.losses, t.samples_per_s, t.mode, t.dilation, args.run_dir)
+    per_step = " ".join(f"{x:.0f}" for x in res.samples_per_s)
+    print(f"samples/s per step: {per_step}")
+    if not args.adapt:
+        print("adapter off: the plan was kept whatever the links did")
+    for ch in res.changes:
+        print(f"step {ch.get('start_step')}: {ch.get('kind')}: {ch.get('reason')}")
+    if args.adapt and not res.changes:
+        print("adapter on: no change paid for itself")
+    return 0
 
 
 def _summary(losses: Sequence[float], samples_per_s: float, mode: str, dilation: float, run_dir: str) -> None:
