@@ -60,6 +60,10 @@ from deepcee.simulator.engine import simulate
 from deepcee.traces import load_named_trace, snapshot, with_trace
 
 MODEL, GLOBAL_BATCH = "gpt-tiny", 64
+# One confirming check (the default is two): the monitor's CUSUM already needs three consistent
+# transfers before it flags a link (tests/dist/test_adapter_runtime.py checks that this setting
+# does not flap on a noisy stationary trace). Used by the runtime and the simulated runs alike.
+POLICY = PolicyConfig(confirm_checks=1)
 SITE_LINK = {"latency_ms": 5, "bandwidth_mbit_per_s": 200}
 CLUSTER = {
     "name": "three-sites-4",
@@ -109,6 +113,46 @@ def busiest_cross_site_link(plan: Plan, cluster: Cluster, model: ModelProfile) -
         raise SystemExit(f"the plan ({describe(plan)}) crosses no site boundary; nothing to drop")
     pair = max(load, key=load.get)
     return pair, load[pair]
+
+
+def crosses_sites(plan: Plan, cluster: Cluster) -> bool:
+    """Whether two adjacent stages sit on different sites (so the pipeline's transfers cross)."""
+    return any({cluster.device(d).island for d in a.devices} != {cluster.device(d).island for d in b.devices}
+               for a, b in zip(plan.stages, plan.stages[1:], strict=False))
+
+
+def cross_site_pipeline(cluster: Cluster, model: ModelProfile) -> Plan:
+    """The best two-stage pipeline with its first stage on a device of a small site and the rest on
+    the largest site (every split, 2-16 microbatches, 1F1B and ZB-H1), by the simulator."""
+    from deepcee.adapter.policy import simulator_scorer
+    from deepcee.plan import StagePlan
+
+    sites = cluster.island_devices()
+    home = max(sites, key=lambda s: len(sites[s]))
+    score = simulator_scorer(model)
+    best, best_s = None, float("inf")
+    for site, devs in sites.items():
+        if site == home:
+            continue
+        for split in range(1, model.num_layers):
+            for m in (2, 4, 8, 16):
+                size = GLOBAL_BATCH // m
+                if size < len(sites[home]):
+                    continue
+                home_shares = tuple(size // len(sites[home]) + (i < size % len(sites[home]))
+                                    for i in range(len(sites[home])))
+                for schedule in ("1f1b", "zb-h1"):
+                    plan = Plan(system="hand", cluster=cluster.name, model=MODEL, global_batch=GLOBAL_BATCH,
+                                microbatch_size=size, num_microbatches=m, schedule=schedule,
+                                stages=(StagePlan(layer_start=0, layer_stop=split, devices=(devs[0],), shares=(size,)),
+                                        StagePlan(layer_start=split, layer_stop=model.num_layers,
+                                                  devices=sites[home], shares=home_shares)))
+                    t = score(plan, cluster)
+                    if t < best_s:
+                        best, best_s = plan, t
+    if best is None:
+        raise SystemExit("no cross-site pipeline fits this cluster's memory")
+    return best
 
 
 def describe(plan: Plan) -> str:
@@ -218,6 +262,15 @@ def main() -> None:
 
     planner = search_planner(model, GLOBAL_BATCH)
     start = planner(cluster)
+    start_source = "the planner's plan for the nominal links"
+    if not crosses_sites(start, cluster):
+        print(f"the planner's plan for the nominal links ({describe(start)}, simulated "
+              f"{GLOBAL_BATCH / simulate(start, cluster, model, record=False).iteration_s:.0f} samples/s) moves no "
+              "activations between sites, so the link monitor would see no transfers on the wide-area links; "
+              "forcing a cross-site pipeline instead")
+        start = cross_site_pipeline(cluster, model)
+        start_source = ("hand-built: the best two-stage cross-site pipeline by the simulator (the planner's own "
+                        "plan did not cross a site boundary)")
     pair, bytes_per_it = busiest_cross_site_link(start, cluster, model)
     sim_it_s = simulate(start, cluster, model, record=False).iteration_s
     trace = load_named_trace("drop-5x")
@@ -226,7 +279,7 @@ def main() -> None:
     traced = with_trace(cluster, trace, between=[pair], time_scale=time_scale)
     after = snapshot(traced, drop_s + 1.0)
     optimum = planner(after)
-    print(f"plan for the nominal links (planner): {describe(start)}")
+    print(f"starting plan ({start_source}): {describe(start)}")
     print(f"busiest cross-site link: {pair[0]} <-> {pair[1]} ({bytes_per_it / 1e6:.2f} MB per iteration); "
           f"trace drop-5x on it, both directions, drop at t = {drop_s:.3f} s "
           f"(~{args.drop_iteration:g} simulated iterations of {sim_it_s * 1e3:.1f} ms)")
@@ -234,10 +287,7 @@ def main() -> None:
 
     devices = cluster.device_names
     cfg = TrainConfig(steps=args.steps, mode="emulated", cores=args.cores, timeout_s=60)
-    # One confirming check: at the runtime's iteration granularity the monitor's CUSUM already
-    # needs three consistent transfers before it flags a link (tests/dist/test_adapter_runtime.py
-    # checks that this configuration does not flap on a noisy stationary trace).
-    policy = DefaultPolicy(profile=model.to_dict(), config=PolicyConfig(confirm_checks=1))
+    policy = DefaultPolicy(profile=model.to_dict(), config=POLICY)
     with tempfile.TemporaryDirectory(prefix="deepcee-adapter-bench-") as tmp:
         root = Path(tmp)
         jobs = {}
@@ -264,10 +314,11 @@ def main() -> None:
 
     t0 = time.monotonic()
     sim = compare_adaptation(start, cluster, model, trace, iterations=args.steps, planner=planner, between=[pair],
-                             time_scale=time_scale)
+                             time_scale=time_scale, policy_config=POLICY)
     sim_wall_s = time.monotonic() - t0
 
     report = build_report(args, cluster, start, optimum, pair, drop_s, time_scale, runs, results, sim)
+    report["start_plan_source"] = start_source
     report["wall_s"] = {"total": time.monotonic() - t_start, "training": train_wall_s, "simulation": sim_wall_s}
     report["host_load_average_1min"] = {"start": load_before[0], "end": os.getloadavg()[0]}
     print_report(report)
@@ -311,8 +362,9 @@ def build_report(args, cluster, start, optimum, pair, drop_s, time_scale, runs, 
                                  for c in res["adapter"]["changes"]}),
             "decisions": _aligned([[(r.get("decision"), r.get("reason", "")) for r in run] for run in runs[key]],
                                   drops[key], ks),
-            "link_estimates_mbit_per_s": [[{lk: v["bandwidth_bytes_per_s"] * 8 / 1e6 for lk, v in
-                                            r.get("link_estimates", {}).items()} for r in run] for run in runs[key]],
+            "link_estimates_mbit_per_s": _aligned([[{lk: v["bandwidth_bytes_per_s"] * 8 / 1e6 for lk, v in
+                                                     r.get("link_estimates", {}).items()} for r in run]
+                                                   for run in runs[key]], drops[key], ks),
         }
     measured["k"] = ks
     sim_opt = sim.adaptive.optimum.samples_per_s
