@@ -123,43 +123,80 @@ class BruteResult:
     seconds: float
 
 
+class _Tables:
+    """What the lower-bound terms of one brute-force run share: exact range matrices per device
+    profile, optimizer and all-reduce matrices, memory terms (built once, not per layout)."""
+
+    def __init__(self, cluster: Cluster, model: ModelProfile) -> None:
+        self.cluster, self.model = cluster, model
+        n = model.num_layers
+        params = np.concatenate([[0.0], np.cumsum([la.parameter_count for la in model.layers])])
+        acts = np.concatenate([[0.0], np.cumsum([la.activation_bytes for la in model.layers])])
+        bnd = np.array([model.boundary_bytes(b) for b in range(n + 1)])
+        self.state = (params[None, :] - params[:, None]) * model.state_bytes_per_parameter
+        self.acts = acts[None, :] - acts[:, None]
+        self.buf = bnd[:, None] + bnd[None, :]
+        self._times: dict[tuple, tuple[np.ndarray, ...]] = {}
+        self._opt: dict[tuple, np.ndarray] = {}
+        self._allreduce: dict[tuple, np.ndarray] = {}
+        self._terms: dict[tuple, _Terms] = {}
+
+    def times(self, device: str, share: int) -> tuple[np.ndarray, ...]:
+        """``F``, ``I``, ``W`` of every range on ``device`` with ``share`` samples."""
+        kind, slow = self.cluster.kind_of(device), self.cluster.device(device).slowdown
+        key = (kind.name, slow, share)
+        if key not in self._times:
+            self._times[key] = tuple(range_time_s(self.model, kind, p, share, slow) for p in "FIW")
+        return self._times[key]
+
+    def optimizer(self, device: str) -> np.ndarray:
+        kind, slow = self.cluster.kind_of(device), self.cluster.device(device).slowdown
+        key = (kind.name, slow)
+        if key not in self._opt:
+            n = self.model.num_layers
+            self._opt[key] = np.array([[optimizer_step_s(self.model, a, b, kind, slow) if a < b else 0.0
+                                        for b in range(n + 1)] for a in range(n + 1)])
+        return self._opt[key]
+
+    def allreduce(self, devices: tuple[str, ...], syncs: tuple[str, ...]) -> np.ndarray:
+        key = (devices, syncs)
+        if key not in self._allreduce:
+            n, m = self.model.num_layers, self.model
+            self._allreduce[key] = np.array([[min(allreduce_s(self.cluster, devices, m.gradient_bytes(a, b), s)
+                                                  for s in syncs) if a < b else 0.0 for b in range(n + 1)]
+                                             for a in range(n + 1)])
+        return self._allreduce[key]
+
+    def terms(self, devices: tuple[str, ...], shares: tuple[int, ...], m: int, syncs: tuple[str, ...]) -> _Terms:
+        key = (devices, shares, m, syncs)
+        if key not in self._terms:
+            self._terms[key] = _Terms(self, devices, shares, m, syncs)
+        return self._terms[key]
+
+
 class _Terms:
     """Per stage and layer range ``[a, b)``: the terms of the lower bound (numpy matrices).
 
     ``B`` is taken as ``I + W``, which holds for the analytic instances generated here (a
     measured profile's fused backward is cheaper and would need its own term)."""
 
-    def __init__(self, cluster: Cluster, model: ModelProfile, devices: tuple[str, ...], shares: tuple[int, ...],
-                 m: int, syncs: tuple[str, ...]) -> None:
-        n = model.num_layers
-        per = {p: [] for p in "FIW"}
-        opt, mem = [], []
-        for d, share in zip(devices, shares, strict=True):
-            kind, slow = cluster.kind_of(d), cluster.device(d).slowdown
-            for p in "FIW":
-                per[p].append(range_time_s(model, kind, p, share, slow))
-            opt.append(np.array([[optimizer_step_s(model, a, b, kind, slow) if a < b else 0.0 for b in range(n + 1)]
-                                 for a in range(n + 1)]))
-            mem.append((share, cluster.memory_bytes(d)))
-        f, i, w = (np.array(per[p]) for p in "FIW")
+    def __init__(self, tables: _Tables, devices: tuple[str, ...], shares: tuple[int, ...], m: int,
+                 syncs: tuple[str, ...]) -> None:
+        per = [tables.times(d, share) for d, share in zip(devices, shares, strict=True)]
+        f, i, w = (np.array([x[k] for x in per]) for k in range(3))
         self.f_min, self.i_min, self.w_min = f.min(axis=0), i.min(axis=0), w.min(axis=0)
         self.busy = m * (f + i + w).max(axis=0)
-        self.opt = np.max(opt, axis=0)
-        self.allreduce = np.array([[min(allreduce_s(cluster, devices, model.gradient_bytes(a, b), s) for s in syncs)
-                                    if a < b else 0.0 for b in range(n + 1)] for a in range(n + 1)])
-        params = np.concatenate([[0.0], np.cumsum([la.parameter_count for la in model.layers])])
-        acts = np.concatenate([[0.0], np.cumsum([la.activation_bytes for la in model.layers])])
-        bnd = np.array([model.boundary_bytes(b) for b in range(n + 1)])
-        self._state = (params[None, :] - params[:, None]) * model.state_bytes_per_parameter
-        self._acts = acts[None, :] - acts[:, None]
-        self._buf = bnd[:, None] + bnd[None, :]
-        self._mem = mem
+        self.opt = np.max([tables.optimizer(d) for d in devices], axis=0)
+        self.allreduce = tables.allreduce(devices, syncs)
+        self._tables = tables
+        self._mem = [(share, tables.cluster.memory_bytes(d)) for d, share in zip(devices, shares, strict=True)]
 
     def fits(self, in_flight: int) -> np.ndarray:
         """Per range: every device's memory need (:mod:`deepcee.simulator.memory`) within its memory."""
-        ok = np.ones_like(self._state, dtype=bool)
+        t = self._tables
+        ok = np.ones_like(t.state, dtype=bool)
         for share, cap in self._mem:
-            ok &= self._state + in_flight * share * self._acts + share * self._buf <= cap
+            ok &= t.state + in_flight * share * t.acts + share * t.buf <= cap
         return ok
 
 
@@ -233,6 +270,7 @@ def brute_force(cluster: Cluster, model: ModelProfile, global_batch: int,
     options = options or PlannerOptions()
     n_layers = model.num_layers
     tables = RangeTables(cluster, model, options.syncs)
+    cache = _Tables(cluster, model)
     speed = {d: cluster.effective_flops_per_s(d) for d in cluster.device_names}
     entries: list[tuple[StageLayout, int, np.ndarray, list[list[tuple[str, str]]]]] = []
     bounds: list[np.ndarray] = []
@@ -249,7 +287,7 @@ def brute_force(cluster: Cluster, model: ModelProfile, global_batch: int,
                 continue
             m = global_batch // n
             shares = [largest_remainder_shares(s, [speed[d] for d in s], n) for s in lay.slots]
-            terms = [_Terms(cluster, model, s, sh, m, syncs) for s, sh in zip(lay.slots, shares, strict=True)]
+            terms = [cache.terms(s, sh, m, syncs) for s, sh in zip(lay.slots, shares, strict=True)]
             links = [_Link(cluster, model, lay.slots[k], shares[k], lay.slots[k + 1], shares[k + 1])
                      for k in range(stages - 1)]
             choices: list[list[tuple[str, str]]] = [[] for _ in splits]

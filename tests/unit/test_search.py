@@ -53,9 +53,15 @@ def _fits(plan: Plan, cluster: Cluster, model: ModelProfile) -> bool:
     return all(b <= cluster.memory_bytes(d) for d, b in sim.peak_memory_bytes.items())
 
 
-def test_testbed_gpt2_plan_is_sane_and_explained():
+@pytest.fixture(scope="module")
+def testbed_gpt2():
+    """One planning run of GPT-2 on the testbed (global batch 64), shared by the tests that read it."""
     c, m = load_scenario("cee-testbed"), get_model("gpt2")
-    r = plan_training(c, m, 64)
+    return c, m, plan_training(c, m, 64)
+
+
+def test_testbed_gpt2_plan_is_sane_and_explained(testbed_gpt2):
+    c, m, r = testbed_gpt2
     assert r.plan.global_batch == 64 and r.plan.num_layers == m.num_layers
     assert r.plan.estimate is not None and r.plan.estimate.source == "simulator"
     assert _fits(r.plan, c, m)
@@ -149,9 +155,8 @@ def _hand_plans(c: Cluster, m: ModelProfile) -> list[Plan]:
     return plans
 
 
-def test_beats_or_equals_hand_built_plans():
-    c, m = load_scenario("cee-testbed"), get_model("gpt2")
-    r = plan_training(c, m, 64)
+def test_beats_or_equals_hand_built_plans(testbed_gpt2):
+    c, m, r = testbed_gpt2
     mine = simulate(r.plan, c, m, record=False).iteration_s
     for hand in _hand_plans(c, m):
         if _fits(hand, c, m):
@@ -194,9 +199,11 @@ def test_options_are_validated():
 
 def test_cost_model_only_mode_and_simulator_plug_in():
     c, m = load_scenario("local-small"), get_model("gpt-tiny")
-    r = plan_training(c, m, 16, options=PlannerOptions(confirm_top=0))
+    r = plan_training(c, m, 16, options=PlannerOptions(confirm_top=0, microbatch_sizes=(4,)))
     assert r.plan.estimate.source == "cost-model"
-    r2 = plan_training(c, m, 16, options=PlannerOptions(cost_model=SimulatorCostModel(), confirm_top=1))
+    r2 = plan_training(c, m, 16, options=PlannerOptions(cost_model=SimulatorCostModel(), confirm_top=1,
+                                                        microbatch_sizes=(4,)))
+    assert r2.plan.estimate.source == "simulator"
     assert r2.plan.estimate.iteration_s <= r.plan.estimate.iteration_s * 1.05
 
 
