@@ -194,3 +194,39 @@ def test_queueing_decides_which_rate_a_transfer_pays() -> None:
     # the first transfer ends exactly at the drop; the second was ready before it but starts after
     assert shaper.deliver_at(_link(trace, 0.0), 1_000_000, t0) == pytest.approx(t0 + 1.0)
     assert shaper.deliver_at(_link(trace, 0.0), 100_000, t0 + 0.5) == pytest.approx(t0 + 1.0 + 0.5)
+
+
+# -- rank 0's coordinator, without processes -------------------------------------------------
+
+
+def _coordinator(cluster, changes, devices=(C0, C1, E0, N0)):
+    from deepcee.adapter.controller import AdaptSpec, _Coordinator
+
+    spec = AdaptSpec(devices=devices, policy=ScriptedPolicy(changes=changes))
+    ctx = PolicyContext(plan=OLD, cluster=cluster, model="gpt-tiny", steps=6, clock=lambda: 0.0)
+    return _Coordinator(spec, OLD, cluster, ctx, [1e5] * 6)
+
+
+def test_coordinator_turns_decisions_into_messages_and_rejects_plans_without_ranks(cluster) -> None:
+    new = plan([(0, 2, (C0, C1), (1, 3)), (2, 6, (E0,), (4,))])
+    outside = plan([(0, 3, (E1,), (4,)), (3, 6, (E0,), (4,))])  # edge0:1 has no rank here
+    coord = _coordinator(cluster, ((0, new.to_dict()), (1, outside.to_dict())))
+    msg = coord.decide(0, OLD)
+    assert msg.kind == DecisionKind.REPLAN and msg.start_step == 1 and msg.plan == new and len(msg.moves) == 3
+    rejected = coord.decide(1, new)
+    assert rejected.kind == DecisionKind.KEEP and "rejected" in rejected.reason and "edge0:1" in rejected.reason
+    assert coord.decide(2, new).kind == DecisionKind.KEEP
+
+
+def test_coordinator_feeds_the_monitor_with_the_gathered_transfers(cluster) -> None:
+    coord = _coordinator(cluster, ())
+    link = cluster.link(C0, E0)  # 20 ms, 100 Mbit/s
+    slow = link.bandwidth_bytes_per_s / 5
+    for step in range(4):
+        t = step * 1.0
+        ranks = [None, {"transfers": [(link.resource, n, t + 0.1 * i, t + 0.1 * i + link.latency_s + n / slow)
+                                      for i, n in enumerate((1e5, 2e5, 1e5))]}]
+        coord.observe(ranks)
+    est = coord.estimates_record()
+    assert link.resource in est["changed_links"]
+    assert est["link_estimates"][link.resource]["bandwidth_bytes_per_s"] == pytest.approx(slow, rel=0.05)

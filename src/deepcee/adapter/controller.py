@@ -407,7 +407,14 @@ class _Coordinator:
                                                    changed_links=self.monitor.changed()))
         if decision.acknowledge:
             self.monitor.accept()
-        msg = decision_message(decision, plan, step + 1, estimated, self.layer_bytes)
+        try:
+            msg = decision_message(decision, plan, step + 1, estimated, self.layer_bytes)
+            if msg.changes_plan:
+                DeviceTopology(msg.plan, self.spec.devices)  # every device it uses has a rank
+        except PlanError as exc:  # rejected here, on rank 0, so no rank ever tries it
+            log.warning("adapter: %s rejected: %s", decision.kind, exc)
+            return DecisionMessage(kind=DecisionKind.KEEP, start_step=step + 1,
+                                   reason=f"{decision.kind} rejected: {exc}")
         if msg.changes_plan:
             for resource, spec in priors_from_cluster(estimated, msg.plan).items():
                 if self.monitor.estimate(resource) is None:
