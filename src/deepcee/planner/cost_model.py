@@ -334,15 +334,17 @@ class AnalyticCostModel:
         cost = PlanCost(forward_s=f, input_grad_s=i, weight_grad_s=w, backward_s=b_, boundaries=bounds, pipeline=timing,
                         allreduce_s=tuple(ar), optimizer_s=tuple(opt), iteration_s=iteration,
                         in_flight=in_flight, memory_bytes=memory, shortfall_bytes=short, bottleneck="")
-        return _with_bottleneck(cost, plan)
+        # what a stage runs per microbatch: F + B where its list has fused backwards, else F + I + W
+        per_mb = [f[s] + (b_[s] if any(k == _B for k, _ in row) else i[s] + w[s]) for s, row in enumerate(rows)]
+        return _with_bottleneck(cost, plan, per_mb)
 
 
-def _with_bottleneck(cost: PlanCost, plan: Plan) -> PlanCost:
+def _with_bottleneck(cost: PlanCost, plan: Plan, compute_per_microbatch_s: Sequence[float]) -> PlanCost:
     """Name the largest of: the busiest stage's compute, the busiest link, an all-reduce, the bubble."""
     m, it = plan.num_microbatches, cost.iteration_s
     terms: list[tuple[float, str]] = []
     for s, st in enumerate(plan.stages):
-        per_mb = cost.pipeline.busy_s[s] / m  # what the schedule runs: F + B, or F + I + W
+        per_mb = compute_per_microbatch_s[s]
         terms.append((m * per_mb, f"stage {s} compute ({len(st.devices)} device(s) from {st.devices[0]}, "
                                   f"layers {st.layer_start}-{st.layer_stop - 1}): {m} x {per_mb * 1e3:.4g} ms"))
         if cost.allreduce_s[s] > 0:

@@ -30,22 +30,27 @@ from collections.abc import Sequence
 import numpy as np
 
 from deepcee.cluster import Cluster, DeviceKind
-from deepcee.profile import ModelProfile, Pass
+from deepcee.profile import ModelProfile
 from deepcee.simulator.collectives import allreduce_s
 from deepcee.simulator.engine import optimizer_step_s
 
 
-def range_time_s(model: ModelProfile, kind: DeviceKind, pass_: Pass, samples: float,
+def range_time_s(model: ModelProfile, kind: DeviceKind, passes: str, samples: float,
                  slowdown: float = 1.0) -> np.ndarray:
-    """``out[a, b] = model.time_s(a, b, pass_, samples, kind, slowdown)`` for every ``a, b`` in
-    ``0 .. L`` (0 where ``b <= a``, as ``time_s`` says). See [Note: range times]."""
+    """``out[a, b] = sum over p in passes of model.time_s(a, b, p, samples, kind, slowdown)`` for
+    every ``a, b`` in ``0 .. L`` (0 where ``b <= a``, as ``time_s`` says); ``passes`` is one or
+    more of ``F``, ``I``, ``W``, ``B``. See [Note: range times]."""
     n = model.num_layers
-    one = np.array([model.time_s(a, a + 1, pass_, samples, kind, slowdown) for a in range(n)])
+
+    def t(a: int, b: int) -> float:
+        return sum(model.time_s(a, b, p, samples, kind, slowdown) for p in passes)
+
+    one = np.array([t(a, a + 1) for a in range(n)])
     if kind.name in model.measured:
-        call = one[1] + one[2] - model.time_s(1, 3, pass_, samples, kind, slowdown) if n >= 3 else 0.0
+        call = one[1] + one[2] - t(1, 3) if n >= 3 else 0.0
         prefix = np.concatenate([[0.0], np.cumsum(one - call)])
         out = prefix[None, :] - prefix[:, None] + call
-        out[0, 1:] = [model.time_s(0, b, pass_, samples, kind, slowdown) for b in range(1, n + 1)]
+        out[0, 1:] = [t(0, b) for b in range(1, n + 1)]
     else:
         prefix = np.concatenate([[0.0], np.cumsum(one)])
         out = prefix[None, :] - prefix[:, None]
@@ -166,7 +171,7 @@ class RangeTables:
         got = self._compute.get(key)
         if got is None:
             k = self.cluster.kinds[kind]
-            got = self._compute[key] = sum(range_time_s(self.model, k, p, share, slowdown) for p in "FIW")
+            got = self._compute[key] = range_time_s(self.model, k, "FIW", share, slowdown)
         return got
 
     def optimizer_slope(self, device: str) -> float:
