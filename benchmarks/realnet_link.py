@@ -14,20 +14,37 @@ Two ranks, each in its own network namespace, joined through the user-space rela
   a 4 MB send (timed to the receiver's reply, so the model is ``2 x latency + bytes / bandwidth``)
   and a 4 MB all-reduce (model: the simulator's ring alpha-beta time,
   :func:`deepcee.simulator.collectives.ring_allreduce_s`);
-- the relay's own CPU (user + system, fraction of one core) while the bulk transfer runs.
+- the relay's own CPU (user + system, fraction of one core) while the bulk transfer runs;
+- TCP congestion control (part ``cc``): one 64 kB gloo message at a time, sent after an idle
+  gap (0-300 ms, like a pipeline's activations), with the namespaces' stated default
+  (CUBIC, [Note: congestion control in the namespaces] in :mod:`deepcee.runtime.netns`)
+  against reno and the host's own default (BBR on the project's machines); the link says
+  ``latency + wire bytes / bandwidth``.
 
 Baselines measured in the same run: the same TCP probes through an unshaped relay pipe (no
 latency, 10 Gbit/s: the relay's own overhead and ceiling), and through the shaped pipe with
 TUN offload off (one packet per MTU segment: the CPU that offload saves).
 
-Every figure here is real wall time on this machine (no dilation). Run as root::
+Part ``train``: the same 2-device gpt-tiny plans (a 2-stage 1F1B pipeline and a 2-device
+data-parallel stage; float32, AdamW) trained in mode ``emulated`` (in-process link delays, the
+modelled all-reduce) and in mode ``realnet`` (real TCP through the relay), launches
+interleaved ``--train-repeats`` times so that load from other processes hits both alike:
+median step time over all steps but each launch's first (emulated seconds: wall / D), the
+compute threads' CPU seconds per step (the devices' own work, which moves with the machine's
+load), the slowest stage's compute and gradient-sync time per step, the relay's drops, and the simulator's prediction from a profile of this machine
+measured in the same run (:func:`deepcee.profiler.device.probe_device`, one thread).
+
+Figures of the ``link`` and ``cc`` parts are real wall time on this machine (no dilation).
+Run as root::
 
     python benchmarks/realnet_link.py --out reports/realnet_link.json
+    python benchmarks/realnet_link.py --parts train --train-repeats 5
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import json
 import socket
@@ -40,7 +57,7 @@ from pathlib import Path
 from typing import Any
 
 from deepcee.cluster import Cluster, Device, DeviceKind, Island, LinkEntry, LinkSpec, Node
-from deepcee.plan import save_json_atomic
+from deepcee.plan import Plan, StagePlan, save_json_atomic
 from deepcee.simulator.collectives import ring_allreduce_s
 
 MBIT = 1e6 / 8
@@ -140,6 +157,39 @@ def gloo_probe(rank: int, world_size: int, store_path: str, out: str, repeats: i
         Path(out, "gloo.json").write_text(json.dumps({"rtt_s": rtt, "p2p_s": p2p[1:], "allreduce_s": allreduce[1:]}))
 
 
+def message_probe(rank: int, world_size: int, store_path: str, out: str, nbytes: int, gaps_s: list[float],
+                  repeats: int) -> None:
+    """Rank 0 sends one ``nbytes`` message after each idle gap; rank 1 (its receive posted in
+    advance, as the runtime does) logs ``(gap, one-way time)``: one ``CLOCK_MONOTONIC`` for both."""
+    import torch
+    import torch.distributed as dist
+
+    from deepcee.runtime import dist as rdist
+
+    rdist.single_thread()
+    rdist.init_process_group(store=rdist.file_store(store_path, world_size, 60), rank=rank, world_size=world_size,
+                             backend="gloo", timeout_s=60, device=torch.device("cpu"))
+    buf = torch.zeros(nbytes // 8, dtype=torch.float64)
+    log = []
+    for i in range(repeats):
+        for gap in gaps_s:
+            tag = i * len(gaps_s) + gaps_s.index(gap)
+            if rank == 1:
+                work = dist.irecv(buf, 0, tag=tag)
+                dist.barrier()
+                work.wait()
+                log.append((gap, time.monotonic() - float(buf[-1])))
+            else:
+                dist.barrier()
+                time.sleep(gap)
+                buf[-1] = time.monotonic()
+                dist.isend(buf, 1, tag=tag).wait()
+    dist.barrier()
+    dist.destroy_process_group()
+    if rank == 1:
+        Path(out, "messages.json").write_text(json.dumps(log))
+
+
 # -- measurement ------------------------------------------------------------------------------
 
 class StatsSampler:
@@ -213,39 +263,109 @@ def run_gloo(me: Any, cluster: Cluster, *, repeats: int, work: Path) -> dict[str
             "allreduce_4mb_median_s": statistics.median(g["allreduce_s"]), "raw": g}
 
 
+def wire_bytes(payload_bytes: int, mtu_bytes: int = 1500, headers_bytes: int = 52) -> int:
+    """Bytes TCP puts on the wire for ``payload_bytes`` (IPv4 + TCP with timestamps: 52 B a segment)."""
+    mss = mtu_bytes - headers_bytes
+    return payload_bytes + -(-payload_bytes // mss) * headers_bytes
+
+
+def run_cc(me: Any, cluster: Cluster, *, nbytes: int, repeats: int, work: Path) -> dict[str, Any]:
+    from deepcee.runtime.netns import DEFAULT_CONGESTION_CONTROL
+    from deepcee.runtime.realnet import RealNetwork
+
+    host = Path("/proc/sys/net/ipv4/tcp_congestion_control").read_text().strip()
+    gaps = [0.0, 0.05, 0.15, 0.3]
+    out: dict[str, Any] = {}
+    for label, cc in ((f"{DEFAULT_CONGESTION_CONTROL} (deepcee default)", DEFAULT_CONGESTION_CONTROL), ("reno", "reno"),
+                      (f"{host} (host default)", None)):
+        d = work / f"cc-{cc or 'host'}"
+        d.mkdir()
+        with RealNetwork(cluster, ["na:0", "nb:0"], congestion_control=cc) as net:
+            net.run(me.message_probe, (str(d), nbytes, gaps, repeats), deadline_s=180)
+            stats = net.control.stats()
+        log = json.loads((d / "messages.json").read_text())[len(gaps):]  # the first round also opens the window
+        by_gap = {g: statistics.median(t for gg, t in log if gg == g) for g in gaps}
+        out[label] = {"median_s": statistics.median(t for _, t in log), "by_gap_median_s": by_gap,
+                      "dropped": sum(r.dropped for r in stats.resources)}
+    return out
+
+
+# -- training: emulated vs realnet ------------------------------------------------------------
+
+def train_plans(microbatch: int, microbatches: int) -> dict[str, Plan]:
+    def plan(name: str, stages: tuple[StagePlan, ...], schedule: str) -> Plan:
+        return Plan(system=name, cluster="wan-pair", model="gpt-tiny", global_batch=microbatch * microbatches,
+                    microbatch_size=microbatch, num_microbatches=microbatches, schedule=schedule, stages=stages)
+
+    return {
+        "pipeline-1f1b": plan("pipeline-1f1b", (StagePlan(layer_start=0, layer_stop=3, devices=("na:0",), shares=(microbatch,)),
+                                                StagePlan(layer_start=3, layer_stop=6, devices=("nb:0",), shares=(microbatch,))),
+                              "1f1b"),
+        "data-parallel": plan("data-parallel", (StagePlan(layer_start=0, layer_stop=6, devices=("na:0", "nb:0"),
+                                                          shares=(microbatch // 2, microbatch - microbatch // 2)),),
+                              "gpipe"),
+    }
+
+
+def predicted_step_s(cluster: Cluster, plans: dict[str, Plan]) -> tuple[dict[str, float], float]:
+    """The simulator's iteration time of each plan from a profile of this machine (one thread); wall seconds spent."""
+    from deepcee.profiler.device import ProbeConfig, net_source, probe_device
+    from deepcee.profiler.model import base_profile, measured_kind, measured_profile
+    from deepcee.runtime import dist as rdist
+    from deepcee.simulator.engine import simulate
+
+    t0 = time.monotonic()
+    rdist.single_thread()
+    source = net_source("gpt-tiny")
+    probe = probe_device(source, device_name="na:0", kind="cpu", config=ProbeConfig(repeats=5, time_budget_s=60))
+    profile = measured_profile(base_profile(source), [probe], source="benchmarks/realnet_link.py (this machine)")
+    measured = dataclasses.replace(cluster, kinds={n: measured_kind(k, [probe], profile) for n, k in cluster.kinds.items()})
+    return {name: simulate(plan, measured, profile).iteration_s for name, plan in plans.items()}, time.monotonic() - t0
+
+
+def run_train(cluster: Cluster, plans: dict[str, Plan], *, steps: int, repeats: int, work: Path) -> dict[str, Any]:
+    from deepcee.runtime.launch import launch_jobs
+    from deepcee.runtime.trainer import Job, OptimizerConfig, TrainConfig
+
+    runs: dict[str, dict[str, list]] = {m: {name: [] for name in plans} for m in ("emulated", "realnet")}
+    relay_drops = []
+    for rep in range(repeats):
+        for mode in ("emulated", "realnet"):  # interleaved: the machine's load hits both alike
+            jobs = [Job(name=f"{name}-{mode}-{rep}", plan=plan.to_dict(), cluster=cluster.to_dict(), model="gpt-tiny",
+                        config=TrainConfig(steps=steps, mode=mode, optimizer=OptimizerConfig(), timeout_s=60),
+                        run_dir=str(work / f"{name}-{mode}-{rep}"))
+                    for name, plan in plans.items()]
+            for job, res in zip(jobs, launch_jobs(jobs, deadline_s=300), strict=True):
+                name = job.plan["system"]
+                recs = res.metrics[1:]
+                runs[mode][name].append({"step_s": list(res.step_s[1:]), "dilation": res.dilation,
+                                         "cpu_s": [sum(r["cpu_s"].values()) / len(r["cpu_s"]) for r in recs],
+                                         "compute_s": [max(s["compute_s"] for s in r["stages"]) for r in recs],
+                                         "sync_s": [max(s["sync_s"] for s in r["stages"]) for r in recs]})
+            if mode == "realnet":
+                relay = json.loads((Path(jobs[0].run_dir) / "relay.json").read_text())
+                relay_drops.append(sum(r["dropped"] for r in relay["resources"]))
+    out: dict[str, Any] = {"relay_drops_per_launch": relay_drops}
+    for mode, per_plan in runs.items():
+        for name, launches in per_plan.items():
+            steps_s = [t for run in launches for t in run["step_s"]]
+            out.setdefault(name, {})[mode] = {
+                "median_step_s": statistics.median(steps_s),
+                "launch_medians_s": [statistics.median(run["step_s"]) for run in launches],
+                "median_cpu_s": statistics.median(c for run in launches for c in run["cpu_s"]),
+                "launch_cpu_s": [statistics.median(run["cpu_s"]) for run in launches],
+                "median_compute_s": statistics.median(c for run in launches for c in run["compute_s"]),
+                "median_sync_s": statistics.median(c for run in launches for c in run["sync_s"]),
+                "dilation": launches[0]["dilation"],
+            }
+    return out
+
+
 def ratio(measured: float, model: float) -> float:
     return measured / model if model else float("nan")
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--latency-ms", type=float, default=20.0)
-    ap.add_argument("--bandwidth-mbit", type=float, default=100.0)
-    ap.add_argument("--bulk-mb", type=float, default=30.0)
-    ap.add_argument("--pings", type=int, default=40)
-    ap.add_argument("--gloo-repeats", type=int, default=5)
-    ap.add_argument("--out", default="reports/realnet_link.json")
-    a = ap.parse_args(argv)
-
-    from deepcee.runtime.netns import realnet_unavailable
-
-    reason = realnet_unavailable()
-    if reason is not None:
-        print(f"realnet unavailable here: {reason}", file=sys.stderr)
-        return 2
-    me = importlib.import_module(Path(__file__).stem)  # targets must be importable by name in the ranks
-    lat, bw = a.latency_ms / 1e3, a.bandwidth_mbit * MBIT
-    shaped, unshaped = wan_pair(lat, bw), wan_pair(0.0, 10e9 / 8)
-    bulk = int(a.bulk_mb * 1e6)
-    with tempfile.TemporaryDirectory(prefix="realnet-bench-") as tmp:
-        work = Path(tmp)
-        runs = {
-            "shaped": run_tcp(me, shaped, offload=True, pings=a.pings, bulk_bytes=bulk, work=work),
-            "shaped_no_offload": run_tcp(me, shaped, offload=False, pings=a.pings, bulk_bytes=bulk, work=work),
-            # 10x the bytes: at the relay's ceiling the transfer must last long enough to sample its CPU
-            "unshaped": run_tcp(me, unshaped, offload=True, pings=a.pings, bulk_bytes=10 * bulk, work=work),
-        }
-        gloo = run_gloo(me, shaped, repeats=a.gloo_repeats, work=work)
+def print_link(a: argparse.Namespace, lat: float, bw: float, shaped: Cluster, runs: dict, gloo: dict) -> list:
     s = runs["shaped"]
     rows = [
         ("TCP RTT 64 B (median)", 2 * lat, s["rtt_median_s"], "s"),
@@ -268,16 +388,107 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:34s} {r['relay_cpu_fraction_during_bulk']:9.3f} {r['relay_system_fraction_during_bulk']:9.3f} "
               f"{r['relay_cpu_s_per_mb']:9.4f} {r['relay_packets']:7d} {r['relay_mean_packet_bytes']:7.0f} "
               f"{r['relay_dropped']:6d} {r['rtt_median_s'] * 1e3:7.2f} {r['goodput_steady_bytes_per_s'] * 8 / 1e6:7.1f}")
-    result = {
-        "format": "deepcee.benchmark.realnet_link", "schema_version": 1,
-        "link": {"latency_s": lat, "bandwidth_bytes_per_s": bw},
-        "note": "real wall time through the user-space relay (no dilation); CPU fractions are of one core, "
-                "user + system, sampled every 0.1 s during the bulk transfer",
-        "rows": [{"quantity": n, "model": m, "measured": g, "ratio": ratio(g, m), "unit": u} for n, m, g, u in rows],
-        "tcp": runs, "gloo": gloo,
-    }
+    print()
+    return rows
+
+
+def print_cc(nbytes: int, model_s: float, cc: dict[str, Any]) -> None:
+    print(f"gloo message of {nbytes / 1e3:g} kB after an idle gap; link model {model_s * 1e3:.2f} ms")
+    print(f"{'congestion control':24s} {'median ms':>10s} {'ratio':>7s}  by gap (s: ms)")
+    for label, r in cc.items():
+        gaps = "  ".join(f"{g:g}: {t * 1e3:.1f}" for g, t in r["by_gap_median_s"].items())
+        print(f"{label:24s} {r['median_s'] * 1e3:10.2f} {ratio(r['median_s'], model_s):7.3f}  {gaps}")
+    print()
+
+
+def print_train(train: dict[str, Any], predicted: dict[str, float], steps: int, repeats: int) -> None:
+    print(f"Training gpt-tiny on the same link, {repeats} interleaved launches of {steps} steps per mode "
+          "(emulated seconds: wall / D; first step of each launch excluded)")
+    print(f"{'plan':16s} {'mode':9s} {'D':>5s} {'median step':>12s} {'per launch':>22s} {'CPU/step':>9s} "
+          f"{'CPU per launch':>20s} {'compute':>8s} {'sync':>8s} {'simulator':>10s} {'ratio':>6s}")
+    for name, pred in predicted.items():
+        for mode in ("emulated", "realnet"):
+            r = train[name][mode]
+            launches = " ".join(f"{t * 1e3:.0f}" for t in r["launch_medians_s"])
+            cpus = " ".join(f"{t * 1e3:.0f}" for t in r["launch_cpu_s"])
+            print(f"{name:16s} {mode:9s} {r['dilation']:5.2f} {r['median_step_s'] * 1e3:9.1f} ms {launches:>22s} "
+                  f"{r['median_cpu_s'] * 1e3:6.1f} ms {cpus:>20s} {r['median_compute_s'] * 1e3:5.1f} ms "
+                  f"{r['median_sync_s'] * 1e3:5.1f} ms {pred * 1e3:7.1f} ms "
+                  f"{ratio(r['median_step_s'], pred):6.3f}")
+    print(f"relay drops per realnet launch: {train['relay_drops_per_launch']}")
+    print()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--latency-ms", type=float, default=20.0)
+    ap.add_argument("--bandwidth-mbit", type=float, default=100.0)
+    ap.add_argument("--bulk-mb", type=float, default=30.0)
+    ap.add_argument("--pings", type=int, default=40)
+    ap.add_argument("--gloo-repeats", type=int, default=5)
+    ap.add_argument("--parts", default="link,cc,train", help="comma-separated: link, cc, train")
+    ap.add_argument("--message-kb", type=float, default=65.536, help="cc part: message size")
+    ap.add_argument("--cc-repeats", type=int, default=8)
+    ap.add_argument("--train-steps", type=int, default=12)
+    ap.add_argument("--train-repeats", type=int, default=3)
+    ap.add_argument("--train-microbatch", type=int, default=4)
+    ap.add_argument("--train-microbatches", type=int, default=4)
+    ap.add_argument("--out", default="reports/realnet_link.json")
+    a = ap.parse_args(argv)
+    parts = set(a.parts.split(","))
+    if parts - {"link", "cc", "train"}:
+        ap.error(f"unknown parts {sorted(parts - {'link', 'cc', 'train'})}")
+
+    from deepcee.runtime.netns import realnet_unavailable
+
+    reason = realnet_unavailable()
+    if reason is not None:
+        print(f"realnet unavailable here: {reason}", file=sys.stderr)
+        return 2
+    me = importlib.import_module(Path(__file__).stem)  # targets must be importable by name in the ranks
+    lat, bw = a.latency_ms / 1e3, a.bandwidth_mbit * MBIT
+    shaped, unshaped = wan_pair(lat, bw), wan_pair(0.0, 10e9 / 8)
+    bulk = int(a.bulk_mb * 1e6)
+    result: dict[str, Any] = {"format": "deepcee.benchmark.realnet_link", "schema_version": 2,
+                              "link": {"latency_s": lat, "bandwidth_bytes_per_s": bw}}
+    with tempfile.TemporaryDirectory(prefix="realnet-bench-") as tmp:
+        work = Path(tmp)
+        if "link" in parts:
+            runs = {
+                "shaped": run_tcp(me, shaped, offload=True, pings=a.pings, bulk_bytes=bulk, work=work),
+                "shaped_no_offload": run_tcp(me, shaped, offload=False, pings=a.pings, bulk_bytes=bulk, work=work),
+                # 10x the bytes: at the relay's ceiling the transfer must last long enough to sample its CPU
+                "unshaped": run_tcp(me, unshaped, offload=True, pings=a.pings, bulk_bytes=10 * bulk, work=work),
+            }
+            gloo = run_gloo(me, shaped, repeats=a.gloo_repeats, work=work)
+            rows = print_link(a, lat, bw, shaped, runs, gloo)
+            result.update({
+                "note": "real wall time through the user-space relay (no dilation); CPU fractions are of one core, "
+                        "user + system, sampled every 0.1 s during the bulk transfer",
+                "rows": [{"quantity": n, "model": m, "measured": g, "ratio": ratio(g, m), "unit": u}
+                         for n, m, g, u in rows],
+                "tcp": runs, "gloo": gloo,
+            })
+        if "cc" in parts:
+            nbytes = int(a.message_kb * 1e3) // 8 * 8
+            model_s = lat + wire_bytes(nbytes) / bw
+            cc = run_cc(me, shaped, nbytes=nbytes, repeats=a.cc_repeats, work=work)
+            print_cc(nbytes, model_s, cc)
+            result["congestion_control"] = {"message_bytes": nbytes, "link_model_s": model_s, "runs": cc}
+        if "train" in parts:
+            plans = train_plans(a.train_microbatch, a.train_microbatches)
+            predicted, probe_s = predicted_step_s(shaped, plans)
+            train = run_train(shaped, plans, steps=a.train_steps, repeats=a.train_repeats, work=work)
+            print_train(train, predicted, a.train_steps, a.train_repeats)
+            result["train"] = {
+                "note": "emulated seconds (wall / D); median over all steps but each launch's first; CPU/step is the "
+                        "mean over the two ranks of the compute thread's CPU seconds; simulator: measured profile of "
+                        f"this machine ({probe_s:.0f} s probe) on the declared link",
+                "plans": {name: plan.to_dict() for name, plan in plans.items()},
+                "predicted_step_s": predicted, **train,
+            }
     save_json_atomic(Path(a.out), result)
-    print(f"\nwrote {a.out}")
+    print(f"wrote {a.out}")
     return 0
 
 

@@ -34,7 +34,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cluster", help="cluster file or scenario name (default: the plan's cluster scenario)")
     p.add_argument("--model", help="built-in net (default: the plan's model): gpt-tiny, resnet-tiny")
     p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--mode", choices=("emulated", "real"), default="emulated")
+    p.add_argument("--mode", choices=("emulated", "real", "realnet"), default="emulated",
+                   help="emulated: devices and links emulated in-process; realnet: devices emulated, each in its "
+                   "own network namespace, links shaped by a user-space relay carrying real TCP (needs root and "
+                   "/dev/net/tun; local processes only); real: as fast as the hardware goes (torchrun, CUDA)")
     p.add_argument("--dtype", choices=("float32", "float64"), default="float32")
     p.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
     p.add_argument("--lr", type=float, default=1e-3)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import random
 import struct
+import subprocess
+import sys
 
 import pytest
 
@@ -244,6 +246,15 @@ def test_relay_config_from_cluster_uses_links_resources_and_dilation(tmp_path):
         relay_config(cluster, ["cloud0:0", "cloud0:0"], control_path="s")
 
 
+def test_relay_queue_limit_keeps_its_bytes_under_dilation(tmp_path):
+    cluster = load_scenario("local-small")
+    for d in (1.0, 2.5):
+        cfg = relay_config(cluster, ["cloud0:0", "edge0:0"], control_path="s", dilation=d, queue_limit_s=0.05)
+        rate = {r.name: r.bandwidth_bytes_per_s for r in cfg.resources}[cluster.link("cloud0:0", "edge0:0").resource]
+        assert cfg.queue_limit_s == pytest.approx(0.05 * d)
+        assert cfg.queue_limit_s * rate == pytest.approx(0.05 * 100 * MBIT)  # 625 kB whatever D
+
+
 def test_relay_config_scales_traces_with_the_dilation(tmp_path):
     trace = BandwidthTrace(times_s=(1.0, 2.0), bandwidth_bytes_per_s=(5e5, 2e6))
     cluster = load_scenario("local-small").with_links(
@@ -267,3 +278,25 @@ def test_rank_addresses_are_distinct_and_bounded():
     assert len(set(addrs)) == 600 and addrs[0] == "10.77.0.1" and addrs[250] == "10.77.1.1"
     with pytest.raises(SpecError, match="rank must be in"):
         netns.rank_address(-1)
+
+
+def test_relay_and_namespaces_import_without_torch():
+    """The relay process and a namespace set-up must not pay for torch (2-3 s, ~220 MB)."""
+    code = ("import sys, deepcee.runtime.relay, deepcee.runtime.netns\n"
+            "sys.exit(1 if 'torch' in sys.modules else 0)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+
+
+def test_relay_control_path_comes_from_the_environment(monkeypatch):
+    from deepcee.runtime import dist as rdist
+
+    monkeypatch.delenv(rdist.RELAY_CONTROL_ENV, raising=False)
+    assert rdist.relay_control_path() is None
+    monkeypatch.setenv(rdist.RELAY_CONTROL_ENV, "/tmp/x/relay.sock")
+    assert rdist.relay_control_path() == "/tmp/x/relay.sock"
+
+
+def test_namespaces_refuse_a_malformed_congestion_control():
+    with pytest.raises(SpecError, match="congestion_control"):
+        netns.WanNamespaces(2, congestion_control="cubic; rm -rf /")

@@ -107,3 +107,60 @@ def test_file_ledger_is_shared_and_fifo(tmp_path):
     assert b.reserve("x->z", 10.5, 1.0) == 10.5
 
 
+
+
+def test_emulation_info_says_what_each_mode_emulates():
+    from deepcee.runtime.emulation import EMULATED_FIGURES, REALNET_FIGURES, emulation_info
+
+    emu, net, real = (emulation_info(m, 2.5) for m in ("emulated", "realnet", "real"))
+    assert emu.dilation == net.dilation == 2.5 and real.dilation == 1.0
+    assert emu.emulated == EMULATED_FIGURES and real.emulated == ()
+    assert net.emulated == REALNET_FIGURES and any("real TCP" in f for f in net.emulated)
+    assert not any("all-reduce" in f for f in net.emulated)  # it runs for real over the relay
+    assert net.to_dict()["mode"] == "realnet"
+    with pytest.raises(Exception, match="mode"):
+        emulation_info("simulated", 1.0)
+
+
+def test_train_config_accepts_realnet_on_cpu_only():
+    from deepcee.runtime.trainer import TrainConfig
+
+    assert TrainConfig(steps=1, mode="realnet").mode == "realnet"
+    with pytest.raises(Exception, match="realnet"):
+        TrainConfig(steps=1, mode="realnet", use_cuda=True)
+    with pytest.raises(Exception, match="realnet"):  # the message lists the modes
+        TrainConfig(steps=1, mode="network")
+
+
+def _jobs(tmp_path, *specs):
+    from deepcee.plan import Plan, StagePlan
+    from deepcee.runtime.trainer import Job, TrainConfig
+    from deepcee.scenarios import load_scenario
+
+    cluster = load_scenario("local-small").to_dict()
+    out = []
+    for i, (devices, mode, dilation) in enumerate(specs):
+        plan = Plan(system="t", cluster="local-small", model="gpt-tiny", global_batch=2, microbatch_size=2,
+                    num_microbatches=1, schedule="gpipe",
+                    stages=tuple(StagePlan(layer_start=3 * k, layer_stop=3 * k + 3, devices=(d,), shares=(2,))
+                                 for k, d in enumerate(devices)))
+        out.append(Job(name=f"j{i}", plan=plan.to_dict(), cluster=cluster, model="gpt-tiny",
+                       config=TrainConfig(steps=1, mode=mode, dilation=dilation), run_dir=str(tmp_path / f"j{i}")))
+    return out
+
+
+def test_realnet_launch_takes_one_device_order_and_one_dilation(tmp_path):
+    from deepcee.runtime.launch import _realnet_jobs
+
+    ab = ("cloud0:0", "edge0:1")  # slowdowns 1 and 2: D = 1.5 / 1.2
+    jobs, cluster, devices, dilation = _realnet_jobs(_jobs(tmp_path, (ab, "realnet", None), (ab, "realnet", None)), None)
+    assert devices == ab and dilation == pytest.approx(choose_dilation([1.0, 2.0]))
+    assert all(j.config.dilation == dilation for j in jobs)  # every rank uses the relay's
+    with pytest.raises(Exception, match="not in mode 'realnet'"):
+        _realnet_jobs(_jobs(tmp_path, (ab, "realnet", None), (ab, "emulated", None)), None)
+    with pytest.raises(Exception, match="in one order"):
+        _realnet_jobs(_jobs(tmp_path, (ab, "realnet", None), (ab[::-1], "realnet", None)), None)
+    with pytest.raises(Exception, match="one time dilation"):
+        _realnet_jobs(_jobs(tmp_path, (ab, "realnet", None), (ab, "realnet", 3.0)), None)
+    with pytest.raises(Exception, match="world_size is 3"):
+        _realnet_jobs(_jobs(tmp_path, (ab, "realnet", None)), 3)

@@ -8,6 +8,9 @@ Two ways in:
   ``MASTER_PORT``; under torchrun's agent (``TORCHELASTIC_USE_AGENT_STORE=True``) the agent
   hosts the TCP store and every worker is a client, otherwise rank 0 hosts it.
 
+In mode ``realnet`` (:mod:`deepcee.runtime.realnet`) every rank's environment also names the
+relay's control socket (:data:`RELAY_CONTROL_ENV`, read by :func:`relay_control_path`).
+
 Either way the runtime holds the store itself (a ``PrefixStore`` per use) to exchange
 start-up metadata with timeouts. Backend: ``gloo`` on CPU, ``nccl`` when the run uses CUDA.
 """
@@ -37,6 +40,15 @@ WORKER_ENV = {
     "MALLOC_MMAP_THRESHOLD_": "1000000000",
     "MALLOC_TRIM_THRESHOLD_": "1000000000",
 }
+
+
+RELAY_CONTROL_ENV = "DEEPCEE_RELAY_CONTROL"
+"""Set by :mod:`deepcee.runtime.realnet` in every rank's environment: the relay's control socket."""
+
+
+def relay_control_path() -> str | None:
+    """The control socket of the relay this rank's traffic crosses, or ``None`` outside a realnet launch."""
+    return os.environ.get(RELAY_CONTROL_ENV) or None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

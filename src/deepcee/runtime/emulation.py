@@ -25,6 +25,12 @@ Intra-stage gradient all-reduce: the real all-reduce runs, and each rank then wa
 delay rather than per-message shaping; reports say so.
 
 Every figure reported from an emulated run is wall time divided by ``D``.
+
+Mode ``realnet`` (:mod:`deepcee.runtime.realnet`) paces devices the same way, with the same
+``D``, but its links are real TCP through a user-space relay between network namespaces,
+which applies each link's latency x ``D``, bandwidth / ``D`` and a drop-tail queue per link
+resource: no :class:`LinkShaper`, and the all-reduce runs for real over the relay (no
+modelled delay). Its times are divided by ``D`` too.
 """
 
 from __future__ import annotations
@@ -44,13 +50,21 @@ from deepcee.cluster import Link
 from deepcee.errors import SpecError
 from deepcee.simulator.engine import serialise_end_s
 
-Mode = Literal["emulated", "real"]
+Mode = Literal["emulated", "real", "realnet"]
+MODES: tuple[str, ...] = ("emulated", "real", "realnet")
+PACED_MODES: tuple[str, ...] = ("emulated", "realnet")
+"""Modes whose devices are emulated CPU workers (pacing, a time dilation, one host)."""
 DEFAULT_CORES = 1.2
 
 EMULATED_FIGURES: tuple[str, ...] = (
     "device compute speed (CPU time x slowdown x D)",
     "link latency and bandwidth (delivery delayed, FIFO per link resource)",
     "intra-stage all-reduce time (the simulator's ring/hierarchical model on the emulated links)",
+)
+REALNET_FIGURES: tuple[str, ...] = (
+    "device compute speed (CPU time x slowdown x D)",
+    "links: real TCP (gloo) through a user-space relay between network namespaces "
+    "(latency, rate, drop-tail queue per link resource)",
 )
 
 
@@ -209,5 +223,8 @@ class EmulationInfo:
 
 
 def emulation_info(mode: Mode, dilation: float, cores: float = DEFAULT_CORES) -> EmulationInfo:
-    return EmulationInfo(mode=mode, dilation=dilation if mode == "emulated" else 1.0, cores=cores,
-                         emulated=EMULATED_FIGURES if mode == "emulated" else ())
+    """What a run in ``mode`` reports: the dilation (1 in mode ``real``) and which figures are emulated."""
+    if mode not in MODES:
+        raise SpecError(f"must be one of {', '.join(MODES)}, got {mode!r}", field="mode")
+    figures = {"emulated": EMULATED_FIGURES, "realnet": REALNET_FIGURES, "real": ()}[mode]
+    return EmulationInfo(mode=mode, dilation=dilation if mode in PACED_MODES else 1.0, cores=cores, emulated=figures)

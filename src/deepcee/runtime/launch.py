@@ -11,6 +11,14 @@ failure, never a stuck test.
 
 :func:`run_training` is the one-call public entry: plan + cluster + model -> :class:`TrainResult`.
 For many machines use ``torchrun`` with :mod:`deepcee.train` instead.
+
+Jobs in mode ``realnet`` run under :func:`deepcee.runtime.realnet.launch_realnet` instead of
+:func:`launch`: rank ``r`` in its own network namespace as device ``devices[r]``, every
+message through the shaping relay. The relay is set up once per launch, for one device
+order and one time dilation, so every job of such a launch must be in mode ``realnet``, use
+the same devices in the same rank order (a plan's devices, or an adaptive job's device
+list) and the same dilation, and the world is exactly those devices. The relay's counters (packets,
+bytes, drops, queueing per link resource) go to ``<run_dir>/relay.json`` of every job.
 """
 
 from __future__ import annotations
@@ -23,16 +31,18 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from deepcee import errors
-from deepcee.cluster import Cluster
-from deepcee.errors import RuntimeSetupError
-from deepcee.plan import Plan, plan_from_dict
+from deepcee.cluster import Cluster, cluster_from_dict
+from deepcee.errors import RuntimeSetupError, SpecError
+from deepcee.plan import Plan, plan_from_dict, save_json_atomic
 from deepcee.runtime import dist as rdist
 from deepcee.runtime.checkpoint import read_metrics
+from deepcee.runtime.emulation import choose_dilation
+from deepcee.runtime.realnet import launch_realnet
 from deepcee.runtime.trainer import Job, TrainConfig, run_jobs_on_rank, write_error
 
 log = logging.getLogger(__name__)
@@ -52,7 +62,7 @@ class TrainResult:
     mode: str
     dilation: float
     emulated: tuple[str, ...]
-    """Which figures come from emulation (empty in real mode)."""
+    """Which figures come from emulation (empty in mode ``real``)."""
     run_dir: str
     metrics: tuple[dict[str, Any], ...]
     """The per-step records of ``metrics.jsonl``."""
@@ -76,7 +86,7 @@ def _child(target: Callable[..., None], rank: int, world_size: int, store_path: 
         raise SystemExit(1) from None
 
 
-def _first_error(error_dir: Path) -> RuntimeSetupError | errors.DeepceeError | None:
+def first_error(error_dir: Path) -> RuntimeSetupError | errors.DeepceeError | None:
     found = [json.loads(p.read_text()) for p in error_dir.glob("error-rank*.json")]
     if not found:
         return None
@@ -129,7 +139,7 @@ def _supervise(procs: list, error_dir: Path, *, deadline_s: float, grace_s: floa
             running = [i for i, p in enumerate(procs) if p.is_alive()]
             for p in procs:
                 p.kill()
-            err = _first_error(error_dir)
+            err = first_error(error_dir)
             raise RuntimeSetupError(
                 f"launch deadline of {deadline_s:g} s passed; ranks {running} still running"
                 + (f"; first failure: {err}" if err else "")
@@ -138,7 +148,7 @@ def _supervise(procs: list, error_dir: Path, *, deadline_s: float, grace_s: floa
     for p in procs:
         if p.is_alive():
             p.kill()
-    err = _first_error(error_dir)
+    err = first_error(error_dir)
     if err is not None:
         raise err
     bad = [(i, p.exitcode) for i, p in enumerate(procs) if p.exitcode not in (0, None)]
@@ -150,10 +160,63 @@ def _jobs_entry(rank: int, world_size: int, store_path: str, jobs: Sequence[Job]
     run_jobs_on_rank(jobs, rank, world_size, rdist.file_store(store_path, world_size, timeout_s))
 
 
+def _rank_devices(job: Job) -> tuple[str, ...]:
+    """Device of each rank: an adaptive job's fixed device list, else the plan's devices in rank order."""
+    if job.adapter is None:
+        return plan_from_dict(job.plan).devices
+    devices = getattr(job.adapter, "devices", None)
+    if devices is None:
+        raise RuntimeSetupError(f"job {job.name!r}: mode 'realnet' needs the device of every rank, and its trainer "
+                                f"factory {type(job.adapter).__name__} has no 'devices'")
+    return tuple(devices)
+
+
+def _realnet_jobs(jobs: Sequence[Job], world_size: int | None) -> tuple[list[Job], Cluster, tuple[str, ...], float]:
+    """Check a realnet launch (see the module docstring); the jobs with the launch's dilation set,
+    the cluster, the rank devices and the dilation."""
+    other = [j.name for j in jobs if j.config.mode != "realnet"]
+    if other:
+        raise SpecError(f"jobs {other} are not in mode 'realnet' but others of the launch are; the relay shapes "
+                        "every message of a realnet launch, so run them in a separate launch", field="mode")
+    devices = _rank_devices(jobs[0])
+    for j in jobs[1:]:
+        if _rank_devices(j) != devices:
+            raise SpecError(f"job {j.name!r} runs devices {list(_rank_devices(j))}, job {jobs[0].name!r} runs "
+                            f"{list(devices)}: a realnet launch has one device per rank, in one order",
+                            field="devices")
+    if world_size is not None and world_size != len(devices):
+        raise RuntimeSetupError(f"mode 'realnet' runs one rank per device ({len(devices)}: {list(devices)}), "
+                                f"world_size is {world_size}")
+    cluster = cluster_from_dict(jobs[0].cluster)
+    if any(cluster_from_dict(j.cluster) != cluster for j in jobs[1:]):
+        raise SpecError("jobs of a realnet launch must share one cluster (the relay's links)", field="cluster")
+    slowdowns = [cluster.device(d).slowdown for d in devices]
+    dilations = {j.config.dilation or choose_dilation(slowdowns, j.config.cores) for j in jobs}
+    if len(dilations) > 1:
+        raise SpecError(f"jobs of a realnet launch need one time dilation (the relay's), got {sorted(dilations)}",
+                        field="dilation")
+    (dilation,) = dilations
+    # every rank then uses exactly the relay's dilation, whatever its own arithmetic would give
+    return [replace(j, config=replace(j.config, dilation=dilation)) for j in jobs], cluster, devices, dilation
+
+
 def launch_jobs(jobs: Sequence[Job], *, world_size: int | None = None, deadline_s: float = 600.0) -> list[TrainResult]:
-    """Run several jobs, in order, in one set of processes (one start-up for all of them)."""
+    """Run several jobs, in order, in one set of processes (one start-up for all of them).
+
+    Mode ``realnet`` jobs run in network namespaces through the relay (see the module docstring)."""
     if not jobs:
         return []
+    if any(j.config.mode == "realnet" for j in jobs):
+        shaped, cluster, devices, dilation = _realnet_jobs(jobs, world_size)
+        timeout = max(j.config.timeout_s for j in shaped)
+        stats = launch_realnet(_jobs_entry, (shaped, timeout), cluster=cluster, devices=devices,
+                               deadline_s=deadline_s, dilation=dilation)
+        log.info("relay: %s", stats.to_dict())
+        for j in shaped:  # drops and queueing are part of what a realnet run measured
+            save_json_atomic(Path(j.run_dir) / "relay.json", {
+                "note": f"counters of the relay over the whole launch ({len(shaped)} job(s)); wall seconds",
+                "dilation": dilation, **stats.to_dict()})
+        return [TrainResult.from_run_dir(j.run_dir) for j in shaped]
     need = max(j.adapter.ranks(j) if j.adapter is not None else len(plan_from_dict(j.plan).devices) for j in jobs)
     world = need if world_size is None else world_size
     if world < need:

@@ -2,7 +2,8 @@
 
 :class:`WanNamespaces` creates, for ranks ``0..n-1``, a namespace ``dcee-<owner pid>-<token>-<rank>``
 holding a TUN device ``dc<token>r<rank>`` with address :func:`rank_address` (``10.77.x.y/16``),
-loopback up and IPv6 address generation off (so the only traffic is the ranks' own). The
+loopback up, IPv6 address generation off (so the only traffic is the ranks' own) and a
+stated TCP congestion control ([Note: congestion control in the namespaces]). The
 TUN devices are created in this (the host) namespace, so this process holds their file
 descriptors, and then moved into the namespaces: every packet a rank sends to another rank
 comes out of its descriptor, and whatever is written to a descriptor is received by that
@@ -53,6 +54,8 @@ TUNSETOFFLOAD = 0x400454D0
 TUN_F_CSUM, TUN_F_TSO4, TUN_F_TSO6 = 0x01, 0x02, 0x04
 VNET_HDR_BYTES = 10
 """``struct virtio_net_hdr`` before every packet when offloads are on (the default size)."""
+DEFAULT_CONGESTION_CONTROL = "cubic"
+"""See [Note: congestion control in the namespaces]."""
 SUBNET = "10.77"
 """Each namespace holds only its own TUN device, so one fixed /16 never collides across runs."""
 MAX_RANKS = 250 * 250
@@ -63,6 +66,20 @@ def rank_address(rank: int) -> str:
     if not 0 <= rank < MAX_RANKS:
         raise SpecError(f"rank must be in 0..{MAX_RANKS - 1}, got {rank!r}", field="rank")
     return f"{SUBNET}.{rank // 250}.{rank % 250 + 1}"
+
+
+# [Note: congestion control in the namespaces]
+# A new network namespace takes the host's default TCP congestion control, a property of
+# whatever machine runs the emulation (BBR on the project's machines), not of the emulated
+# deployment. BBR paces every send at its bandwidth estimate, and short bursts separated by
+# idle time (a pipeline's activations) keep that estimate low: one 64 kB gloo message over
+# 20 ms / 100 Mbit/s took 41-70 ms with BBR against 26.4 ms with CUBIC and 26.3 ms with reno
+# (link model 25.4 ms: latency + wire bytes / rate; benchmarks/realnet_link.py part ``cc``).
+# So the route to the other ranks names the algorithm (``ip route ... congctl``), CUBIC by
+# default, Linux's own default. A route's algorithm applies to both ends of a connection and,
+# unlike the namespace's default (net.ipv4.tcp_congestion_control), is not limited to the
+# host's net.ipv4.tcp_allowed_congestion_control (which here allows only reno and bbr).
+# ``None`` keeps the host's default.
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -223,13 +240,16 @@ class WanNamespaces:
     """
 
     def __init__(self, world_size: int, *, mtu_bytes: int = 1500, offload: bool = True, timeout_s: float = 10.0,
-                 prefix: str = PREFIX) -> None:
+                 prefix: str = PREFIX, congestion_control: str | None = DEFAULT_CONGESTION_CONTROL) -> None:
         if world_size < 1 or world_size > MAX_RANKS:
             raise SpecError(f"world_size must be in 1..{MAX_RANKS}, got {world_size!r}", field="world_size")
         if not 576 <= mtu_bytes <= 65535:
             raise SpecError(f"mtu_bytes must be in 576..65535, got {mtu_bytes!r}", field="mtu_bytes")
         self.world_size, self.mtu_bytes, self.timeout_s, self.prefix = world_size, mtu_bytes, timeout_s, prefix
-        self.offload = offload
+        if congestion_control is not None and not congestion_control.isalnum():
+            raise SpecError(f"must be an algorithm name such as 'cubic', got {congestion_control!r}",
+                            field="congestion_control")
+        self.offload, self.congestion_control = offload, congestion_control
         self.token = secrets.token_hex(3)
         self.endpoints = tuple(
             Endpoint(rank=r, namespace=f"{prefix}-{os.getpid()}-{self.token}-{r}", ifname=f"dc{self.token}r{r}",
@@ -264,11 +284,20 @@ class WanNamespaces:
                     f"link set dev {ep.ifname} addrgenmode none\n"
                     f"link set dev {ep.ifname} mtu {self.mtu_bytes}\n"
                     f"addr add {ep.address}/16 dev {ep.ifname}\n"
-                    f"link set dev {ep.ifname} up\n"))
+                    f"link set dev {ep.ifname} up\n"
+                    + self._route_congestion_control(ep)))
         except BaseException:
             self.close()
             raise
         log.debug("created %d namespaces (token %s)", self.world_size, self.token)
+
+    def _route_congestion_control(self, ep: Endpoint) -> str:
+        """``ip`` batch line: the route to the other ranks names the TCP congestion control
+        ([Note: congestion control in the namespaces]); empty when ``None`` (the host's default)."""
+        if self.congestion_control is None:
+            return ""
+        return (f"route replace {SUBNET}.0.0/16 dev {ep.ifname} proto kernel scope link src {ep.address} "
+                f"congctl {self.congestion_control}\n")
 
     def release_fds(self) -> None:
         """Close this process's copies of the TUN descriptors (after the relay inherited them)."""

@@ -5,11 +5,15 @@
 (:mod:`deepcee.runtime.netns`), and every packet between two ranks crosses the user-space
 relay (:mod:`deepcee.runtime.relay`), which delays it by the link's latency and serialises
 it at the link's bandwidth, pairs sharing a link *resource* sharing one queue and rate, all
-taken from ``cluster.link(devices[src], devices[dst])`` (latencies x ``dilation``,
-bandwidths and trace rates / ``dilation``, trace times x ``dilation``). gloo binds to the
+taken from ``cluster.link(devices[src], devices[dst])`` (latencies, trace times and the
+queue limit x ``dilation``, bandwidths and trace rates / ``dilation``). gloo binds to the
 rank's TUN device (``GLOO_SOCKET_IFNAME``), so collectives and point-to-point messages are
 real TCP over an emulated WAN: slow start, ACK clocking, losses at the relay's drop-tail
-queue, and gloo's own handshakes all pay the link's latency. The rendezvous is a
+queue, and gloo's own handshakes all pay the link's latency (e.g. a gloo send waits for the
+receiver's "ready" notice unless the receive was posted earlier: one more one-way latency
+per step of a ring all-reduce than the simulator's alpha-beta ring). The namespaces use a
+stated TCP congestion control, CUBIC by default ([Note: congestion control in the
+namespaces] in :mod:`deepcee.runtime.netns`). The rendezvous is a
 ``FileStore`` on the shared filesystem (namespaces do not isolate files), so it does not
 travel over the emulated links.
 
@@ -71,6 +75,7 @@ from deepcee.cluster import Cluster
 from deepcee.errors import RuntimeSetupError, SpecError
 from deepcee.runtime import dist as rdist
 from deepcee.runtime.netns import (
+    DEFAULT_CONGESTION_CONTROL,
     RUN_DIR_PREFIX,
     VNET_HDR_BYTES,
     Endpoint,
@@ -92,7 +97,12 @@ from deepcee.runtime.relay import (
 log = logging.getLogger(__name__)
 
 DEFAULT_QUEUE_LIMIT_S = 0.05
-"""Relay buffer per resource, in seconds of serialisation (50 ms: 625 kB at 100 Mbit/s)."""
+"""Relay buffer per resource, in emulated seconds of serialisation at the link's rate (50 ms:
+625 kB at 100 Mbit/s). The relay gets ``queue_limit_s x dilation`` wall seconds at the
+dilated rate, so the buffer in bytes does not depend on the dilation: unscaled, it shrank by
+``D``, below what a 20 ms / 100 Mbit/s round trip of TCP builds up (39 ms measured), and a
+0.95 MB gloo all-reduce at D = 1.67 lost 19-20 packets per direction and took 363 ms instead of
+268 ms (wall; benchmarks/realnet_link.py part ``train`` shows the drops)."""
 RELAY_START_S = 10.0
 
 # Runs in each rank's namespace before anything of deepcee is imported (no torch needed here).
@@ -126,7 +136,10 @@ _RELAY_BOOTSTRAP = "import runpy, sys; runpy.run_path(sys.argv.pop(1), run_name=
 def relay_config(cluster: Cluster, devices: Sequence[str], *, control_path: str, dilation: float = 1.0,
                  queue_limit_s: float = DEFAULT_QUEUE_LIMIT_S, epoch_s: float | None = None,
                  vnet_hdr_bytes: int = 0) -> RelayConfig:
-    """The relay's pairs and resources for ranks running ``devices`` (rank ``r`` = ``devices[r]``)."""
+    """The relay's pairs and resources for ranks running ``devices`` (rank ``r`` = ``devices[r]``).
+
+    Emulated figures become wall figures: latencies, trace times and ``queue_limit_s`` x
+    ``dilation``, rates / ``dilation``."""
     if dilation < 1:
         raise SpecError(f"must be >= 1, got {dilation!r}", field="dilation")
     if len(set(devices)) != len(devices):
@@ -151,11 +164,11 @@ def relay_config(cluster: Cluster, devices: Sequence[str], *, control_path: str,
                                 f"bandwidth or trace ({spec.bandwidth_bytes_per_s} vs {known.bandwidth_bytes_per_s} B/s)")
     return RelayConfig(addresses=tuple(rank_address(r) for r in range(len(devices))), pairs=tuple(pairs),
                        resources=tuple(resources.values()), control_path=control_path,
-                       queue_limit_s=queue_limit_s, epoch_s=epoch_s, vnet_hdr_bytes=vnet_hdr_bytes)
+                       queue_limit_s=queue_limit_s * dilation, epoch_s=epoch_s, vnet_hdr_bytes=vnet_hdr_bytes)
 
 
 PR_SET_PDEATHSIG = 1
-RELAY_CONTROL_ENV = "DEEPCEE_RELAY_CONTROL"
+RELAY_CONTROL_ENV = rdist.RELAY_CONTROL_ENV
 """Set in every rank's environment: the relay's control socket (for :class:`RelayControl`)."""
 
 
@@ -175,14 +188,14 @@ class RealNetwork:
 
     def __init__(self, cluster: Cluster, devices: Sequence[str], *, dilation: float = 1.0, mtu_bytes: int = 1500,
                  offload: bool = True, queue_limit_s: float = DEFAULT_QUEUE_LIMIT_S,
-                 setup_timeout_s: float = 20.0) -> None:
+                 congestion_control: str | None = DEFAULT_CONGESTION_CONTROL, setup_timeout_s: float = 20.0) -> None:
         for d in devices:
             cluster.device(d)  # names the unknown device
         if len(devices) < 1:
             raise SpecError("need at least one device", field="devices")
         self.cluster, self.devices = cluster, tuple(devices)
         self.dilation, self.mtu_bytes, self.queue_limit_s = dilation, mtu_bytes, queue_limit_s
-        self.setup_timeout_s, self.offload = setup_timeout_s, offload
+        self.setup_timeout_s, self.offload, self.congestion_control = setup_timeout_s, offload, congestion_control
         self.tmp: Path | None = None
         self.namespaces: WanNamespaces | None = None
         self.relay: subprocess.Popen | None = None
@@ -212,6 +225,7 @@ class RealNetwork:
                                   queue_limit_s=self.queue_limit_s,
                                   vnet_hdr_bytes=VNET_HDR_BYTES if self.offload else 0)
             self.namespaces = WanNamespaces(self.world_size, mtu_bytes=self.mtu_bytes, offload=self.offload,
+                                            congestion_control=self.congestion_control,
                                             timeout_s=self.setup_timeout_s)
             self.namespaces.create()
             self._start_relay(config)
@@ -337,7 +351,7 @@ class RealNetwork:
 
     def _supervise(self, procs: list[subprocess.Popen], run_dir: Path, *, deadline_s: float, grace_s: float) -> None:
         # the same error records and reporting as the local launch
-        from deepcee.runtime.launch import _first_error
+        from deepcee.runtime.launch import first_error
 
         t_end = time.monotonic() + deadline_s
         failed_at = None
@@ -352,11 +366,11 @@ class RealNetwork:
                                         f"{self._relay_log()}")
             if now > t_end:
                 running = [i for i, p in enumerate(procs) if p.poll() is None]
-                err = _first_error(run_dir)
+                err = first_error(run_dir)
                 raise RuntimeSetupError(f"realnet deadline of {deadline_s:g} s passed; ranks {running} still running"
                                         + (f"; first failure: {err}" if err else ""))
             time.sleep(0.05)
-        err = _first_error(run_dir)
+        err = first_error(run_dir)
         if err is not None:
             raise err
         bad = [(i, p.returncode) for i, p in enumerate(procs) if p.returncode not in (0, None)]
@@ -388,7 +402,8 @@ def _echo_stderr(run_dir: Path, world_size: int) -> None:
 
 def launch_realnet(target: Callable[..., None], args: tuple[Any, ...], *, cluster: Cluster, devices: Sequence[str],
                    deadline_s: float, dilation: float = 1.0, mtu_bytes: int = 1500, offload: bool = True,
-                   queue_limit_s: float = DEFAULT_QUEUE_LIMIT_S, grace_s: float = 2.0) -> RelayStats:
+                   queue_limit_s: float = DEFAULT_QUEUE_LIMIT_S,
+                   congestion_control: str | None = DEFAULT_CONGESTION_CONTROL, grace_s: float = 2.0) -> RelayStats:
     """Run ``target(rank, world_size, store_path, *args)`` with rank ``r`` on ``devices[r]`` over real TCP.
 
     ``deadline_s`` bounds everything (set-up, run, tear-down excluded). Returns the relay's
@@ -396,6 +411,7 @@ def launch_realnet(target: Callable[..., None], args: tuple[Any, ...], *, cluste
     """
     t_end = time.monotonic() + deadline_s
     with RealNetwork(cluster, devices, dilation=dilation, mtu_bytes=mtu_bytes, offload=offload, queue_limit_s=queue_limit_s,
+                     congestion_control=congestion_control,
                      setup_timeout_s=min(20.0, deadline_s)) as net:
         left = t_end - time.monotonic()
         if left <= 0:

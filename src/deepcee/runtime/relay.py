@@ -27,9 +27,9 @@ The timing logic is :class:`WanQueue` (pure: an injected ``now``, no I/O; unit-t
     python -c "import runpy, sys; runpy.run_path(sys.argv.pop(1), run_name='__main__')" RELAY_FILE \\
         --config relay.json --fds 5,6 --owner deepcee-relay-owner=PID
 
-It is started that way (by :mod:`deepcee.runtime.realnet`) rather than with ``-m`` because
-importing the ``deepcee.runtime`` package loads torch (2-3 s, ~220 MB) and the relay needs
-only the standard library.
+It is started that way (by :mod:`deepcee.runtime.realnet`), by file, so that it loads
+nothing but the standard library and :mod:`deepcee.errors` (no torch: 2-3 s, ~220 MB)
+whatever the ``deepcee.runtime`` package imports.
 
 CPU cost. The loop does one ``select`` per wake-up and one ``read`` and one ``write`` system
 call per packet; the ``write`` also runs the receiving namespace's IP/TCP input path, which
