@@ -50,7 +50,7 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TrainResult:
-    """What a run measured (times already divided by the dilation in emulated mode)."""
+    """What a run measured (times already divided by the dilation in modes ``emulated`` and ``realnet``)."""
 
     job: str
     losses: tuple[float, ...]

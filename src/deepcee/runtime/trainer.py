@@ -195,6 +195,7 @@ class Trainer:
         self.clock = Clock()
         self.run_dir = Path(job.run_dir)
         self._groups: dict[tuple[int, ...], Any] = {}
+        self._records_sent = 0
         # Every rank creates every group, in the same order (torch.distributed requires it).
         self._set_plan(plan_from_dict(job.plan), make_job_group=True)
 
@@ -422,8 +423,8 @@ class Trainer:
     # its record and goes on, rank 0 polls until all are there. Ranks then meet only where
     # training makes them (transfers, all-reduces), as on a real deployment without metrics.
     def _gather_through_store(self, obj: Any) -> list[Any] | None:
-        self._gathered = getattr(self, "_gathered", 0) + 1
-        prefix = f"{self.job.name}/records/{self._gathered}"
+        self._records_sent += 1
+        prefix = f"{self.job.name}/records/{self._records_sent}"
         self.w.store.set(f"{prefix}/{self.w.rank}", pickle.dumps(obj))
         if self.w.rank != 0:
             return None
