@@ -100,9 +100,10 @@ DEFAULT_QUEUE_LIMIT_S = 0.05
 """Relay buffer per resource, in emulated seconds of serialisation at the link's rate (50 ms:
 625 kB at 100 Mbit/s). The relay gets ``queue_limit_s x dilation`` wall seconds at the
 dilated rate, so the buffer in bytes does not depend on the dilation: unscaled, it shrank by
-``D``, below what a 20 ms / 100 Mbit/s round trip of TCP builds up (39 ms measured), and a
-0.95 MB gloo all-reduce at D = 1.67 lost 19-20 packets per direction and took 363 ms instead of
-268 ms (wall; benchmarks/realnet_link.py part ``train`` shows the drops)."""
+``D``, below the queue TCP builds up on a 20 ms / 100 Mbit/s link (39 emulated ms measured):
+a 0.95 MB gloo all-reduce repeated at D = 1.67 lost 19-20 packets per direction and took
+363 ms instead of 268 ms (wall), and gpt-tiny training (benchmarks/realnet_link.py part
+``train``) lost 37-46 packets per launch, none since."""
 RELAY_START_S = 10.0
 
 # Runs in each rank's namespace before anything of deepcee is imported (no torch needed here).
