@@ -73,8 +73,8 @@ def rank_address(rank: int) -> str:
 # whatever machine runs the emulation (BBR on the project's machines), not of the emulated
 # deployment. BBR paces every send at its bandwidth estimate, and short bursts separated by
 # idle time (a pipeline's activations) keep that estimate low: one 64 kB gloo message over
-# 20 ms / 100 Mbit/s took 40-70 ms with BBR against 26.4-27.7 ms with CUBIC and 26.0-26.9 ms
-# with reno (medians of 4 runs each; link model 25.4 ms: latency + wire bytes / rate;
+# 20 ms / 100 Mbit/s took 40-70 ms with BBR (medians of 5 runs) against 26.4-27.7 ms with
+# CUBIC (2 runs) and 26.0-26.9 ms with reno (4 runs) (link model 25.4 ms: latency + wire bytes / rate;
 # benchmarks/realnet_link.py part ``cc``).
 # So the route to the other ranks names the algorithm (``ip route ... congctl``), CUBIC by
 # default, Linux's own default. A route's algorithm applies to both ends of a connection and,
