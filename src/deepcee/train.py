@@ -145,7 +145,8 @@ def _adaptive(args: argparse.Namespace, plan, cluster, model: str, cfg) -> int:
 
 
 def _summary(losses: Sequence[float], samples_per_s: float, mode: str, dilation: float, run_dir: str) -> None:
-    note = f" (emulated, time dilation {dilation:.2f}; times divided by it)" if mode == "emulated" else ""
+    note = (f" ({mode}, time dilation {dilation:.2f}; times divided by it)" if mode in ("emulated", "realnet")
+            else "")
     print(f"steps {len(losses)}  loss {losses[0]:.4f} -> {losses[-1]:.4f}  {samples_per_s:.1f} samples/s{note}")
     print(f"metrics: {Path(run_dir) / 'metrics.jsonl'}")
 
