@@ -91,7 +91,7 @@ class BandwidthTrace:
                 f"trace {self.name!r}: times_s and bandwidth_bytes_per_s need the same non-zero length, "
                 f"got {len(self.times_s)} and {len(self.bandwidth_bytes_per_s)}"
             )
-        if any(b <= a for a, b in zip(self.times_s, self.times_s[1:])):
+        if any(b <= a for a, b in zip(self.times_s, self.times_s[1:], strict=False)):
             raise ClusterSpecError(f"trace {self.name!r}: times_s must increase, got {self.times_s}")
         for bw in self.bandwidth_bytes_per_s:
             _positive(bw, f"trace {self.name!r}: bandwidth_bytes_per_s")
@@ -363,7 +363,7 @@ class Cluster:
 
     def _routed(self, a: Device, b: Device) -> tuple[LinkSpec, str]:
         path = self._index["island_routes"][(a.island, b.island)]
-        hops = [self._island_spec(u, v) for u, v in zip(path, path[1:])]
+        hops = [self._island_spec(u, v) for u, v in zip(path, path[1:], strict=False)]
         if len(hops) == 1:
             return hops[0], f"{a.node}->{b.node}"
         narrow = min(range(len(hops)), key=lambda i: hops[i].bandwidth_bytes_per_s)
@@ -578,7 +578,7 @@ def cluster_from_toml_dict(data: dict[str, Any], *, file: str = "<cluster>", bas
         nodes.append(Node(name=nname, island=island, kind=kind, devices=dnames, intra=intra))
         devices += [
             Device(name=dn, kind=kind, node=nname, island=island, slowdown=float(s))
-            for dn, s in zip(dnames, slows)
+            for dn, s in zip(dnames, slows, strict=True)
         ]
     links: list[LinkEntry] = []
     for i, ltab in enumerate(top.get("links", list, [])):
