@@ -243,13 +243,13 @@ def cmd_profile(args: argparse.Namespace) -> int:
     import logging
 
     cluster, _ = _load_cluster(args.cluster, args.scenario)
-    from deepcee.profiler.run import groups_text, profile_cluster
+    from deepcee.profiler.run import profile_cluster
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     mode = "real devices and network" if args.real else f"emulated ({cluster.emulation or 'declared speeds'})"
     print(f"profiling {len(cluster.devices)} devices of {cluster.name} for {args.model}: {mode}")
     result = profile_cluster(cluster, args.model, args.output, emulated=not args.real, deadline_s=args.deadline)
-    print(groups_text(result.grouping), end="")
+    print(result.grouping.describe(), end="")
     for name, path in result.files.items():
         print(f"wrote {path} ({name})")
     print(f"profiled in {result.wall_s:.0f} s")
@@ -262,12 +262,7 @@ def cmd_group(args: argparse.Namespace) -> int:
     cluster, _ = _load_cluster(args.cluster_file, args.scenario)
     grouping = group_devices(cluster, island_threshold_s=args.island_threshold_ms * 1e-3,
                              speed_ratio=args.speed_ratio)
-    for line in grouping.explain():
-        print(line)
-    for island in grouping.islands:
-        for g in island.groups:
-            speeds = ", ".join(f"{d} {f / 1e9:.3g} GFLOP/s" for d, f in zip(g.devices, g.flops_per_s, strict=True))
-            print(f"group {g.name}: {speeds}")
+    print(grouping.describe(), end="")
     return 0
 
 

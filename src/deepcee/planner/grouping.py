@@ -126,6 +126,15 @@ class Grouping:
                 f"groups cut at a {self.speed_ratio:g}x speed gap)")
         return [head, *self.cuts]
 
+    def describe(self) -> str:
+        """:meth:`explain` plus one line per group with each device's effective speed."""
+        lines = self.explain()
+        for isl in self.islands:
+            for g in isl.groups:
+                speeds = ", ".join(f"{d} {f / 1e9:.3g} GFLOP/s" for d, f in zip(g.devices, g.flops_per_s, strict=True))
+                lines.append(f"group {g.name}: {speeds}")
+        return "\n".join(lines) + "\n"
+
 
 def distance_s(link: Link) -> float:
     """Island distance of one direction: time to move :data:`PROBE_BYTES`."""

@@ -210,12 +210,8 @@ def _read_raw(raw: Path, world: int, *, devices: bool = True) -> tuple[list[Devi
 
 
 def groups_text(grouping: Grouping) -> str:
-    lines = list(grouping.explain())
-    for isl in grouping.islands:
-        for g in isl.groups:
-            speeds = ", ".join(f"{d} {f / 1e9:.3g} GFLOP/s" for d, f in zip(g.devices, g.flops_per_s, strict=True))
-            lines.append(f"group {g.name}: {speeds}")
-    return "\n".join(lines) + "\n"
+    """What ``groups.txt`` holds: :meth:`Grouping.describe`."""
+    return grouping.describe()
 
 
 def _kind_lines_dict(probes: Sequence[DeviceProbe], parameter_counts: Sequence[int]) -> dict[str, Any]:
