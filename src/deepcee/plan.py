@@ -15,13 +15,13 @@ receiver ``j`` of stage ``s+1`` exactly the samples in the intersection of their
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 from deepcee.errors import PlanError
+from deepcee.jsonio import read_json, save_json_atomic
 
 SCHEMA_VERSION = 1
 
@@ -251,19 +251,8 @@ def plan_from_dict(d: dict[str, Any], *, file: str = "<plan.json>") -> Plan:
 
 
 def load_plan(path: str | Path) -> Plan:
-    p = Path(path)
-    try:
-        return plan_from_dict(json.loads(p.read_text()), file=str(p))
-    except OSError as exc:
-        raise PlanError(f"cannot read: {exc.strerror}", file=str(p)) from None
-    except json.JSONDecodeError as exc:
-        raise PlanError(f"invalid JSON: {exc}", file=str(p)) from None
+    return plan_from_dict(read_json(path, PlanError), file=str(path))
 
 
-def save_json_atomic(path: str | Path, data: Mapping[str, Any]) -> None:
-    """Write JSON so a reader never sees a half-written file (temp file + rename)."""
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.with_name(f".{p.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
-    tmp.replace(p)
+__all__ = ["Estimate", "Plan", "StagePlan", "load_plan", "plan_from_dict", "save_json_atomic", "share_overlaps",
+           "share_ranges"]

@@ -17,7 +17,6 @@ flight: ``parameter_count x state_bytes_per_parameter + k x n x sum(activation_b
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +24,7 @@ from typing import Any, Literal
 
 from deepcee.cluster import DeviceKind
 from deepcee.errors import ProfileError
+from deepcee.jsonio import read_json
 
 SCHEMA_VERSION = 1
 Pass = Literal["F", "I", "W", "B"]
@@ -290,10 +290,4 @@ def profile_from_dict(d: dict[str, Any], *, file: str = "<profile.json>") -> Mod
 
 
 def load_profile(path: str | Path) -> ModelProfile:
-    p = Path(path)
-    try:
-        return profile_from_dict(json.loads(p.read_text()), file=str(p))
-    except OSError as exc:
-        raise ProfileError(f"cannot read: {exc.strerror}", file=str(p)) from None
-    except json.JSONDecodeError as exc:
-        raise ProfileError(f"invalid JSON: {exc}", file=str(p)) from None
+    return profile_from_dict(read_json(path, ProfileError), file=str(path))

@@ -8,7 +8,7 @@ import sys
 CORE = [
     "deepcee.cluster", "deepcee.profile", "deepcee.plan", "deepcee.schedule", "deepcee.schedule.builders",
     "deepcee.schedule.passes", "deepcee.simulator", "deepcee.simulator.collectives", "deepcee.simulator.memory",
-    "deepcee.scenarios", "deepcee.units", "deepcee.errors",
+    "deepcee.scenarios", "deepcee.units", "deepcee.errors", "deepcee.jsonio",
 ]
 OPTIONAL = [
     "deepcee.models", "deepcee.schedule.compact", "deepcee.simulator.engine", "deepcee.simulator.trace",
