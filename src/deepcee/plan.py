@@ -1,9 +1,22 @@
 """The plan: the contract read by the simulator and the runtime (torch-free).
 
-A plan places contiguous runs of layers (stages) on sets of devices, gives each device a
-*share* (whole samples) of every microbatch, fixes microbatch size and count, the schedule
-and the gradient synchronisation inside each stage, and carries the estimate that justified
-it. The planner writes plans; the simulator and the runtime only read them.
+A plan holds one or more **replicas**. A replica is one pipeline: contiguous runs of layers
+(stages) on sets of devices, each device with a *share* (whole samples) of every microbatch,
+a microbatch size and count, and a schedule. Replicas may differ (islands, stage counts,
+layer splits, devices); each processes its own batch, ``microbatch_size x num_microbatches``
+samples per step, and the plan's ``global_batch`` is their sum. How the holders of a layer
+(every device, in every replica, whose stage holds it) agree on its parameters is given by
+two fields: ``sync``, the collective that combines gradients (ring or hierarchical
+all-reduce, ZeRO-2, parameter servers; a stage may override it, HeteroG-style), and
+``strategy``, the update rule: ``exact`` (every step, the single-process result) or one of
+the relaxed rules (asynchronous SGD with gradient accumulation, periodic model averaging,
+partial averaging among ready replicas), opt-in. The planner writes plans; the simulator
+and the runtime only read them.
+
+A plan with one replica reads like a schema-1 plan: ``plan.stages``, ``plan.schedule``,
+``plan.microbatch_size`` ... are that replica's (they raise :class:`PlanError` on a plan
+with several replicas, so code that handles one pipeline fails loudly on more), and
+``Plan(stages=..., microbatch_size=..., ...)`` builds it. Schema-1 files still load.
 
 [Note: share-based resharding]
 Within a microbatch, samples are numbered ``0 .. microbatch_size-1`` and device ``k`` of a
@@ -11,24 +24,43 @@ stage owns the contiguous range ``[sum(shares[:k]), sum(shares[:k+1]))``. When s
 and stage ``s+1`` have different devices or shares, sender ``i`` of stage ``s`` sends to
 receiver ``j`` of stage ``s+1`` exactly the samples in the intersection of their ranges
 (:func:`share_overlaps`); the backward pass sends the same ranges the other way.
+
+[Note: replica batches]
+Replica ``r`` owns samples ``[sum(batch[:r]), sum(batch[:r+1]))`` of every global batch
+(``batch = microbatch_size x num_microbatches`` of each replica, replicas in plan order), and
+inside them microbatch ``m`` is ``[m x microbatch_size, (m+1) x microbatch_size)``. Under the
+``exact`` strategy every device weights its mean loss by ``share / global_batch``, so the
+gradients summed over all holders of a layer are the global-batch mean, whatever the
+replicas look like.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from deepcee.errors import PlanError
 from deepcee.jsonio import read_json, save_json_atomic
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+READABLE_SCHEMAS = (1, 2)
 
 ScheduleName = Literal["gpipe", "1f1b", "zb-h1", "zb-h2", "compact"]
-SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "zb-h1", "zb-h2", "compact")
-SyncName = Literal["allreduce-ring", "allreduce-hier", "zero2", "none"]
-SYNCS: tuple[str, ...] = ("allreduce-ring", "allreduce-hier", "zero2", "none")
+SCHEDULES: tuple[str, ...] = get_args(ScheduleName)
+SyncName = Literal["allreduce-ring", "allreduce-hier", "zero2", "ps", "none"]
+SYNCS: tuple[str, ...] = get_args(SyncName)
+"""How the holders of a layer combine gradients: ring all-reduce over all of them,
+hierarchical all-reduce (inside islands first, then across), ZeRO-2 (reduce-scatter of
+gradients, sharded optimizer states, all-gather of parameters), parameter servers (push to
+the server of one's island, servers combine, pull), or none (no layer has two holders)."""
+StrategyKind = Literal["exact", "asgd-ga", "model-averaging", "partial"]
+STRATEGIES: tuple[str, ...] = get_args(StrategyKind)
+OuterOptimizer = Literal["average", "nesterov"]
+OUTER_OPTIMIZERS: tuple[str, ...] = get_args(OuterOptimizer)
+Semantics = Literal["exact", "relaxed"]
 
 
 def share_ranges(shares: Sequence[int]) -> list[tuple[int, int]]:
@@ -53,6 +85,11 @@ def share_overlaps(src_shares: Sequence[int], dst_shares: Sequence[int]) -> list
     return out
 
 
+def _whole(name: str, value: Any, minimum: int, where: str = "") -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise PlanError(f"must be an integer >= {minimum}, got {value!r}", field=where + name)
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StagePlan:
     """One pipeline stage: layers ``[layer_start, layer_stop)`` on ``devices`` with ``shares``."""
@@ -62,6 +99,12 @@ class StagePlan:
     devices: tuple[str, ...]
     shares: tuple[int, ...]
     """Samples of every microbatch each device processes (same order as ``devices``)."""
+    recompute: bool = False
+    """Activation recomputation: keep only each microbatch's stage input between forward and
+    backward and run the forward again before the backward (memory for compute)."""
+    sync: SyncName | None = None
+    """This stage's layers combine gradients this way instead of the plan's ``sync``
+    (HeteroG: parameter server or all-reduce chosen per stage)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.layer_start < self.layer_stop:
@@ -74,83 +117,77 @@ class StagePlan:
             raise PlanError(f"stage on {list(self.devices)}: shares must be whole samples >= 1, got {list(self.shares)}")
         if len(set(self.devices)) != len(self.devices):
             raise PlanError(f"stage lists a device twice: {list(self.devices)}")
+        if not isinstance(self.recompute, bool):
+            raise PlanError(f"stage on {list(self.devices)}: recompute must be true or false, got {self.recompute!r}")
+        if self.sync is not None and self.sync not in SYNCS:
+            raise PlanError(f"stage on {list(self.devices)}: unknown sync {self.sync!r} (known: {', '.join(SYNCS)})")
 
     @property
     def microbatch_size(self) -> int:
         return sum(self.shares)
 
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Estimate:
-    """What the planner or simulator predicted for a plan."""
-
-    iteration_s: float
-    samples_per_s: float
-    peak_memory_bytes: Mapping[str, float] = field(default_factory=dict)
-    bottleneck: str = ""
-    source: str = "cost-model"
-    """``cost-model`` (analytic) or ``simulator``."""
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"layer_start": self.layer_start, "layer_stop": self.layer_stop,
+                             "devices": list(self.devices), "shares": list(self.shares)}
+        if self.recompute:
+            d["recompute"] = True
+        if self.sync is not None:
+            d["sync"] = self.sync
+        return d
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class Plan:
-    """A complete training plan. See the module docstring."""
+class ReplicaPlan:
+    """One pipeline: stages, microbatches and schedule. See the module docstring."""
 
-    system: str
-    """Who made it: ``deepcee`` or a baseline's name (``ddp``, ``gpipe-even``, ...)."""
-    cluster: str
-    model: str
-    global_batch: int
+    stages: tuple[StagePlan, ...]
     microbatch_size: int
     num_microbatches: int
-    stages: tuple[StagePlan, ...]
-    schedule: str
+    schedule: ScheduleName
     actions: tuple[tuple[str, ...], ...] = ()
     """Per-stage compute actions in string form (``"1F0"``). Required for ``compact``;
     otherwise empty and rebuilt from ``schedule`` by :func:`deepcee.schedule.build_schedule`."""
-    sync: str = "allreduce-ring"
-    excluded_devices: tuple[str, ...] = ()
-    estimate: Estimate | None = None
-    explanation: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        self.check()
+
+    def check(self, where: str = "") -> None:
+        """Raise :class:`PlanError` naming ``where`` + the field (``replicas[1].stages[0]...``)."""
         if self.schedule not in SCHEDULES:
-            raise PlanError(f"unknown schedule {self.schedule!r} (known: {', '.join(SCHEDULES)})", field="schedule")
-        if self.sync not in SYNCS:
-            raise PlanError(f"unknown sync {self.sync!r} (known: {', '.join(SYNCS)})", field="sync")
-        for name, v in (("global_batch", self.global_batch), ("microbatch_size", self.microbatch_size),
-                        ("num_microbatches", self.num_microbatches)):
-            if not isinstance(v, int) or v < 1:
-                raise PlanError(f"must be an integer >= 1, got {v!r}", field=name)
-        if self.microbatch_size * self.num_microbatches != self.global_batch:
-            raise PlanError(
-                f"microbatch_size {self.microbatch_size} x num_microbatches {self.num_microbatches} "
-                f"!= global_batch {self.global_batch}", field="global_batch",
-            )
+            raise PlanError(f"unknown schedule {self.schedule!r} (known: {', '.join(SCHEDULES)})",
+                            field=where + "schedule")
+        _whole("microbatch_size", self.microbatch_size, 1, where)
+        _whole("num_microbatches", self.num_microbatches, 1, where)
         if not self.stages:
-            raise PlanError("a plan needs at least one stage", field="stages")
+            raise PlanError("a replica needs at least one stage", field=where + "stages")
         seen: set[str] = set()
         for i, st in enumerate(self.stages):
             if st.microbatch_size != self.microbatch_size:
                 raise PlanError(
                     f"shares {list(st.shares)} sum to {st.microbatch_size}, microbatch_size is {self.microbatch_size}",
-                    field=f"stages[{i}].shares",
+                    field=f"{where}stages[{i}].shares",
                 )
             if i and st.layer_start != self.stages[i - 1].layer_stop:
                 raise PlanError(
                     f"starts at layer {st.layer_start}, previous stage stops at {self.stages[i - 1].layer_stop}",
-                    field=f"stages[{i}].layer_start",
+                    field=f"{where}stages[{i}].layer_start",
                 )
             dup = seen & set(st.devices)
             if dup:
-                raise PlanError(f"device {sorted(dup)[0]!r} is in two stages", field=f"stages[{i}].devices")
+                raise PlanError(f"device {sorted(dup)[0]!r} is in two stages", field=f"{where}stages[{i}].devices")
             seen |= set(st.devices)
         if self.stages[0].layer_start != 0:
-            raise PlanError(f"first stage starts at layer {self.stages[0].layer_start}, not 0", field="stages[0]")
+            raise PlanError(f"first stage starts at layer {self.stages[0].layer_start}, not 0",
+                            field=f"{where}stages[0]")
         if self.actions and len(self.actions) != len(self.stages):
-            raise PlanError(f"{len(self.actions)} action lists for {len(self.stages)} stages", field="actions")
+            raise PlanError(f"{len(self.actions)} action lists for {len(self.stages)} stages", field=where + "actions")
         if self.schedule == "compact" and not self.actions:
-            raise PlanError("schedule 'compact' needs explicit per-stage actions", field="actions")
+            raise PlanError("schedule 'compact' needs explicit per-stage actions", field=where + "actions")
+
+    @property
+    def batch(self) -> int:
+        """Samples this replica processes per step."""
+        return self.microbatch_size * self.num_microbatches
 
     @property
     def num_stages(self) -> int:
@@ -168,22 +205,298 @@ class Plan:
         for i, st in enumerate(self.stages):
             if device in st.devices:
                 return i
+        raise PlanError(f"device {device!r} is not in the replica")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"microbatch_size": self.microbatch_size, "num_microbatches": self.num_microbatches,
+                "schedule": self.schedule, "stages": [s.to_dict() for s in self.stages],
+                "actions": [list(a) for a in self.actions]}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Strategy:
+    """The update rule that joins replicas. ``exact``: every step, gradients of all holders of a
+    layer are combined (``Plan.sync``) before one optimizer step, which gives the single-process
+    result. The relaxed rules trade statistical efficiency for speed and are opt-in:
+
+    - ``asgd-ga`` (Cloudless-Training): each replica accumulates the gradients of
+      ``accumulation_steps`` local steps, pushes them to the parameter servers
+      (``Plan.servers``) without waiting for the others, and pulls the servers' newest model;
+      a replica may not start a round while its model is more than ``staleness_bound`` server
+      updates old.
+    - ``model-averaging`` (Cloudless-Training's inter-PS averaging; DiLoCo with an outer
+      optimizer): replicas train independently and every ``period`` local steps average their
+      models; with ``outer_optimizer = "nesterov"`` the average change is applied through an
+      outer SGD with Nesterov momentum (``outer_lr``, ``outer_momentum``).
+    - ``partial`` (SDPipe): after every step, the replicas that are ready within ``window_s``
+      (at least ``min_group``, at most ``max_group``; 0 = no upper bound) average their
+      parameters, formed centrally, averaged among themselves; every ``full_sync_every``
+      steps all replicas average (1 = every step, an all-reduce).
+    """
+
+    kind: StrategyKind = "exact"
+    accumulation_steps: int = 1
+    staleness_bound: int = 0
+    """``asgd-ga``: the most server updates a replica's model may lag behind (>= 1)."""
+    period: int = 1
+    """``model-averaging``: local steps between averages (H)."""
+    outer_optimizer: OuterOptimizer = "average"
+    outer_lr: float = 1.0
+    outer_momentum: float = 0.0
+    window_s: float = 0.0
+    min_group: int = 2
+    max_group: int = 0
+    full_sync_every: int = 1
+
+    def __post_init__(self) -> None:
+        if self.kind not in STRATEGIES:
+            raise PlanError(f"unknown strategy {self.kind!r} (known: {', '.join(STRATEGIES)})", field="strategy.kind")
+        for name in ("accumulation_steps", "period", "full_sync_every"):
+            _whole(name, getattr(self, name), 1, "strategy.")
+        for name in ("staleness_bound", "max_group"):
+            _whole(name, getattr(self, name), 0, "strategy.")
+        _whole("min_group", self.min_group, 1, "strategy.")
+        if self.outer_optimizer not in OUTER_OPTIMIZERS:
+            raise PlanError(f"unknown outer optimizer {self.outer_optimizer!r} (known: {', '.join(OUTER_OPTIMIZERS)})",
+                            field="strategy.outer_optimizer")
+        for name, lo in (("outer_lr", 0.0), ("outer_momentum", 0.0), ("window_s", 0.0)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < lo:
+                raise PlanError(f"must be a finite number >= {lo:g}, got {v!r}", field=f"strategy.{name}")
+        if self.outer_momentum >= 1:
+            raise PlanError(f"must be < 1, got {self.outer_momentum!r}", field="strategy.outer_momentum")
+        if self.kind == "asgd-ga" and self.staleness_bound < 1:
+            raise PlanError(f"asgd-ga needs a staleness bound >= 1, got {self.staleness_bound}",
+                            field="strategy.staleness_bound")
+        if self.max_group and self.max_group < self.min_group:
+            raise PlanError(f"max_group {self.max_group} < min_group {self.min_group}", field="strategy.max_group")
+
+    @property
+    def semantics(self) -> Semantics:
+        return "exact" if self.kind == "exact" else "relaxed"
+
+    def describe(self) -> str:
+        """One line for reports: the rule, its settings and its semantics."""
+        if self.kind == "exact":
+            return "exact (synchronous: the single-process result every step)"
+        settings = {
+            "asgd-ga": f"k={self.accumulation_steps}, staleness <= {self.staleness_bound}",
+            "model-averaging": f"H={self.period}, outer {self.outer_optimizer}"
+                               + (f" lr {self.outer_lr:g} momentum {self.outer_momentum:g}"
+                                  if self.outer_optimizer == "nesterov" else ""),
+            "partial": f"window {self.window_s:g} s, group {self.min_group}-{self.max_group or 'all'}, "
+                       f"full sync every {self.full_sync_every}",
+        }[self.kind]
+        return f"{self.kind} ({settings}; relaxed: not the single-process result)"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f: getattr(self, f) for f in self.__dataclass_fields__}
+
+
+EXACT = Strategy()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Estimate:
+    """What the planner or simulator predicted for a plan."""
+
+    iteration_s: float
+    samples_per_s: float
+    peak_memory_bytes: Mapping[str, float] = field(default_factory=dict)
+    bottleneck: str = ""
+    source: str = "cost-model"
+    """``cost-model`` (analytic) or ``simulator``."""
+
+
+_PIPELINE_FIELDS = ("stages", "microbatch_size", "num_microbatches", "schedule", "actions")
+
+
+@dataclass(frozen=True, slots=True, init=False)
+class Plan:
+    """A complete training plan. See the module docstring.
+
+    Build it with ``replicas=(ReplicaPlan(...), ...)``, or, for one pipeline, with the
+    replica's fields directly: ``Plan(stages=..., microbatch_size=..., num_microbatches=...,
+    schedule=..., actions=...)``.
+    """
+
+    system: str
+    """Who made it: ``deepcee`` or a baseline's name (``ddp``, ``gpipe-even``, ...)."""
+    cluster: str
+    model: str
+    global_batch: int
+    """Samples per step over all replicas (the sum of their batches)."""
+    replicas: tuple[ReplicaPlan, ...]
+    sync: SyncName
+    """How the holders of a layer combine gradients (a stage's own ``sync`` overrides it)."""
+    strategy: Strategy
+    servers: tuple[str, ...]
+    """Devices that host a parameter server (one per island, Cloudless-Training style), for
+    ``sync = "ps"`` stages and the ``asgd-ga`` strategy; a server may also compute."""
+    excluded_devices: tuple[str, ...]
+    estimate: Estimate | None
+    explanation: tuple[str, ...]
+
+    def __init__(self, *, system: str, cluster: str, model: str, global_batch: int,
+                 replicas: Sequence[ReplicaPlan] | None = None, sync: str = "allreduce-ring",
+                 strategy: Strategy = EXACT, servers: Sequence[str] = (), excluded_devices: Sequence[str] = (),
+                 estimate: Estimate | None = None, explanation: Sequence[str] = (),
+                 stages: Sequence[StagePlan] | None = None, microbatch_size: int | None = None,
+                 num_microbatches: int | None = None, schedule: str | None = None,
+                 actions: Sequence[Sequence[str]] = ()) -> None:
+        if replicas is None:
+            if stages is None or microbatch_size is None or num_microbatches is None or schedule is None:
+                raise PlanError("a plan needs replicas, or stages, microbatch_size, num_microbatches and schedule",
+                                field="replicas")
+            replicas = (_replica(stages, microbatch_size, num_microbatches, schedule, actions, where=""),)
+        elif stages is not None or microbatch_size is not None or num_microbatches is not None or schedule is not None:
+            raise PlanError("give either replicas or one pipeline's stages/microbatches/schedule, not both",
+                            field="replicas")
+        values = {"system": system, "cluster": cluster, "model": model, "global_batch": global_batch,
+                  "replicas": tuple(replicas), "sync": sync, "strategy": strategy, "servers": tuple(servers),
+                  "excluded_devices": tuple(excluded_devices), "estimate": estimate,
+                  "explanation": tuple(explanation)}
+        for name, value in values.items():
+            object.__setattr__(self, name, value)
+        self.__post_init__()
+
+    def __post_init__(self) -> None:
+        if self.sync not in SYNCS:
+            raise PlanError(f"unknown sync {self.sync!r} (known: {', '.join(SYNCS)})", field="sync")
+        if not isinstance(self.strategy, Strategy):
+            raise PlanError(f"must be a Strategy, got {self.strategy!r}", field="strategy")
+        _whole("global_batch", self.global_batch, 1)
+        if not self.replicas:
+            raise PlanError("a plan needs at least one replica", field="replicas")
+        many = len(self.replicas) > 1
+        for r, rep in enumerate(self.replicas):
+            if not isinstance(rep, ReplicaPlan):
+                raise PlanError(f"must be a ReplicaPlan, got {type(rep).__name__}", field=f"replicas[{r}]")
+        total = sum(rep.batch for rep in self.replicas)
+        if total != self.global_batch:
+            what = ("replica batches " + " + ".join(str(rep.batch) for rep in self.replicas) if many else
+                    f"microbatch_size {self.replicas[0].microbatch_size} x num_microbatches "
+                    f"{self.replicas[0].num_microbatches}")
+            raise PlanError(f"{what} != global_batch {self.global_batch}", field="global_batch")
+        self._check_replicas_agree()
+        self._check_sync()
+
+    def _check_replicas_agree(self) -> None:
+        layers = self.replicas[0].num_layers
+        seen: dict[str, int] = {}
+        for r, rep in enumerate(self.replicas):
+            if rep.num_layers != layers:
+                raise PlanError(f"covers {rep.num_layers} layers, replica 0 covers {layers}",
+                                field=f"replicas[{r}].stages")
+            for d in rep.devices:
+                if d in seen:
+                    raise PlanError(f"device {d!r} is in replicas {seen[d]} and {r}", field=f"replicas[{r}].stages")
+                seen[d] = r
+
+    def _check_sync(self) -> None:
+        if len(set(self.servers)) != len(self.servers):
+            raise PlanError(f"a device is listed twice: {list(self.servers)}", field="servers")
+        if self.strategy.kind != "exact" and len(self.replicas) < 2:
+            raise PlanError(f"strategy {self.strategy.kind!r} joins replicas; the plan has one", field="strategy.kind")
+        wants_servers = self.strategy.kind == "asgd-ga" or "ps" in self.syncs_used
+        if wants_servers and not self.servers:
+            raise PlanError("parameter-server sync needs at least one server device", field="servers")
+
+    # -- one pipeline (schema-1 view) -------------------------------------------------------
+    def _only(self) -> ReplicaPlan:
+        if len(self.replicas) != 1:
+            raise PlanError(f"plan {self.system!r} has {len(self.replicas)} replicas; this reads one pipeline "
+                            "(use plan.replicas)", field="replicas")
+        return self.replicas[0]
+
+    @property
+    def stages(self) -> tuple[StagePlan, ...]:
+        return self._only().stages
+
+    @property
+    def microbatch_size(self) -> int:
+        return self._only().microbatch_size
+
+    @property
+    def num_microbatches(self) -> int:
+        return self._only().num_microbatches
+
+    @property
+    def schedule(self) -> ScheduleName:
+        return self._only().schedule
+
+    @property
+    def actions(self) -> tuple[tuple[str, ...], ...]:
+        return self._only().actions
+
+    @property
+    def num_stages(self) -> int:
+        return self._only().num_stages
+
+    def stage_of(self, device: str) -> int:
+        return self._only().stage_of(device)
+
+    # -- every replica ------------------------------------------------------------------------
+    @property
+    def num_replicas(self) -> int:
+        return len(self.replicas)
+
+    @property
+    def num_layers(self) -> int:
+        return self.replicas[0].num_layers
+
+    @property
+    def devices(self) -> tuple[str, ...]:
+        """Every computing device, replicas in order (the rank order of a launch)."""
+        return tuple(d for rep in self.replicas for d in rep.devices)
+
+    @property
+    def semantics(self) -> Semantics:
+        return self.strategy.semantics
+
+    @property
+    def syncs_used(self) -> frozenset[str]:
+        return frozenset(st.sync or self.sync for rep in self.replicas for st in rep.stages)
+
+    def locate(self, device: str) -> tuple[int, int]:
+        """``(replica, stage)`` of a computing device."""
+        for r, rep in enumerate(self.replicas):
+            for s, st in enumerate(rep.stages):
+                if device in st.devices:
+                    return r, s
         raise PlanError(f"device {device!r} is not in the plan")
+
+    def replica_offsets(self) -> tuple[int, ...]:
+        """First sample of each replica in the global batch. See [Note: replica batches]."""
+        out, lo = [], 0
+        for rep in self.replicas:
+            out.append(lo)
+            lo += rep.batch
+        return tuple(out)
 
     def check_against(self, *, num_layers: int, device_names: Sequence[str], file: str | None = None) -> None:
         """Raise :class:`PlanError` if the plan does not fit the model or the cluster."""
         if self.num_layers != num_layers:
             raise PlanError(
                 f"plan covers {self.num_layers} layers, model {self.model!r} has {num_layers}",
-                file=file, field="stages",
+                file=file, field="stages" if len(self.replicas) == 1 else "replicas",
             )
-        unknown = [d for d in self.devices if d not in set(device_names)]
+        known = set(device_names)
+        unknown = [d for d in (*self.devices, *self.servers) if d not in known]
         if unknown:
-            raise PlanError(f"device {unknown[0]!r} is not in cluster {self.cluster!r}", file=file, field="stages.devices")
+            where = "servers" if unknown[0] in self.servers and unknown[0] not in self.devices else "stages.devices"
+            raise PlanError(f"device {unknown[0]!r} is not in cluster {self.cluster!r}", file=file, field=where)
 
     def replace(self, **changes: Any) -> Plan:
-        d = {f: getattr(self, f) for f in self.__dataclass_fields__}
+        """A copy with ``changes``; one pipeline's fields (``stages``, ``schedule``, ...) change
+        the plan's only replica."""
+        d: dict[str, Any] = {f: getattr(self, f) for f in self.__dataclass_fields__}
+        pipeline = {k: changes.pop(k) for k in _PIPELINE_FIELDS if k in changes}
         d.update(changes)
+        if pipeline:
+            rep = self._only()
+            fields = {k: pipeline.get(k, getattr(rep, k)) for k in _PIPELINE_FIELDS}
+            d["replicas"] = (_replica(**fields, where=""),)
         return Plan(**d)
 
     def to_dict(self) -> dict[str, Any]:
@@ -204,49 +517,67 @@ class Plan:
             "cluster": self.cluster,
             "model": self.model,
             "global_batch": self.global_batch,
-            "microbatch_size": self.microbatch_size,
-            "num_microbatches": self.num_microbatches,
-            "schedule": self.schedule,
+            "semantics": self.semantics,
             "sync": self.sync,
-            "stages": [
-                {"layer_start": s.layer_start, "layer_stop": s.layer_stop, "devices": list(s.devices),
-                 "shares": list(s.shares)}
-                for s in self.stages
-            ],
-            "actions": [list(a) for a in self.actions],
+            "strategy": self.strategy.to_dict(),
+            "servers": list(self.servers),
+            "replicas": [r.to_dict() for r in self.replicas],
             "excluded_devices": list(self.excluded_devices),
             "estimate": est,
             "explanation": list(self.explanation),
         }
 
 
+def _replica(stages: Sequence[StagePlan], microbatch_size: int, num_microbatches: int, schedule: str,
+             actions: Sequence[Sequence[str]], *, where: str) -> ReplicaPlan:
+    """A replica whose errors name ``where`` + the field (schema-1 field names for ``where=""``)."""
+    try:
+        return ReplicaPlan(stages=tuple(stages), microbatch_size=microbatch_size, num_microbatches=num_microbatches,
+                           schedule=schedule, actions=tuple(tuple(a) for a in actions))
+    except PlanError as exc:
+        if not where:
+            raise
+        raise PlanError(str(exc).replace(f"{exc.field}: ", "", 1) if exc.field else str(exc),
+                        field=where + (exc.field or "")) from None
+
+
+def _stage(s: Mapping[str, Any]) -> StagePlan:
+    return StagePlan(layer_start=s["layer_start"], layer_stop=s["layer_stop"], devices=tuple(s["devices"]),
+                     shares=tuple(s["shares"]), recompute=s.get("recompute", False), sync=s.get("sync"))
+
+
+def _replica_from_dict(r: Mapping[str, Any], where: str) -> ReplicaPlan:
+    return _replica([_stage(s) for s in r["stages"]], r["microbatch_size"], r["num_microbatches"], r["schedule"],
+                    r.get("actions", []), where=where)
+
+
 def plan_from_dict(d: dict[str, Any], *, file: str = "<plan.json>") -> Plan:
-    if d.get("schema_version") != SCHEMA_VERSION or d.get("format") != "deepcee.plan":
+    """A plan from its JSON form; schema 1 (one pipeline) and 2 (replicas) both load."""
+    if not isinstance(d, dict):
+        raise PlanError(f"expected a JSON object, got {type(d).__name__}", file=file)
+    version = d.get("schema_version")
+    if d.get("format") != "deepcee.plan" or version not in READABLE_SCHEMAS:
         raise PlanError(
-            f"expected format 'deepcee.plan' schema_version {SCHEMA_VERSION}, got "
-            f"{d.get('format')!r} {d.get('schema_version')!r}", file=file, field="schema_version",
+            f"expected format 'deepcee.plan' schema_version {' or '.join(map(str, READABLE_SCHEMAS))}, got "
+            f"{d.get('format')!r} {version!r}", file=file, field="schema_version",
         )
     try:
         est = d.get("estimate")
-        return Plan(
-            system=d["system"], cluster=d["cluster"], model=d["model"], global_batch=d["global_batch"],
-            microbatch_size=d["microbatch_size"], num_microbatches=d["num_microbatches"],
-            schedule=d["schedule"], sync=d.get("sync", "allreduce-ring"),
-            stages=tuple(
-                StagePlan(layer_start=s["layer_start"], layer_stop=s["layer_stop"], devices=tuple(s["devices"]),
-                          shares=tuple(s["shares"]))
-                for s in d["stages"]
-            ),
-            actions=tuple(tuple(a) for a in d.get("actions", [])),
-            excluded_devices=tuple(d.get("excluded_devices", [])),
-            estimate=Estimate(**est) if est else None,
-            explanation=tuple(d.get("explanation", [])),
-        )
+        common = dict(system=d["system"], cluster=d["cluster"], model=d["model"], global_batch=d["global_batch"],
+                      sync=d.get("sync", "allreduce-ring"), excluded_devices=tuple(d.get("excluded_devices", [])),
+                      estimate=Estimate(**est) if est else None, explanation=tuple(d.get("explanation", [])))
+        if version == 1:
+            return Plan(**common, stages=tuple(_stage(s) for s in d["stages"]), microbatch_size=d["microbatch_size"],
+                        num_microbatches=d["num_microbatches"], schedule=d["schedule"],
+                        actions=tuple(tuple(a) for a in d.get("actions", [])))
+        replicas = tuple(_replica_from_dict(r, f"replicas[{i}].") for i, r in enumerate(d["replicas"]))
+        return Plan(**common, replicas=replicas, strategy=Strategy(**d.get("strategy", {})),
+                    servers=tuple(d.get("servers", [])))
     except KeyError as exc:
         raise PlanError(f"missing key {exc.args[0]!r}", file=file) from None
     except PlanError as exc:
         raise PlanError(str(exc), file=file) from None
-    except TypeError as exc:
+    except (TypeError, AttributeError) as exc:
         raise PlanError(str(exc), file=file) from None
 
 
@@ -254,5 +585,6 @@ def load_plan(path: str | Path) -> Plan:
     return plan_from_dict(read_json(path, PlanError), file=str(path))
 
 
-__all__ = ["Estimate", "Plan", "StagePlan", "load_plan", "plan_from_dict", "save_json_atomic", "share_overlaps",
-           "share_ranges"]
+__all__ = ["EXACT", "OUTER_OPTIMIZERS", "SCHEDULES", "STRATEGIES", "SYNCS", "Estimate", "Plan", "ReplicaPlan",
+           "Semantics", "StagePlan", "Strategy", "load_plan", "plan_from_dict", "save_json_atomic",
+           "share_overlaps", "share_ranges"]
