@@ -22,6 +22,7 @@ from _runtime_helpers import load_captures, make_plan, reference
 from deepcee.adapter.controller import DefaultPolicy, ScriptedPolicy, adaptive_job, traced_cluster
 from deepcee.adapter.policy import PolicyConfig
 from deepcee.cluster import BandwidthTrace
+from deepcee.plan import plan_from_dict
 from deepcee.runtime.launch import launch_jobs
 from deepcee.runtime.trainer import OptimizerConfig, TrainConfig
 from deepcee.scenarios import load_scenario
@@ -120,7 +121,7 @@ def test_replans_and_retune_end_exactly_where_an_unchanged_run_ends(runs):
     assert changes[1]["moves"] == [] and changes[1]["moved_bytes"] == 0
     assert {(layer, dst) for layer, _, dst in changes[2]["moves"]} == {(0, N0), (1, N0), (2, N0), (3, N0),
                                                                           (4, C1), (5, C1)}
-    assert [p["num_microbatches"] for p in result["adapter"]["plans"]] == [2, 2, 4, 2]
+    assert [plan_from_dict(p).num_microbatches for p in result["adapter"]["plans"]] == [2, 2, 4, 2]
 
 
 def test_sgd_momentum_moves_with_the_layers(runs):
