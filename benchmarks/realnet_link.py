@@ -17,7 +17,7 @@ Two ranks, each in its own network namespace, joined through the user-space rela
 - the relay's own CPU (user + system, fraction of one core) while the bulk transfer runs;
 - TCP congestion control (part ``cc``): one 64 kB gloo message at a time, sent after an idle
   gap (0-300 ms, like a pipeline's activations), with the namespaces' stated default
-  (CUBIC, [Note: congestion control in the namespaces] in :mod:`deepcee.runtime.netns`)
+  (CUBIC, [Note: congestion control in the namespaces] in :mod:`deepcee.runtime.realnet.netns`)
   against reno and the host's own default (BBR on the project's machines); the link says
   ``latency + wire bytes / bandwidth``.
 
@@ -270,8 +270,8 @@ def wire_bytes(payload_bytes: int, mtu_bytes: int = 1500, headers_bytes: int = 5
 
 
 def run_cc(me: Any, cluster: Cluster, *, nbytes: int, repeats: int, work: Path) -> dict[str, Any]:
-    from deepcee.runtime.netns import DEFAULT_CONGESTION_CONTROL
     from deepcee.runtime.realnet import RealNetwork
+    from deepcee.runtime.realnet.netns import DEFAULT_CONGESTION_CONTROL
 
     host = Path("/proc/sys/net/ipv4/tcp_congestion_control").read_text().strip()
     gaps = [0.0, 0.05, 0.15, 0.3]
@@ -439,7 +439,7 @@ def main(argv: list[str] | None = None) -> int:
     if parts - {"link", "cc", "train"}:
         ap.error(f"unknown parts {sorted(parts - {'link', 'cc', 'train'})}")
 
-    from deepcee.runtime.netns import realnet_unavailable
+    from deepcee.runtime.realnet.netns import realnet_unavailable
 
     reason = realnet_unavailable()
     if reason is not None:

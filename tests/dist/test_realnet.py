@@ -3,7 +3,7 @@ the shaping relay; training in mode ``realnet`` matches the single-process refer
 failures and deadlines leave no namespace, TUN device or relay behind.
 
 Each test starts at most 3 processes (2 ranks + the relay). The targets live in
-``_realnet_targets`` (standard library only, quick to import in every rank) and, for
+``_rank_targets`` (standard library only, quick to import in every rank) and, for
 training, in :mod:`deepcee.runtime.launch`; this module is never imported by the ranks.
 """
 
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _realnet_targets import (
+from _rank_targets import (
     MBIT,
     aborting_target,
     failing_target,
@@ -34,9 +34,9 @@ from deepcee.cluster import Cluster, Device, DeviceKind, Island, LinkEntry, Link
 from deepcee.errors import RuntimeSetupError
 from deepcee.runtime.emulation import REALNET_FIGURES, choose_dilation
 from deepcee.runtime.launch import launch_jobs
-from deepcee.runtime.netns import PREFIX, cleanup_stale, list_namespaces, realnet_unavailable
 from deepcee.runtime.realnet import RealNetwork, launch_realnet
-from deepcee.runtime.relay import OWNER_MARKER
+from deepcee.runtime.realnet.netns import PREFIX, cleanup_stale, list_namespaces, realnet_unavailable
+from deepcee.runtime.realnet.relay import OWNER_MARKER
 from deepcee.runtime.trainer import Job, OptimizerConfig, TrainConfig
 from deepcee.scenarios import load_scenario
 
@@ -211,7 +211,8 @@ def test_failing_rank_is_reported_and_everything_is_removed():
 
 
 def test_native_crash_is_reported_with_the_ranks_stderr():
-    with pytest.raises(RuntimeSetupError, match=r"exited abnormally .*\[\(1, -6\)\].*native library gave up"):
+    with pytest.raises(RuntimeSetupError, match=r"^rank 1 exited abnormally with code -6 and no error record .*"
+                                                r"rank 1's stderr ends: native library gave up"):
         launch_realnet(aborting_target, (), cluster=wan_pair(), devices=["na:0", "nb:0"], deadline_s=30, grace_s=0.5)
     assert_clean()
 
@@ -225,28 +226,45 @@ def test_deadline_kills_hung_ranks_and_everything_is_removed():
 
 
 _ORPHAN_PARENT = """
-import json, sys, time
+import json, sys
+from _rank_targets import pid_sleeping_target
 from deepcee.runtime.realnet import RealNetwork
 from deepcee.scenarios import load_scenario
 net = RealNetwork(load_scenario("local-small"), ["cloud0:0", "edge0:0"]).__enter__()
 print(json.dumps({"relay": net.relay.pid, "namespaces": [e.namespace for e in net.endpoints], "dir": str(net.tmp)}),
       flush=True)
-time.sleep(60)
+net.run(pid_sleeping_target, (sys.argv[1], 60.0), deadline_s=60)
 """
 
 
-def test_killed_parent_leaves_nothing_after_the_next_set_up():
-    parent = subprocess.Popen([sys.executable, "-c", _ORPHAN_PARENT], stdout=subprocess.PIPE, text=True)
+def _alive(pid: int) -> bool:
+    """Running (a zombie waiting for its reaper counts as dead)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def test_killed_parent_leaves_nothing_after_the_next_set_up(tmp_path):
+    """SIGKILL to the process that set up the network while its ranks run: the relay and the ranks
+    die by their parent-death signal, and the next set-up's clean-up removes the namespaces."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), *sys.path])}
+    parent = subprocess.Popen([sys.executable, "-c", _ORPHAN_PARENT, str(tmp_path)], stdout=subprocess.PIPE,
+                              text=True, env=env)
+    ranks: list[int] = []
     try:
         made = json.loads(parent.stdout.readline())
+        for r in range(2):
+            wait_for(tmp_path / f"pid-rank{r}", 30)
+        ranks = [int((tmp_path / f"pid-rank{r}").read_text()) for r in range(2)]
     finally:
         parent.kill()  # SIGKILL: no clean-up code of the parent runs
         parent.wait(timeout=10)
     assert made["namespaces"], "the parent did not set up"
     t0 = time.monotonic()
-    while Path(f"/proc/{made['relay']}").exists() and time.monotonic() - t0 < 5:
+    while any(_alive(p) for p in [made["relay"], *ranks]) and time.monotonic() - t0 < 5:
         time.sleep(0.05)  # the relay's parent-death signal ends it (its TUN devices go with it)
-    assert not Path(f"/proc/{made['relay']}").exists()
+    assert [p for p in [made["relay"], *ranks] if _alive(p)] == []
     removed = cleanup_stale()
     assert set(made["namespaces"]) <= set(removed) and made["dir"] in removed
     assert not set(made["namespaces"]) & set(list_namespaces())

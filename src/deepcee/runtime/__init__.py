@@ -13,12 +13,14 @@ Public API:
 
 Modules: ``dist`` (process group; the only place that reads the environment), ``partition``
 (topology, sample ranges), ``stage``, ``p2p``, ``executor``, ``emulation``, ``trainer``,
-``checkpoint`` (checkpoints and metrics), ``data`` (shipped datasets), ``launch``, and the
-real-network mode's ``netns``, ``relay`` and ``realnet``.
+``checkpoint`` (checkpoints and metrics), ``data`` (shipped datasets), ``launch``,
+``supervise`` (starting and watching rank processes, torch-free), and the real-network mode's
+package ``realnet``.
 
 The names above are imported on first use (module ``__getattr__``), so that a process that
-imports only a torch-free submodule, such as the relay (``deepcee.runtime.relay``), does not
-load torch (2-3 s and ~220 MB per process).
+imports only a torch-free submodule, such as the relay (``deepcee.runtime.realnet.relay``) or
+a rank's bootstrap (``deepcee.runtime.supervise``), does not load torch (2-3 s and ~220 MB per
+process).
 """
 
 from __future__ import annotations

@@ -25,17 +25,14 @@ from __future__ import annotations
 
 import json
 import logging
-import multiprocessing as mp
 import shutil
 import tempfile
-import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from deepcee import errors
 from deepcee.cluster import Cluster, cluster_from_dict
 from deepcee.errors import RuntimeSetupError, SpecError
 from deepcee.plan import Plan, plan_from_dict, save_json_atomic
@@ -43,7 +40,8 @@ from deepcee.runtime import dist as rdist
 from deepcee.runtime.checkpoint import read_metrics
 from deepcee.runtime.emulation import choose_dilation
 from deepcee.runtime.realnet import launch_realnet
-from deepcee.runtime.trainer import Job, TrainConfig, run_jobs_on_rank, write_error
+from deepcee.runtime.supervise import spawn_ranks, supervise
+from deepcee.runtime.trainer import Job, TrainConfig, run_jobs_on_rank
 
 log = logging.getLogger(__name__)
 
@@ -77,83 +75,21 @@ class TrainResult:
         )
 
 
-def _child(target: Callable[..., None], rank: int, world_size: int, store_path: str, args: tuple[Any, ...],
-           error_dir: str) -> None:
-    try:
-        target(rank, world_size, store_path, *args)
-    except BaseException as exc:  # report every failure to the parent, then exit non-zero
-        write_error(error_dir, rank, exc)
-        raise SystemExit(1) from None
-
-
-def first_error(error_dir: Path) -> RuntimeSetupError | errors.DeepceeError | None:
-    found = [json.loads(p.read_text()) for p in error_dir.glob("error-rank*.json")]
-    if not found:
-        return None
-    first = min(found, key=lambda e: e["time"])
-    cls = getattr(errors, first["type"], None) if first["domain"] else None
-    others = f" ({len(found) - 1} other rank(s) failed after it)" if len(found) > 1 else ""
-    if isinstance(cls, type) and issubclass(cls, errors.DeepceeError):
-        return cls(f"rank {first['rank']}: {first['message']}{others}")
-    return RuntimeSetupError(
-        f"rank {first['rank']} failed: {first['type']}: {first['message']}{others}\n{first['traceback']}"
-    )
-
-
 def launch(target: Callable[..., None], args: tuple[Any, ...], *, world_size: int, deadline_s: float,
            grace_s: float = 2.0) -> None:
     """Run ``target(rank, world_size, store_path, *args)`` in ``world_size`` processes under a deadline.
 
     ``target`` must be importable (a module-level function); ``store_path`` is a fresh
-    ``FileStore`` path. A rank's exception is re-raised here (see the module docstring).
+    ``FileStore`` path. A rank's failure is raised here, the first one by time
+    ([Note: first failure] in :mod:`deepcee.runtime.supervise`); no rank outlives the caller.
     """
-    tmp = Path(tempfile.mkdtemp(prefix="deepcee-launch-"))
-    ctx = mp.get_context("spawn")
-    procs = []
+    run_dir = Path(tempfile.mkdtemp(prefix="deepcee-launch-"))
     try:
         with rdist.worker_env():
-            for rank in range(world_size):
-                p = ctx.Process(target=_child, args=(target, rank, world_size, str(tmp / "store"), args, str(tmp)),
-                                name=f"deepcee-rank{rank}")
-                p.start()
-                procs.append(p)
-        _supervise(procs, tmp, deadline_s=deadline_s, grace_s=grace_s)
+            workers = spawn_ranks(target, args, world_size=world_size, run_dir=run_dir)
+        supervise(workers, run_dir, deadline_s=deadline_s, grace_s=grace_s, label="launch")
     finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-            p.join(timeout=5)
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _supervise(procs: list, error_dir: Path, *, deadline_s: float, grace_s: float) -> None:
-    t_end = time.monotonic() + deadline_s
-    failed_at = None
-    while any(p.is_alive() for p in procs):
-        now = time.monotonic()
-        if failed_at is None and any(p.exitcode not in (None, 0) for p in procs):
-            failed_at = now
-        if failed_at is not None and now - failed_at > grace_s:
-            break
-        if now > t_end:
-            running = [i for i, p in enumerate(procs) if p.is_alive()]
-            for p in procs:
-                p.kill()
-            err = first_error(error_dir)
-            raise RuntimeSetupError(
-                f"launch deadline of {deadline_s:g} s passed; ranks {running} still running"
-                + (f"; first failure: {err}" if err else "")
-            )
-        time.sleep(0.05)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    err = first_error(error_dir)
-    if err is not None:
-        raise err
-    bad = [(i, p.exitcode) for i, p in enumerate(procs) if p.exitcode not in (0, None)]
-    if bad:
-        raise RuntimeSetupError(f"ranks exited abnormally without an error record: {bad} (killed by a signal?)")
+        shutil.rmtree(run_dir, ignore_errors=True)
 
 
 def _jobs_entry(rank: int, world_size: int, store_path: str, jobs: Sequence[Job], timeout_s: float) -> None:

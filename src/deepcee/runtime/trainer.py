@@ -65,7 +65,7 @@ from deepcee.runtime.emulation import (
 from deepcee.runtime.executor import Feeds, StepRecord, run_step, schedule_for
 from deepcee.runtime.p2p import P2P, TensorMeta, exchange_metadata
 from deepcee.runtime.partition import Topology
-from deepcee.runtime.relay import RelayControl
+from deepcee.runtime.realnet.relay import RelayControl
 from deepcee.runtime.stage import StageRunner
 from deepcee.simulator.collectives import allreduce_s
 

@@ -7,7 +7,7 @@ stated TCP congestion control ([Note: congestion control in the namespaces]). Th
 TUN devices are created in this (the host) namespace, so this process holds their file
 descriptors, and then moved into the namespaces: every packet a rank sends to another rank
 comes out of its descriptor, and whatever is written to a descriptor is received by that
-rank. The relay (:mod:`deepcee.runtime.relay`) inherits the descriptors and moves the packets.
+rank. The relay (:mod:`deepcee.runtime.realnet.relay`) inherits the descriptors and moves the packets.
 
 Clean-up, always: :meth:`WanNamespaces.close` kills the processes left in the namespaces (by
 pid, from ``ip netns pids``), deletes the namespaces and closes the descriptors; it runs on
@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from deepcee.errors import RuntimeSetupError, SpecError
-from deepcee.runtime.relay import OWNER_MARKER
+from deepcee.runtime.realnet.relay import OWNER_MARKER
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +110,7 @@ def open_tun(ifname: str, *, offload: bool = False) -> int:
 
     ``offload``: the device advertises checksum and TCP segmentation offload, so TCP hands
     it segments of up to 64 kB with a :data:`VNET_HDR_BYTES` header saying how to cut them
-    (see [Note: TUN offload] in :mod:`deepcee.runtime.relay`).
+    (see [Note: TUN offload] in :mod:`deepcee.runtime.realnet.relay`).
     """
     fd = os.open("/dev/net/tun", os.O_RDWR | os.O_NONBLOCK)
     try:

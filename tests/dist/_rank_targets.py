@@ -1,4 +1,5 @@
-"""Targets of the real-network tests, run inside the namespaces by ``tests/dist/test_realnet.py``.
+"""Rank targets of the supervision and real-network tests (``tests/dist/test_supervise.py``,
+``tests/dist/test_realnet.py``), run by spawned processes or inside the namespaces.
 
 The rank processes import this module by name to find their target, so it imports only the
 standard library at module level (pytest, torch and the runtime package would each add
@@ -77,6 +78,26 @@ def aborting_target(rank: int, world_size: int, store_path: str) -> None:
 
 def sleeping_target(rank: int, world_size: int, store_path: str, seconds: float) -> None:
     time.sleep(seconds)
+
+
+def pid_sleeping_target(rank: int, world_size: int, store_path: str, out_dir: str, seconds: float) -> None:
+    """Write ``pid-rank<r>`` (this process's pid), then sleep."""
+    tmp = Path(out_dir, f".pid-rank{rank}")
+    tmp.write_text(str(os.getpid()))
+    tmp.replace(Path(out_dir, f"pid-rank{rank}"))
+    time.sleep(seconds)
+
+
+def abort_then_fail_target(rank: int, world_size: int, store_path: str, out_dir: str) -> None:
+    """Rank 1 dies without an error record; rank 0 raises a second later (the failure it caused)."""
+    if rank == 1:
+        Path(out_dir, "aborting").touch()
+        os.abort()
+    wait_for(Path(out_dir, "aborting"), 30)
+    time.sleep(1.0)  # ample for the supervisor to see rank 1's exit first (it polls every 50 ms)
+    from deepcee.errors import RuntimeSetupError
+
+    raise RuntimeSetupError("receiving from rank 1 timed out")
 
 
 def _timed_send(sock: socket.socket, nbytes: int) -> float:

@@ -2,8 +2,8 @@
 
 :func:`launch_realnet` is :func:`deepcee.runtime.launch.launch` with real networking: rank
 ``r`` runs ``target(r, world_size, store_path, *args)`` in its own network namespace
-(:mod:`deepcee.runtime.netns`), and every packet between two ranks crosses the user-space
-relay (:mod:`deepcee.runtime.relay`), which delays it by the link's latency and serialises
+(:mod:`deepcee.runtime.realnet.netns`), and every packet between two ranks crosses the user-space
+relay (:mod:`deepcee.runtime.realnet.relay`), which delays it by the link's latency and serialises
 it at the link's bandwidth, pairs sharing a link *resource* sharing one queue and rate, all
 taken from ``cluster.link(devices[src], devices[dst])`` (latencies, trace times and the
 queue limit x ``dilation``, bandwidths and trace rates / ``dilation``). gloo binds to the
@@ -13,28 +13,30 @@ queue, and gloo's own handshakes all pay the link's latency (e.g. a gloo send wa
 receiver's "ready" notice unless the receive was posted earlier: one more one-way latency
 per step of a ring all-reduce than the simulator's alpha-beta ring). The namespaces use a
 stated TCP congestion control, CUBIC by default ([Note: congestion control in the
-namespaces] in :mod:`deepcee.runtime.netns`). The rendezvous is a
+namespaces] in :mod:`deepcee.runtime.realnet.netns`). The rendezvous is a
 ``FileStore`` on the shared filesystem (namespaces do not isolate files), so it does not
 travel over the emulated links.
 
 :class:`RealNetwork` is the same set-up as a context manager, for callers that start their
 own processes in the namespaces (:meth:`RealNetwork.popen`) or change rates live while ranks
-run (:attr:`RealNetwork.control`, a :class:`deepcee.runtime.relay.RelayControl`; any process
+run (:attr:`RealNetwork.control`, a :class:`deepcee.runtime.realnet.relay.RelayControl`; any process
 on the machine can open one on :attr:`RealNetwork.control_path`).
 
 Everything is torn down on every exit path (normal, exception, deadline): rank processes
 killed by pid, relay stopped (then killed), namespaces deleted, TUN devices gone with the
 relay's descriptors, temporary directory removed. Rank processes and the relay also get a
-parent-death signal, and :func:`deepcee.runtime.netns.cleanup_stale` removes what a killed
-parent left before each new set-up.
+parent-death signal ([Note: no orphans] in :mod:`deepcee.runtime.supervise`), and
+:func:`deepcee.runtime.realnet.netns.cleanup_stale` removes what a killed parent left before
+each new set-up.
 
 Processes: ``world_size`` ranks + 1 relay (standard library only, no torch). Ranks are
-started as ``ip netns exec NS python -c <bootstrap>``: the bootstrap restores the parent's
-``sys.path`` (like ``multiprocessing``'s spawn) and unpickles ``(target, args)``, so
-``target`` must be importable by module name.
+started as ``ip netns exec NS python -c <bootstrap>`` (:func:`deepcee.runtime.supervise.rank_argv`:
+the bootstrap restores the parent's ``sys.path``, like ``multiprocessing``'s spawn, and
+unpickles ``(target, args)``, so ``target`` must be importable by module name) and watched by
+:func:`deepcee.runtime.supervise.supervise`, as the local launcher's ranks are.
 
 Limits: the relay is one Python process, so a link faster than its ceiling (2-3 Gbit/s
-measured, see :mod:`deepcee.runtime.relay`) is capped by it, e.g. the 10 Gbit/s intra-node
+measured, see :mod:`deepcee.runtime.realnet.relay`) is capped by it, e.g. the 10 Gbit/s intra-node
 links of ``local-small`` (a ``dilation`` > 1 brings them closer). Same-node
 devices still get separate namespaces and cross the relay. IPv4 only. Every rank's
 environment holds :data:`RELAY_CONTROL_ENV` (the control socket path).
@@ -47,21 +49,17 @@ Use::
         ...start a thread that calls net.control.set_bandwidth(resource, bytes_per_s)...
         net.run(my_module.entry, (arg,), deadline_s=300)
 
-Needs root and ``/dev/net/tun`` (:func:`deepcee.runtime.netns.require_realnet`); without them
+Needs root and ``/dev/net/tun`` (:func:`deepcee.runtime.realnet.netns.require_realnet`); without them
 :class:`RuntimeSetupError` says why, and the in-process link emulation
 (:mod:`deepcee.runtime.emulation`) remains the fallback.
 """
 
 from __future__ import annotations
 
-import ctypes
-import functools
 import json
 import logging
 import os
-import pickle
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -70,11 +68,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import deepcee
 from deepcee.cluster import Cluster
 from deepcee.errors import RuntimeSetupError, SpecError
 from deepcee.runtime import dist as rdist
-from deepcee.runtime.netns import (
+from deepcee.runtime.realnet.netns import (
     DEFAULT_CONGESTION_CONTROL,
     RUN_DIR_PREFIX,
     VNET_HDR_BYTES,
@@ -84,14 +81,15 @@ from deepcee.runtime.netns import (
     rank_address,
     require_realnet,
 )
-from deepcee.runtime.relay import (
-    OWNER_MARKER,
-    RELAY_FILE,
-    PairSpec,
-    RelayConfig,
-    RelayControl,
-    RelayStats,
-    ResourceSpec,
+from deepcee.runtime.realnet.relay import OWNER_MARKER, RELAY_FILE, RelayControl
+from deepcee.runtime.realnet.shaping import PairSpec, RelayConfig, RelayStats, ResourceSpec
+from deepcee.runtime.supervise import (
+    Worker,
+    death_signal_preexec,
+    rank_argv,
+    stop,
+    supervise,
+    write_payload,
 )
 
 log = logging.getLogger(__name__)
@@ -106,32 +104,10 @@ a 0.95 MB gloo all-reduce repeated at D = 1.67 lost 19-20 packets per direction 
 ``train``) lost 37-46 packets per launch, none since."""
 RELAY_START_S = 10.0
 
-# Runs in each rank's namespace before anything of deepcee is imported (no torch needed here).
-_CHILD_BOOTSTRAP = r"""
-import json, os, pickle, sys, time, traceback
-payload_path, rank = sys.argv[1], int(sys.argv[2])
-with open(payload_path, "rb") as f:
-    outer = pickle.load(f)
-sys.path[:] = outer["sys_path"]
-try:
-    target, args = pickle.loads(outer["call"])
-    target(rank, outer["world_size"], outer["store_path"], *args)
-except BaseException as exc:
-    try:
-        from deepcee.errors import DeepceeError
-        domain = isinstance(exc, DeepceeError)
-    except Exception:
-        domain = False
-    rec = {"rank": rank, "time": time.time(), "type": type(exc).__name__, "domain": domain,
-           "message": str(exc), "traceback": "" if domain else traceback.format_exc()}
-    path = os.path.join(outer["error_dir"], f"error-rank{rank}.json")
-    with open(path + ".tmp", "w") as f:
-        json.dump(rec, f)
-    os.replace(path + ".tmp", path)
-    sys.exit(1)
-"""
-
-_RELAY_BOOTSTRAP = "import runpy, sys; runpy.run_path(sys.argv.pop(1), run_name='__main__')"
+# The relay runs by file with the parent's sys.path, so that it imports this tree's deepcee whatever
+# the child's environment says (see the module docstring of deepcee.runtime.realnet.relay).
+_RELAY_BOOTSTRAP = ("import json, runpy, sys; sys.path[:] = json.loads(sys.argv.pop(1)); "
+                    "runpy.run_path(sys.argv.pop(1), run_name='__main__')")
 
 
 def relay_config(cluster: Cluster, devices: Sequence[str], *, control_path: str, dilation: float = 1.0,
@@ -168,23 +144,15 @@ def relay_config(cluster: Cluster, devices: Sequence[str], *, control_path: str,
                        queue_limit_s=queue_limit_s * dilation, epoch_s=epoch_s, vnet_hdr_bytes=vnet_hdr_bytes)
 
 
-PR_SET_PDEATHSIG = 1
 RELAY_CONTROL_ENV = rdist.RELAY_CONTROL_ENV
 """Set in every rank's environment: the relay's control socket (for :class:`RelayControl`)."""
-
-
-def _death_signal() -> Callable[[], object]:
-    """A ``preexec_fn``: the child gets SIGKILL when this process dies (the setting survives the
-    ``exec`` of ``ip netns exec`` and of Python). Resolved here, in the parent, so that the
-    forked child makes no library lookups (safe with other threads running)."""
-    return functools.partial(ctypes.CDLL(None, use_errno=True).prctl, PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 class RealNetwork:
     """Namespaces + relay for ``devices`` of ``cluster``; enter to set up, exit to tear down.
 
     Rank ``r`` is ``devices[r]``; its namespace, TUN device and address are
-    ``endpoints[r]`` (:class:`deepcee.runtime.netns.Endpoint`).
+    ``endpoints[r]`` (:class:`deepcee.runtime.realnet.netns.Endpoint`).
     """
 
     def __init__(self, cluster: Cluster, devices: Sequence[str], *, dilation: float = 1.0, mtu_bytes: int = 1500,
@@ -242,14 +210,12 @@ class RealNetwork:
         cfg_path = self.tmp / "relay.json"
         cfg_path.write_text(json.dumps(config.to_dict()))
         fds = self.namespaces.tun_fds
-        src_dir = str(Path(deepcee.__file__).resolve().parent.parent)
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([src_dir, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
         with open(self.tmp / "relay.log", "wb") as logf:
             self.relay = subprocess.Popen(
-                [sys.executable, "-c", _RELAY_BOOTSTRAP, RELAY_FILE, "--config", str(cfg_path),
+                [sys.executable, "-c", _RELAY_BOOTSTRAP, json.dumps(sys.path), RELAY_FILE, "--config", str(cfg_path),
                  "--fds", ",".join(map(str, fds)), "--owner", f"{OWNER_MARKER}{os.getpid()}",
                  "--stats-out", str(self.tmp / "relay-stats.json")],
-                pass_fds=fds, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                pass_fds=fds, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             )
         self.namespaces.release_fds()  # the relay now holds the only copies
         self.control = RelayControl(self.control_path, timeout_s=2.0)
@@ -288,13 +254,9 @@ class RealNetwork:
 
     def close(self) -> None:
         """Kill ranks, stop the relay, delete namespaces, remove the temporary directory. Idempotent."""
+        stop(self._procs)
         for p in self._procs:
             if p.poll() is None:
-                p.kill()
-        for p in self._procs:
-            try:
-                p.wait(timeout=5)
-            except subprocess.TimeoutExpired:
                 log.error("rank process %d did not die after SIGKILL", p.pid)
         self._procs = []
         try:
@@ -315,7 +277,7 @@ class RealNetwork:
     def popen(self, rank: int, argv: Sequence[str], **kwargs: Any) -> subprocess.Popen:
         """Start ``argv`` inside ``rank``'s namespace; killed (by pid) when the network closes."""
         kwargs.setdefault("env", self.rank_env(rank))
-        p = subprocess.Popen(self.namespaces.exec_argv(rank, argv), preexec_fn=_death_signal(), **kwargs)
+        p = subprocess.Popen(self.namespaces.exec_argv(rank, argv), preexec_fn=death_signal_preexec(), **kwargs)
         self._procs.append(p)
         return p
 
@@ -323,62 +285,31 @@ class RealNetwork:
             grace_s: float = 2.0) -> RelayStats:
         """Run ``target(rank, world_size, store_path, *args)`` on every rank; the relay's counters after.
 
-        A rank's exception is raised here as in :func:`deepcee.runtime.launch.launch` (first
-        failure by time, same error class); past ``deadline_s`` every rank is killed and
-        :class:`RuntimeSetupError` names the ranks still running.
+        Supervised as :func:`deepcee.runtime.launch.launch` is (:func:`deepcee.runtime.supervise.supervise`:
+        first failure by time, same error class; past ``deadline_s`` every rank is killed and
+        :class:`RuntimeSetupError` names the ranks still running); the relay's death ends the run too.
         """
         run_dir = Path(tempfile.mkdtemp(prefix="run-", dir=self.tmp))
-        payload = run_dir / "payload.pkl"
-        payload.write_bytes(pickle.dumps({
-            "sys_path": list(sys.path), "call": pickle.dumps((target, args)), "world_size": self.world_size,
-            "store_path": str(run_dir / "store"), "error_dir": str(run_dir),
-        }))
-        procs = []
+        payload = write_payload(run_dir / "payload.pkl", target, args, world_size=self.world_size,
+                                store_path=str(run_dir / "store"), error_dir=str(run_dir))
+        workers: list[Worker] = []
         try:
             for r in range(self.world_size):
                 # stderr to a file: a rank that dies in native code (abort, segfault) leaves no error
                 # record, and its last words are the only clue; they are echoed here after the run.
                 with open(run_dir / f"stderr-rank{r}.log", "wb") as err:
-                    procs.append(self.popen(r, [sys.executable, "-c", _CHILD_BOOTSTRAP, str(payload), str(r)],
-                                            stderr=err))
-            self._supervise(procs, run_dir, deadline_s=deadline_s, grace_s=grace_s)
+                    workers.append(self.popen(r, rank_argv(payload, r), stderr=err))
+            supervise(workers, run_dir, deadline_s=deadline_s, grace_s=grace_s, label="realnet",
+                      check=self._check_relay,
+                      explain=lambda r: f"; rank {r}'s stderr ends: {_tail(run_dir / f'stderr-rank{r}.log', 1500)}")
         finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                p.wait(timeout=5)
-            _echo_stderr(run_dir, len(procs))
+            stop(workers)
+            _echo_stderr(run_dir, len(workers))
         return self.control.stats()
 
-    def _supervise(self, procs: list[subprocess.Popen], run_dir: Path, *, deadline_s: float, grace_s: float) -> None:
-        # the same error records and reporting as the local launch
-        from deepcee.runtime.launch import first_error
-
-        t_end = time.monotonic() + deadline_s
-        failed_at = None
-        while [p.poll() for p in procs].count(None):  # poll every process: any() would stop at the first
-            now = time.monotonic()
-            if failed_at is None and any(p.returncode not in (None, 0) for p in procs):
-                failed_at = now
-            if failed_at is not None and now - failed_at > grace_s:
-                break
-            if self.relay.poll() is not None:
-                raise RuntimeSetupError(f"relay exited with code {self.relay.returncode} while ranks ran: "
-                                        f"{self._relay_log()}")
-            if now > t_end:
-                running = [i for i, p in enumerate(procs) if p.poll() is None]
-                err = first_error(run_dir)
-                raise RuntimeSetupError(f"realnet deadline of {deadline_s:g} s passed; ranks {running} still running"
-                                        + (f"; first failure: {err}" if err else ""))
-            time.sleep(0.05)
-        err = first_error(run_dir)
-        if err is not None:
-            raise err
-        bad = [(i, p.returncode) for i, p in enumerate(procs) if p.returncode not in (0, None)]
-        if bad:
-            last = _tail(run_dir / f"stderr-rank{bad[0][0]}.log", 1500)
-            raise RuntimeSetupError(f"ranks exited abnormally without an error record: {bad} (killed by a signal?); "
-                                    f"rank {bad[0][0]}'s stderr ends: {last}")
+    def _check_relay(self) -> None:
+        if self.relay.poll() is not None:
+            raise RuntimeSetupError(f"relay exited with code {self.relay.returncode} while ranks ran: {self._relay_log()}")
 
 
 def _tail(path: Path, nbytes: int) -> str:

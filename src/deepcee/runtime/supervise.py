@@ -1,0 +1,284 @@
+"""Process supervision: one target per rank in child processes, watched under a deadline.
+
+Both launchers use it: the local one (:func:`deepcee.runtime.launch.launch`: ``multiprocessing``
+spawn, :func:`spawn_ranks`) and the real-network one
+(:class:`deepcee.runtime.realnet.RealNetwork`: ``subprocess.Popen`` inside network namespaces,
+:func:`write_payload` + :func:`rank_argv`). In the child, :func:`run_rank` calls
+``target(rank, world_size, store_path, *args)``; in the parent, :func:`supervise` watches the
+children through the :class:`Worker` protocol (``subprocess.Popen`` fits it as it is,
+:class:`SpawnedWorker` adapts a ``multiprocessing.Process``) and raises the first failure.
+
+[Note: first failure]
+A rank that raises writes ``error-rank<r>.json`` (rank, wall time, exception type, whether it
+is a :class:`deepcee.errors.DeepceeError`, message, traceback) into the launch's directory
+and exits with code 1 (:func:`write_error`). A rank that dies without a record (a signal, an
+abort in native code, a failed start) is noted by the supervisor with the wall time it saw
+the exit (within one poll, :data:`POLL_S`). After the first failure the other ranks get
+``grace_s`` to fail on their own (usually timeouts the first one caused), then all are
+killed; :func:`first_error` names the *earliest* failure, record or not, and counts the
+others. A domain error comes back as the same :mod:`deepcee.errors` class, anything else as
+:class:`RuntimeSetupError` with the rank's traceback. Past ``deadline_s`` every rank is
+killed and :class:`RuntimeSetupError` names those still running: a hang is a failure,
+never a stuck caller.
+
+[Note: no orphans]
+Every child asks the kernel for SIGKILL when its parent dies (``PR_SET_PDEATHSIG``), then
+checks that the parent is still the supervisor (it may have died before the request), so a
+supervisor killed by SIGKILL, which runs no clean-up, leaves no rank behind. Popen children
+get the signal set before ``exec`` as well (:func:`death_signal_preexec`); it survives the
+``exec`` of ``ip netns exec`` and of Python. The kernel sends it when the *thread* that
+started the child exits, so start ranks from the thread that waits for them (both launchers
+do). Linux only; elsewhere the supervisor's own kill on every exit path remains.
+
+Standard library and :mod:`deepcee.errors` only (a realnet rank imports this module before
+anything else).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import json
+import multiprocessing as mp
+import os
+import pickle
+import signal
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+from deepcee import errors
+from deepcee.errors import DeepceeError, RuntimeSetupError
+from deepcee.jsonio import save_json_atomic
+
+POLL_S = 0.05
+"""How often the supervisor looks at its children (also the resolution of record-less failure times)."""
+STOP_WAIT_S = 5.0
+"""How long to wait for a killed child to be reaped before giving up on it."""
+PR_SET_PDEATHSIG = 1
+ERROR_GLOB = "error-rank*.json"
+
+Target = Callable[..., None]
+"""``target(rank, world_size, store_path, *args)``; importable by module name (children unpickle it)."""
+
+
+class Worker(Protocol):
+    """One supervised child process, as the supervisor sees it (``subprocess.Popen`` fits)."""
+
+    pid: int
+
+    def poll(self) -> int | None:
+        """The exit code (negative: killed by that signal), or ``None`` while it runs."""
+
+    def kill(self) -> None: ...
+
+    def wait(self, timeout: float | None = None) -> int | None: ...
+
+
+# -- in the child -----------------------------------------------------------------------
+
+
+def write_error(error_dir: str | Path, rank: int, exc: BaseException) -> None:
+    """Record a rank's failure for the supervisor ([Note: first failure])."""
+    domain = isinstance(exc, DeepceeError)
+    save_json_atomic(Path(error_dir) / f"error-rank{rank}.json", {
+        "rank": rank, "time": time.time(), "type": type(exc).__name__, "domain": domain,
+        "message": str(exc), "traceback": "" if domain else traceback.format_exc(),
+    })
+
+
+def _prctl() -> Callable[..., int] | None:
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):  # not Linux/glibc
+        return None
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """Get SIGKILL when the parent dies; exit now if ``parent_pid`` is no longer the parent
+    ([Note: no orphans])."""
+    prctl = _prctl()
+    if prctl is not None:
+        prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent_pid:
+        os._exit(1)  # the supervisor died while this process started: nobody waits for it
+
+
+def death_signal_preexec() -> Callable[[], object] | None:
+    """A ``preexec_fn`` for ``subprocess.Popen``: the child gets SIGKILL when this process dies.
+    Resolved here, in the parent, so that the forked child makes no library look-ups (safe
+    with other threads running)."""
+    prctl = _prctl()
+    return None if prctl is None else functools.partial(prctl, PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+@contextlib.contextmanager
+def _recorded(error_dir: str | Path, rank: int) -> Iterator[None]:
+    try:
+        yield
+    except BaseException as exc:  # report every failure to the supervisor, then exit non-zero
+        write_error(error_dir, rank, exc)
+        raise SystemExit(1) from None
+
+
+def run_rank(target: Target, rank: int, world_size: int, store_path: str, args: tuple[Any, ...], error_dir: str,
+             parent_pid: int) -> None:
+    """What a child runs: ``target(rank, world_size, store_path, *args)``, failures recorded."""
+    die_with_parent(parent_pid)
+    with _recorded(error_dir, rank):
+        target(rank, world_size, store_path, *args)
+
+
+# Run by ``python -c`` in a child started by command line (e.g. inside a network namespace):
+# the payload's outer pickle holds only built-in types, so it loads before ``sys.path`` (the
+# parent's, as multiprocessing's spawn restores it) makes deepcee and the target importable.
+_BOOTSTRAP = """
+import pickle, sys
+with open(sys.argv[1], "rb") as f:
+    payload = pickle.load(f)
+sys.path[:] = payload["sys_path"]
+from deepcee.runtime.supervise import run_payload
+run_payload(payload, int(sys.argv[2]))
+"""
+
+
+def write_payload(path: Path, target: Target, args: tuple[Any, ...], *, world_size: int, store_path: str,
+                  error_dir: str) -> Path:
+    """Write what :func:`rank_argv` children run; ``path``."""
+    path.write_bytes(pickle.dumps({
+        "sys_path": list(sys.path), "call": pickle.dumps((target, args)), "world_size": world_size,
+        "store_path": store_path, "error_dir": error_dir, "parent_pid": os.getpid(),
+    }))
+    return path
+
+
+def rank_argv(payload: Path, rank: int) -> list[str]:
+    """Command line of rank ``rank`` of the run in ``payload`` (:func:`write_payload`); the
+    process that starts it must be its parent (``ip netns exec`` replaces itself by it)."""
+    return [sys.executable, "-c", _BOOTSTRAP, str(payload), str(rank)]
+
+
+def run_payload(payload: Mapping[str, Any], rank: int) -> None:
+    """The child's side of :func:`rank_argv`."""
+    die_with_parent(payload["parent_pid"])
+    with _recorded(payload["error_dir"], rank):
+        target, args = pickle.loads(payload["call"])  # a target that does not import is recorded too
+        target(rank, payload["world_size"], payload["store_path"], *args)
+
+
+# -- in the parent ----------------------------------------------------------------------
+
+
+class SpawnedWorker:
+    """A ``multiprocessing.Process`` seen as a :class:`Worker`."""
+
+    def __init__(self, process: mp.process.BaseProcess) -> None:
+        self.process = process
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def poll(self) -> int | None:
+        return self.process.exitcode
+
+    def kill(self) -> None:
+        self.process.kill()
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        self.process.join(timeout)
+        return self.process.exitcode
+
+
+def spawn_ranks(target: Target, args: tuple[Any, ...], *, world_size: int, run_dir: Path) -> list[SpawnedWorker]:
+    """Start ``world_size`` ranks (``spawn``: a fresh interpreter each) running :func:`run_rank`;
+    ``store_path`` is ``run_dir/store``, error records go to ``run_dir``."""
+    ctx = mp.get_context("spawn")
+    workers: list[SpawnedWorker] = []
+    try:
+        for rank in range(world_size):
+            p = ctx.Process(target=run_rank, name=f"deepcee-rank{rank}", args=(
+                target, rank, world_size, str(run_dir / "store"), args, str(run_dir), os.getpid()))
+            p.start()
+            workers.append(SpawnedWorker(p))
+    except BaseException:
+        stop(workers)
+        raise
+    return workers
+
+
+def stop(workers: Sequence[Worker]) -> None:
+    """Kill the workers still running and reap them all. Idempotent."""
+    for w in workers:
+        if w.poll() is None:
+            w.kill()
+    for w in workers:
+        with contextlib.suppress(Exception):  # one that will not die must not hide the others
+            w.wait(timeout=STOP_WAIT_S)
+
+
+def first_error(error_dir: Path, exits: Mapping[int, tuple[float, int]] | None = None, *,
+                explain: Callable[[int], str] | None = None) -> DeepceeError | None:
+    """The earliest failure of a run ([Note: first failure]), or ``None``.
+
+    ``exits``: rank -> (wall time seen, exit code) of ranks that exited non-zero; those without
+    an error record count as failing at that time. ``explain(rank)`` adds to the message of a
+    record-less failure (e.g. the end of the rank's stderr)."""
+    records = {r["rank"]: r for r in (json.loads(p.read_text()) for p in error_dir.glob(ERROR_GLOB))}
+    silent = {rank: seen for rank, seen in (exits or {}).items() if rank not in records}
+    failures = sorted([(r["time"], rank) for rank, r in records.items()] + [(t, rank) for rank, (t, _) in silent.items()])
+    if not failures:
+        return None
+    rank = failures[0][1]
+    others = f" ({len(failures) - 1} other rank(s) failed after it)" if len(failures) > 1 else ""
+    if rank in silent:
+        code = silent[rank][1]
+        return RuntimeSetupError(f"rank {rank} exited abnormally with code {code} and no error record (killed by a "
+                                 f"signal?){others}" + (explain(rank) if explain else ""))
+    first = records[rank]
+    cls = getattr(errors, first["type"], None) if first["domain"] else None
+    if isinstance(cls, type) and issubclass(cls, DeepceeError):
+        return cls(f"rank {rank}: {first['message']}{others}")
+    return RuntimeSetupError(f"rank {rank} failed: {first['type']}: {first['message']}{others}\n{first['traceback']}")
+
+
+def supervise(workers: Sequence[Worker], error_dir: Path, *, deadline_s: float, grace_s: float = 2.0,
+              label: str = "launch", check: Callable[[], None] | None = None,
+              explain: Callable[[int], str] | None = None) -> None:
+    """Wait for ``workers`` (rank ``r`` is ``workers[r]``); raise the first failure, or
+    :class:`RuntimeSetupError` past ``deadline_s`` naming the ranks still running.
+
+    ``check()`` runs at every poll and may raise to abort (e.g. a helper process died).
+    Every worker is dead and reaped when this returns or raises.
+    """
+    t_end = time.monotonic() + deadline_s
+    exits: dict[int, tuple[float, int]] = {}
+    failed_at = None
+    try:
+        while True:
+            codes = [w.poll() for w in workers]  # poll every worker: reaps and stamps each exit
+            for rank, code in enumerate(codes):
+                if code not in (None, 0) and rank not in exits:
+                    exits[rank] = (time.time(), code)
+                    if failed_at is None:
+                        failed_at = time.monotonic()
+            if None not in codes or (failed_at is not None and time.monotonic() - failed_at > grace_s):
+                break
+            if check is not None:
+                check()
+            if time.monotonic() > t_end:
+                running = [r for r, code in enumerate(codes) if code is None]
+                stop(workers)
+                err = first_error(error_dir, exits, explain=explain)
+                raise RuntimeSetupError(f"{label} deadline of {deadline_s:g} s passed; ranks {running} still running"
+                                        + (f"; first failure: {err}" if err else ""))
+            time.sleep(POLL_S)
+    finally:
+        stop(workers)
+    err = first_error(error_dir, exits, explain=explain)
+    if err is not None:
+        raise err
