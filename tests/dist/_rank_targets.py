@@ -1,4 +1,4 @@
-"""Rank targets of the supervision and real-network tests (``tests/dist/test_supervise.py``,
+"""Rank targets of the supervision and real-network tests (``tests/dist/test_launch_supervision.py``,
 ``tests/dist/test_realnet.py``), run by spawned processes or inside the namespaces.
 
 The rank processes import this module by name to find their target, so it imports only the
