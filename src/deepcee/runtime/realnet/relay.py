@@ -14,11 +14,12 @@ control request can move to the training run's start).
 :func:`serve` is the I/O loop around the pure core, and this file is also the relay
 process's entry::
 
-    python -c "import runpy, sys; runpy.run_path(sys.argv.pop(1), run_name='__main__')" RELAY_FILE \\
+    python -c "import json, runpy, sys; sys.path[:] = json.loads(sys.argv.pop(1)); \\
+        runpy.run_path(sys.argv.pop(1), run_name='__main__')" SYS_PATH_JSON RELAY_FILE \\
         --config relay.json --fds 5,6 --owner deepcee-relay-owner=PID
 
 It is started that way (by :mod:`deepcee.runtime.realnet.launcher`, with the parent's
-``sys.path``), by file, so that it loads nothing but the standard library,
+``sys.path`` so that it imports the same tree whatever its environment says), by file, so that it loads nothing but the standard library,
 :mod:`deepcee.errors` and :mod:`deepcee.runtime.realnet.shaping` (no torch: 2-3 s, ~220 MB);
 the package ``__init__`` files on the way import nothing eagerly. It logs (``logging``, set
 up by :func:`main`) to its stderr, which the launcher keeps in ``relay.log``.
