@@ -18,10 +18,11 @@ process's entry::
         runpy.run_path(sys.argv.pop(1), run_name='__main__')" SYS_PATH_JSON RELAY_FILE \\
         --config relay.json --fds 5,6 --owner deepcee-relay-owner=PID
 
-It is started that way (by :mod:`deepcee.runtime.realnet.launcher`, with the parent's
-``sys.path`` so that it imports the same tree whatever its environment says), by file, so that it loads nothing but the standard library,
-:mod:`deepcee.errors` and :mod:`deepcee.runtime.realnet.shaping` (no torch: 2-3 s, ~220 MB);
-the package ``__init__`` files on the way import nothing eagerly. It logs (``logging``, set
+It is started that way by :mod:`deepcee.runtime.realnet.launcher`: with the parent's
+``sys.path``, so that it imports the same tree whatever its environment says, and by file, so
+that it loads nothing but the standard library, :mod:`deepcee.errors` and
+:mod:`deepcee.runtime.realnet.shaping` (no torch: 2-3 s, ~220 MB); the package ``__init__``
+files on the way import nothing eagerly. It logs (``logging``, set
 up by :func:`main`) to its stderr, which the launcher keeps in ``relay.log``.
 
 CPU cost. The loop does one ``select`` per wake-up and one ``read`` and one ``write`` system
