@@ -1,0 +1,59 @@
+"""Cluster data model: device kinds, devices, nodes, islands and the links between them.
+
+Torch-free. Units are SI inside (seconds, bytes, bytes/s, FLOP/s); files use the units in
+their key names (``latency_ms``, ``bandwidth_mbit_per_s``, ``peak_tflops``, ``memory_gib``)
+and :mod:`deepcee.units` converts at the edge.
+
+- :mod:`~deepcee.cluster.parts`: the validated records a cluster is made of
+  (:class:`DeviceKind`, :class:`Device`, :class:`Node`, :class:`Island`, :class:`LinkSpec`,
+  :class:`LinkEntry`, :class:`BandwidthTrace`, and :class:`Link`, a resolved device pair).
+- :mod:`~deepcee.cluster.model`: :class:`Cluster`, its lookups and link queries, and the
+  derived clusters (:meth:`Cluster.subset`, :meth:`Cluster.with_links`).
+- :mod:`~deepcee.cluster.routing`: the typed lookup tables (:class:`ClusterIndex`) and the
+  resolution of a device pair to its :class:`Link` (below).
+- :mod:`~deepcee.cluster.files`: TOML and JSON readers, the JSON writer, trace files.
+
+Link model (alpha-beta): ``time = latency_s + bytes / bandwidth_bytes_per_s``.
+
+[Note: link resources]
+A *link* is directed and device-to-device, but the thing that is shared by concurrent
+transfers is its ``resource``: inside a node each device pair has its own pipe
+(NVLink/PCIe); between nodes every pair of nodes has one pipe per direction, shared by all
+devices of those two nodes (a server's WAN uplink is shaped per destination). The simulator
+and the upper bound share bandwidth per resource.
+
+Link resolution, most specific first: an explicit ``[[links]]`` entry naming the two devices,
+then the two nodes, then the two islands; otherwise the node's intra link (same node), or
+the island's intra link (same island). Islands without a direct entry are joined through
+the path with the least transfer time for 1 MB (latencies add, the narrowest hop sets the
+bandwidth and the resource). Islands that no path joins are an error.
+"""
+
+from __future__ import annotations
+
+from deepcee.cluster.files import (
+    SCHEMA_VERSION,
+    cluster_from_dict,
+    cluster_from_toml_dict,
+    cluster_to_dict,
+    load_cluster,
+    load_trace,
+)
+from deepcee.cluster.model import Cluster
+from deepcee.cluster.parts import (
+    BandwidthTrace,
+    Device,
+    DeviceKind,
+    Island,
+    Link,
+    LinkEntry,
+    LinkSpec,
+    Node,
+)
+from deepcee.cluster.routing import ClusterIndex
+
+__all__ = [
+    "SCHEMA_VERSION", "BandwidthTrace", "Cluster", "ClusterIndex", "Device", "DeviceKind", "Island", "Link",
+    "LinkEntry", "LinkSpec", "Node", "cluster_from_dict", "cluster_from_toml_dict", "cluster_to_dict",
+    "load_cluster", "load_trace",
+]

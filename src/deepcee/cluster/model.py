@@ -1,0 +1,142 @@
+"""The cluster: devices and the network between them, and the queries the rest of deepcee asks.
+
+Torch-free. :class:`Cluster` holds the parts (:mod:`deepcee.cluster.parts`) as given, checks
+on construction that they refer to each other correctly, and answers lookups and link queries
+from its :class:`~deepcee.cluster.routing.ClusterIndex`. Files are read and written by
+:mod:`deepcee.cluster.files`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from deepcee.cluster.parts import Device, DeviceKind, Island, Link, LinkEntry, Node
+from deepcee.cluster.routing import ClusterIndex, build_index, resolve_link
+from deepcee.errors import ClusterSpecError
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Cluster:
+    """Devices and the network between them. Build with :func:`~deepcee.cluster.load_cluster` or directly."""
+
+    name: str
+    kinds: Mapping[str, DeviceKind]
+    """Kind name -> kind."""
+    islands: tuple[Island, ...]
+    nodes: tuple[Node, ...]
+    devices: tuple[Device, ...]
+    """In file order (the order of reports; see :meth:`topology_key` for ring order)."""
+    links: tuple[LinkEntry, ...] = ()
+    """Explicit ``[[links]]`` entries; see [Note: link resources] in :mod:`deepcee.cluster`."""
+    description: str = ""
+    emulation: str = ""
+    """Non-empty when figures for this cluster come from emulation: says how (shown in reports)."""
+    source: str = ""
+    """File this cluster was loaded from, for error messages."""
+    _index: ClusterIndex = field(init=False, repr=False, compare=False)
+    """Lookup tables built from the fields above; see :class:`~deepcee.cluster.routing.ClusterIndex`."""
+
+    def __post_init__(self) -> None:
+        index = build_index(kinds=self.kinds, islands=self.islands, nodes=self.nodes, devices=self.devices,
+                            links=self.links, source=self.source)
+        object.__setattr__(self, "_index", index)  # frozen: the one field set after __init__
+
+    # -- lookups -------------------------------------------------------------------------
+    def device(self, name: str) -> Device:
+        try:
+            return self._index.devices[name]
+        except KeyError:
+            raise ClusterSpecError(f"unknown device {name!r}", file=self.source or None) from None
+
+    def node(self, name: str) -> Node:
+        return self._index.nodes[name]
+
+    def topology_key(self, device: str) -> tuple[int, str, int]:
+        """Sort key that keeps the devices of an island, then of a node, together."""
+        return self._index.order[device]
+
+    def kind_of(self, device: str) -> DeviceKind:
+        return self.kinds[self.device(device).kind]
+
+    @property
+    def device_names(self) -> tuple[str, ...]:
+        return tuple(d.name for d in self.devices)
+
+    def effective_flops_per_s(self, device: str) -> float:
+        d = self.device(device)
+        return self.kinds[d.kind].effective_flops_per_s / d.slowdown
+
+    def memory_bytes(self, device: str) -> float:
+        return self.kind_of(device).memory_bytes
+
+    def island_devices(self) -> dict[str, tuple[str, ...]]:
+        """Island name -> its devices, in file order."""
+        out: dict[str, list[str]] = {i.name: [] for i in self.islands}
+        for d in self.devices:
+            out[d.island].append(d.name)
+        return {k: tuple(v) for k, v in out.items() if v}
+
+    def node_devices(self) -> dict[str, tuple[str, ...]]:
+        out: dict[str, list[str]] = {n.name: [] for n in self.nodes}
+        for d in self.devices:
+            out[d.node].append(d.name)
+        return {k: tuple(v) for k, v in out.items() if v}
+
+    # -- links ---------------------------------------------------------------------------
+    def link(self, src: str, dst: str) -> Link:
+        """The resolved directed link from device ``src`` to device ``dst``."""
+        memo = self._index.resolved
+        key = (src, dst)
+        if key in memo:
+            return memo[key]
+        a, b = self.device(src), self.device(dst)
+        if src == dst:
+            raise ClusterSpecError(f"no link from device {src!r} to itself")
+        memo[key] = link = resolve_link(self._index, a, b)
+        return link
+
+    # -- derived clusters ----------------------------------------------------------------
+    def subset(self, device_names: Iterable[str]) -> Cluster:
+        """The same cluster restricted to ``device_names`` (links unchanged)."""
+        keep = set(device_names)
+        devices = tuple(d for d in self.devices if d.name in keep)
+        nodes_kept = {d.node for d in devices}
+        islands_kept = {d.island for d in devices}
+        names = keep | nodes_kept | islands_kept
+        return Cluster(
+            name=self.name,
+            kinds=self.kinds,
+            islands=tuple(i for i in self.islands if i.name in islands_kept),
+            nodes=tuple(n for n in self.nodes if n.name in nodes_kept),
+            devices=devices,
+            links=tuple(e for e in self.links if e.a in names and e.b in names),
+            description=self.description,
+            emulation=self.emulation,
+            source=self.source,
+        )
+
+    def with_links(self, extra: Iterable[LinkEntry]) -> Cluster:
+        """A copy where ``extra`` link entries override existing ones between the same ends."""
+        extra = tuple(extra)
+        ends = {(e.a, e.b) for e in extra} | {(e.b, e.a) for e in extra if not e.directed}
+        kept = tuple(e for e in self.links if (e.a, e.b) not in ends)
+        return Cluster(
+            name=self.name,
+            kinds=self.kinds,
+            islands=self.islands,
+            nodes=self.nodes,
+            devices=self.devices,
+            links=kept + extra,
+            description=self.description,
+            emulation=self.emulation,
+            source=self.source,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """The machine-written JSON form (``deepcee.cluster`` v1); see :func:`~deepcee.cluster.cluster_to_dict`."""
+        # files.py builds Clusters, so it imports this module: import it here, not at the top
+        from deepcee.cluster.files import cluster_to_dict
+
+        return cluster_to_dict(self)
