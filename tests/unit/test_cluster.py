@@ -111,6 +111,26 @@ bandwidth_mbit_per_s = 50
     assert link.resource == "b->c"
 
 
+def test_most_specific_entry_wins_and_directed_entries_go_one_way(tmp_path: Path) -> None:
+    text = GOOD + """
+[[links]]
+between = ["n0:1", "n1:0"]
+directed = true
+latency_ms = 1
+bandwidth_mbit_per_s = 1000
+"""
+    c = load_cluster(write(tmp_path, text))
+    fwd, back = c.link("n0:1", "n1:0"), c.link("n1:0", "n0:1")
+    assert (fwd.latency_s, fwd.bandwidth_bytes_per_s) == (pytest.approx(0.001), pytest.approx(125e6))
+    assert back.latency_s == pytest.approx(0.02)  # the island entry: the device entry is directed
+    assert c.link("n0:0", "n1:0").latency_s == pytest.approx(0.02)
+    assert fwd.resource == "n0->n1"  # still the node pair's pipe
+    index = c._index
+    assert index.island_routes == {("a", "b"): ("a", "b"), ("b", "a"): ("b", "a")}
+    assert [index.order[d] for d in c.device_names] == [(0, "n0", 0), (0, "n0", 1), (1, "n1", 2)]
+    assert set(index.resolved) == {("n0:1", "n1:0"), ("n1:0", "n0:1"), ("n0:0", "n1:0")}
+
+
 def test_json_round_trip(tmp_path: Path) -> None:
     c = load_cluster(write(tmp_path, GOOD))
     d = json.loads(json.dumps(c.to_dict()))
