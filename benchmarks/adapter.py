@@ -85,8 +85,8 @@ def _profile(args: argparse.Namespace, cluster: Cluster) -> tuple[ModelProfile, 
     out = Path(args.profile_dir)
     if (out / "profile.json").exists() and not args.reprofile:
         return load_profile(out / "profile.json"), f"reused {out / 'profile.json'}"
-    from deepcee.profiler.device import ProbeConfig
     from deepcee.profiler.network import NetworkBudget
+    from deepcee.profiler.probes import ProbeConfig
     from deepcee.profiler.run import profile_cluster
 
     t0 = time.monotonic()

@@ -32,9 +32,9 @@ from pathlib import Path
 from deepcee.cluster import load_cluster
 from deepcee.plan import plan_from_dict, save_json_atomic
 from deepcee.profile import LayerTiming, ModelProfile, load_profile
-from deepcee.profiler.device import ProbeConfig
 from deepcee.profiler.fidelity import FidelityReport, format_table, validate_cluster
 from deepcee.profiler.network import NetworkBudget
+from deepcee.profiler.probes import ProbeConfig
 from deepcee.profiler.run import profile_cluster
 from deepcee.scenarios import load_scenario
 from deepcee.simulator.engine import simulate

@@ -309,8 +309,9 @@ def train_plans(microbatch: int, microbatches: int) -> dict[str, Plan]:
 
 def predicted_step_s(cluster: Cluster, plans: dict[str, Plan]) -> tuple[dict[str, float], float]:
     """The simulator's iteration time of each plan from a profile of this machine (one thread); wall seconds spent."""
-    from deepcee.profiler.device import ProbeConfig, net_source, probe_device
+    from deepcee.profiler.device import net_source, probe_device
     from deepcee.profiler.model import base_profile, measured_kind, measured_profile
+    from deepcee.profiler.probes import ProbeConfig
     from deepcee.runtime import dist as rdist
     from deepcee.simulator.engine import simulate
 

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from deepcee.cluster import Cluster, Device, DeviceKind, Island, LinkEntry, LinkSpec, Node
-from deepcee.profiler.device import ProbeConfig
+from deepcee.profiler.probes import ProbeConfig
 from deepcee.profiler.fidelity import validate_cluster
 from deepcee.profiler.network import NetworkBudget
 

@@ -8,15 +8,10 @@ import torch
 
 from deepcee.errors import SpecError
 from deepcee.models import get_model
-from deepcee.profiler.device import (
-    MEMORY_CUDA,
-    PASSES,
-    ProbeConfig,
-    compute_score,
-    net_source,
-    probe_device,
-)
+from deepcee.profiler.device import net_source, probe_device
 from deepcee.profiler.model import measured_profile
+from deepcee.profiler.probes import MEMORY_CUDA, PASSES, ProbeConfig
+from deepcee.profiler.timing import compute_score
 from deepcee.runtime.emulation import DevicePacer
 
 pytestmark = [pytest.mark.gpu,

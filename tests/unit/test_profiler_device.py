@@ -9,17 +9,10 @@ import torch
 from torch import nn
 
 from deepcee.errors import ProfileError, SpecError
-from deepcee.profiler.device import (
-    PASSES,
-    ProbeConfig,
-    compute_score,
-    fit_line,
-    net_source,
-    probe_blocks,
-    probe_device,
-    probe_from_dict,
-    probe_to_dict,
-)
+from deepcee.profiler.device import net_source, probe_device
+from deepcee.profiler.layer_probe import probe_blocks
+from deepcee.profiler.probes import PASSES, ProbeConfig, fit_line, probe_from_dict, probe_to_dict
+from deepcee.profiler.timing import compute_score
 from deepcee.runtime.data import Batch
 from deepcee.runtime.emulation import Clock, DevicePacer
 

@@ -12,16 +12,7 @@ from deepcee.cluster import DeviceKind
 from deepcee.errors import ProfileError
 from deepcee.models import get_model
 from deepcee.profile import profile_from_dict
-from deepcee.profiler.device import (
-    MEMORY_CPU,
-    PASSES,
-    ComputeScore,
-    DeviceProbe,
-    LayerProbe,
-    PassFit,
-    RangeProbe,
-    net_source,
-)
+from deepcee.profiler.device import net_source
 from deepcee.profiler.model import (
     base_profile,
     call_overheads,
@@ -32,6 +23,15 @@ from deepcee.profiler.model import (
     measured_profile,
     measured_slowdowns,
     profile_from_blocks,
+)
+from deepcee.profiler.probes import (
+    MEMORY_CPU,
+    PASSES,
+    ComputeScore,
+    DeviceProbe,
+    LayerProbe,
+    PassFit,
+    RangeProbe,
 )
 from deepcee.runtime.data import Batch
 

@@ -13,7 +13,7 @@
 - :func:`first_stage_rows`: what a layer costs as part of a first stage (see [Note: first-stage
   composition]).
 - :func:`call_overheads`: the per-call cost of a stage action, from the range probes (see
-  [Note: call overhead] in :mod:`deepcee.profiler.device`).
+  [Note: call overhead] in :mod:`deepcee.profiler.layer_probe`).
 - :func:`kind_timings`: per kind, the profile's per-layer
   :class:`~deepcee.profile.LayerTiming` objects (``F``, ``I``, ``W``, fused ``B`` inside a stage,
   and ``first_stage``) with the call overhead taken out, and the call overhead itself.
@@ -52,7 +52,8 @@ from deepcee.cluster import DeviceKind
 from deepcee.errors import ProfileError
 from deepcee.models import get_model, model_names
 from deepcee.profile import LayerProfile, LayerTiming, ModelProfile
-from deepcee.profiler.device import PASSES, DeviceProbe, NetSource
+from deepcee.profiler.device import NetSource
+from deepcee.profiler.probes import PASSES, DeviceProbe
 from deepcee.runtime.stage import StageRunner
 
 _FIELDS = {"F": "forward", "I": "input_grad", "W": "weight_grad", "B": "backward"}
@@ -99,7 +100,7 @@ def kind_lines(probes: Sequence[DeviceProbe], slowdowns: Mapping[str, float], *,
     mean of its devices' fitted lines, each divided by the device's slowdown.
 
     ``first_stage``: the layers' lines probed as a first stage (see [Note: first-stage
-    timings] in :mod:`deepcee.profiler.device`); kinds whose probes lack them are left out.
+    timings] in :mod:`deepcee.profiler.layer_probe`); kinds whose probes lack them are left out.
     """
     out = {}
     for kind, ps in _by_kind(probes).items():
@@ -156,7 +157,7 @@ def call_overheads(probes: Sequence[DeviceProbe], slowdowns: Mapping[str, float]
                    parameter_counts: Sequence[int]) -> dict[str, tuple[Overhead, Overhead]]:
     """Kind -> ``(inside a stage, first stage)``: pass -> the per-call cost of a stage action at
     slowdown 1, the mean over the kind's devices (see [Note: call overhead] in
-    :mod:`deepcee.profiler.device`). Raw estimates: noise can make one negative. An empty
+    :mod:`deepcee.profiler.layer_probe`). Raw estimates: noise can make one negative. An empty
     mapping where no device of the kind probed that range."""
     out = {}
     for kind, ps in _by_kind(probes).items():

@@ -57,14 +57,7 @@ from deepcee.planner.grouping import (
     group_devices,
 )
 from deepcee.profile import ModelProfile
-from deepcee.profiler.device import (
-    DeviceProbe,
-    ProbeConfig,
-    net_source,
-    probe_device,
-    probe_from_dict,
-    probe_to_dict,
-)
+from deepcee.profiler.device import net_source, probe_device
 from deepcee.profiler.model import (
     base_profile,
     call_overheads,
@@ -74,6 +67,7 @@ from deepcee.profiler.model import (
     measured_slowdowns,
 )
 from deepcee.profiler.network import LinkFit, NetworkBudget, PairMode, link_entries, probe_network
+from deepcee.profiler.probes import DeviceProbe, ProbeConfig, probe_from_dict, probe_to_dict
 from deepcee.runtime import dist as rdist
 from deepcee.runtime.emulation import (
     DEFAULT_CORES,

@@ -1,0 +1,249 @@
+"""Per-layer probe: forward / input-gradient / weight-gradient times of every layer, and memory.
+
+What is timed is what runs: every layer (block) of the net is wrapped in the runtime's own
+:class:`deepcee.runtime.stage.StageRunner` and driven through its ``F``
+(:meth:`~deepcee.runtime.stage.StageRunner.forward`), ``I``
+(:meth:`~deepcee.runtime.stage.StageRunner.backward_input`) and ``W``
+(:meth:`~deepcee.runtime.stage.StageRunner.backward_weight`) actions, so the split-backward
+graph analysis the runtime pays in ``I`` is in the figures.
+
+Each round runs two microbatches per size: ``F``, ``I``, ``W`` (the split backward of the
+zero-bubble schedules) and ``F``, ``B`` (the fused backward,
+:meth:`~deepcee.runtime.stage.StageRunner.backward`, that GPipe and 1F1B run; cheaper than
+``I + W``, which walks the graph and calls autograd once per weight group). ``warmup``
+rounds, then ``repeats`` rounds; every round runs every layer (and every range of [Note: call
+overhead]) at every microbatch size (default 1, 2, 4, 8), interleaved, so slow drift of the
+host moves all figures alike instead of bending one fit or one difference; the figure per
+size is the median over rounds. A line ``fixed_s + per_sample_s x n`` is fitted per pass by
+non-negative least squares (:func:`~deepcee.profiler.probes.fit_line`); the records are in
+:mod:`deepcee.profiler.probes`, and :mod:`deepcee.profiler.model` turns the lines into the
+profile's :class:`deepcee.profile.LayerTiming` objects. The clock is
+:class:`~deepcee.profiler.timing.ProbeTimer` (see [Note: probe timers] there).
+
+[Note: probe memory]
+- CUDA: ``torch.cuda.max_memory_allocated`` over one F/I/W of the largest microbatch, minus
+  what was allocated before it, plus the layer's parameter bytes (resident throughout).
+- CPU: torch has no allocator statistics on CPU, so it is an *estimate from tensor sizes*:
+  parameters + gradients + the tensors autograd saves for the backward pass (counted with
+  ``saved_tensors_hooks``, each storage once, parameters excluded) + the output and its
+  gradient. The saved bytes per sample are also reported (``activation_bytes_per_sample``),
+  to compare with the analytic profile's ``activation_bytes``.
+
+[Note: first-stage timings]
+A stage whose input needs no gradient (the first stage: its input is the data) skips the
+input-gradient computation: its ``I`` only walks the graph, and its ``W`` is one backward for
+all its parameters, cheaper than the ``I`` + ``W`` of the same layers inside a later stage
+(gpt-tiny on one CPU core: 1.4-2x). With ``first_stage`` (default) the probe also times
+every layer run as a first stage (``StageRunner(is_first=True)``, including layers without
+parameters, whose first-stage backward is empty); ``probes.json`` keeps both sets and
+:func:`deepcee.profiler.model.first_stage_rows` composes the profile's ``first_stage`` timings.
+
+[Note: call overhead]
+A stage action pays some costs once per call, whatever the number of layers: the Python of the
+action, one ``autograd.grad``/``backward`` call with its engine start-up, hook registration. A
+single-layer probe includes them, so summing layers counts them once per layer. With
+``stage_ranges`` (default) the probe also times layers ``[1, L)`` (inside a stage) and
+``[0, L)`` (a first stage) each as one stage, interleaved with the single layers;
+:func:`deepcee.profiler.model.call_overheads` takes the per-call cost from the difference:
+``(sum of the k single-layer times - the range's time) / (k - 1)``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from functools import partial
+
+import torch
+from torch import nn
+
+from deepcee.errors import ProfileError
+from deepcee.profile import Pass
+from deepcee.profiler.probes import (
+    PASSES,
+    LayerProbe,
+    PassFit,
+    ProbeConfig,
+    RangeProbe,
+    TimerName,
+    pass_fit,
+)
+from deepcee.profiler.timing import ProbeTimer
+from deepcee.runtime.emulation import DevicePacer
+from deepcee.runtime.stage import StageRunner
+
+log = logging.getLogger(__name__)
+
+
+def _layer_inputs(blocks: Sequence[nn.Module], inputs: torch.Tensor) -> list[torch.Tensor]:
+    """The input of every block for ``inputs`` (no autograd)."""
+    xs, x = [], inputs
+    with torch.no_grad():
+        for b in blocks:
+            xs.append(x)
+            x = b(x)
+    return xs
+
+
+def _fresh_grad(out: torch.Tensor, seed: int) -> torch.Tensor:
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    return torch.randn(out.shape, generator=g, dtype=out.dtype).to(out.device)
+
+
+def _param_bytes(module: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters())
+
+
+def _memory(runner: StageRunner, x: torch.Tensor, targets: torch.Tensor | None, n: int) -> tuple[float, float]:
+    """``(peak bytes, saved activation bytes per sample)`` for one F/I/W at ``n`` samples."""
+    params = _param_bytes(runner.module)
+    param_ptrs = {p.data_ptr() for p in runner.module.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.data_ptr() not in param_ptrs:
+            st = t.untyped_storage()
+            saved[st.data_ptr()] = st.nbytes()
+        return t
+
+    runner.zero_grad()
+    cuda = runner.device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(runner.device)
+        torch.cuda.reset_peak_memory_stats(runner.device)
+        base = torch.cuda.memory_allocated(runner.device)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = runner.forward(-1, x[:n], None if targets is None else targets[:n])
+    g = None if runner.is_last else _fresh_grad(out, 0)
+    dx = runner.backward_input(-1, g)
+    runner.backward_weight(-1)
+    act = float(sum(saved.values()))
+    if cuda:
+        torch.cuda.synchronize(runner.device)
+        peak = float(torch.cuda.max_memory_allocated(runner.device) - base + params)
+    else:
+        extra = out.numel() * out.element_size() * (1 if runner.is_last else 2)
+        extra += 0 if dx is None else dx.numel() * dx.element_size()
+        peak = float(2 * params + act + extra)
+    runner.zero_grad()
+    return peak, act / n
+
+
+@dataclass(slots=True)
+class _Subject:
+    """One runner the probe times: a layer inside a stage, a layer in a first stage, or a range."""
+
+    runner: StageRunner
+    x: torch.Tensor
+    """Its input at the largest size."""
+    targets: torch.Tensor | None
+    key: object
+    """Pacing key (the layer index, or the range)."""
+    times: dict[Pass, list[list[float]]]
+    """Pass -> per size -> the measured rounds' times."""
+    grads: dict[int, torch.Tensor | None] = field(default_factory=dict)
+    """Output gradient per size, made once."""
+
+
+def _subject(runner: StageRunner, x: torch.Tensor, targets: torch.Tensor | None, key: object,
+             sizes: Sequence[int]) -> _Subject:
+    return _Subject(runner=runner, x=x, targets=targets if runner.is_last else None, key=key,
+                    times={p: [[] for _ in sizes] for p in PASSES})
+
+
+def _microbatches(s: _Subject, timer: ProbeTimer, mb: int, n: int) -> dict[Pass, list[float]]:
+    """Two microbatches of ``n`` samples through ``s``: ``F, I, W`` (split) and ``F, B`` (fused); their times."""
+    runner, x, targets = s.runner, s.x[:n], None if s.targets is None else s.targets[:n]
+    out, tf = timer.run(partial(runner.forward, mb, x, targets), s.key)
+    if runner.is_last:
+        grad = None
+    elif s.grads.get(n) is None:
+        grad = s.grads[n] = _fresh_grad(out, n)
+    else:
+        grad = s.grads[n]
+    _, ti = timer.run(partial(runner.backward_input, mb, grad), s.key)
+    _, tw = timer.run(partial(runner.backward_weight, mb), s.key)
+    _, tf2 = timer.run(partial(runner.forward, mb + 1, x, targets), s.key)
+    _, tb = timer.run(partial(runner.backward, mb + 1, grad), s.key)
+    return {"F": [tf, tf2], "I": [ti], "W": [tw], "B": [tb]}
+
+
+def _time_subjects(subjects: Sequence[_Subject], timer: ProbeTimer, cfg: ProbeConfig) -> int:
+    """Time every subject at every size, interleaved in each round (so slow drift of the host
+    moves all of them alike); returns the number of measured rounds."""
+    t_start, rounds, mb = time.monotonic(), 0, 0
+    for rnd in range(cfg.warmup + cfg.repeats):
+        measured = rnd >= cfg.warmup
+        if measured and rounds >= 3 and time.monotonic() - t_start > cfg.time_budget_s:
+            log.info("probe budget of %.3g s spent after %d rounds", cfg.time_budget_s, rounds)
+            break
+        for k, n in enumerate(cfg.microbatch_sizes):
+            for s in subjects:
+                ts = _microbatches(s, timer, mb, n)
+                mb += 2
+                if measured:
+                    for p, t in ts.items():
+                        s.times[p][k] += t
+        rounds += measured
+        for s in subjects:
+            s.runner.zero_grad()
+    return rounds
+
+
+def _fits(s: _Subject, sizes: Sequence[int]) -> dict[Pass, PassFit]:
+    return {p: pass_fit(sizes, s.times[p]) for p in PASSES}
+
+
+def probe_blocks(blocks: Sequence[nn.Module], *, inputs: torch.Tensor, targets: torch.Tensor,
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                 names: Sequence[str] | None = None, device: torch.device | str = "cpu",
+                 dtype: torch.dtype = torch.float32, config: ProbeConfig | None = None,
+                 pacer: DevicePacer | None = None) -> tuple[tuple[LayerProbe, ...], tuple[RangeProbe, ...], TimerName]:
+    """Probe each block (and the ranges of [Note: call overhead]); ``inputs``/``targets`` hold at
+    least ``max(sizes)`` samples.
+
+    Returns the layer probes, the range probes and the timer's name. The blocks are moved to
+    ``device`` and ``dtype`` (the caller's modules are modified, as by ``Module.to``).
+    """
+    cfg = config or ProbeConfig()
+    device = torch.device(device)
+    sizes, n_max = cfg.microbatch_sizes, max(cfg.microbatch_sizes)
+    if inputs.shape[0] < n_max or targets.shape[0] < n_max:
+        raise ProfileError(f"need >= {n_max} samples of inputs and targets, got {inputs.shape[0]}, {targets.shape[0]}")
+    names = list(names) if names is not None else [f"layer{i}" for i in range(len(blocks))]
+    if len(names) != len(blocks):
+        raise ProfileError(f"{len(names)} names for {len(blocks)} blocks")
+    timer = ProbeTimer(device, cfg.cpu_timer, pacer)
+    x0 = inputs[:n_max].to(device)
+    if x0.is_floating_point():
+        x0 = x0.to(dtype)
+    moved = [b.to(device=device, dtype=dtype) for b in blocks]
+    xs, tg = _layer_inputs(moved, x0), targets[:n_max].to(device)
+    num = len(moved)
+
+    def runner(a: int, b: int, first: bool) -> StageRunner:
+        return StageRunner(moved[a:b], stage=a, is_first=first, is_last=b == num, loss_fn=loss_fn, device=device,
+                           dtype=dtype)
+
+    layers = [[_subject(runner(i, i + 1, i == 0), xs[i], tg, i, sizes)] for i in range(num)]
+    if cfg.first_stage:
+        for i in range(1, num):
+            layers[i].append(_subject(runner(i, i + 1, True), xs[i], tg, i, sizes))
+    ranges = [_subject(runner(a, num, a == 0), xs[a], tg, (a, num), sizes)
+              for a in ((1, 0) if cfg.stage_ranges else ()) if num - a >= 2]
+    rounds = _time_subjects([s for subs in layers for s in subs] + ranges, timer, cfg)
+    out = []
+    for i, (name, subs) in enumerate(zip(names, layers, strict=True)):
+        fits = [_fits(s, sizes) for s in subs]
+        peak, act = _memory(subs[0].runner, xs[i], subs[0].targets, n_max)
+        log.debug("layer %d %s: F %s", i, name, fits[0]["F"])
+        out.append(LayerProbe(name=name, microbatch_sizes=tuple(sizes), passes=fits[0],
+                              first_stage=fits[-1] if len(fits) > 1 or i == 0 else None, rounds=rounds,
+                              peak_memory_bytes=peak, activation_bytes_per_sample=act,
+                              pacing_ratio=timer.take_pacing(i)))
+    spans = tuple(RangeProbe(start=s.runner.stage, stop=num, passes=_fits(s, sizes), rounds=rounds,
+                             pacing_ratio=timer.take_pacing(s.key)) for s in ranges)
+    return tuple(out), spans, timer.name
+
