@@ -49,18 +49,21 @@ SCHEMA_VERSION = 2
 READABLE_SCHEMAS = (1, 2)
 
 ScheduleName = Literal["gpipe", "1f1b", "zb-h1", "zb-h2", "compact"]
-SCHEDULES: tuple[str, ...] = get_args(ScheduleName)
+SCHEDULES: tuple[ScheduleName, ...] = get_args(ScheduleName)
 SyncName = Literal["allreduce-ring", "allreduce-hier", "zero2", "ps", "none"]
-SYNCS: tuple[str, ...] = get_args(SyncName)
+SYNCS: tuple[SyncName, ...] = get_args(SyncName)
 """How the holders of a layer combine gradients: ring all-reduce over all of them,
 hierarchical all-reduce (inside islands first, then across), ZeRO-2 (reduce-scatter of
 gradients, sharded optimizer states, all-gather of parameters), parameter servers (push to
 the server of one's island, servers combine, pull), or none (no layer has two holders)."""
 StrategyKind = Literal["exact", "asgd-ga", "model-averaging", "partial"]
-STRATEGIES: tuple[str, ...] = get_args(StrategyKind)
+STRATEGIES: tuple[StrategyKind, ...] = get_args(StrategyKind)
 OuterOptimizer = Literal["average", "nesterov"]
-OUTER_OPTIMIZERS: tuple[str, ...] = get_args(OuterOptimizer)
+OUTER_OPTIMIZERS: tuple[OuterOptimizer, ...] = get_args(OuterOptimizer)
 Semantics = Literal["exact", "relaxed"]
+EstimateSource = Literal["cost-model", "simulator"]
+"""Who made an :class:`Estimate`."""
+ESTIMATE_SOURCES: tuple[EstimateSource, ...] = get_args(EstimateSource)
 
 
 def share_ranges(shares: Sequence[int]) -> list[tuple[int, int]]:
@@ -304,8 +307,13 @@ class Estimate:
     samples_per_s: float
     peak_memory_bytes: Mapping[str, float] = field(default_factory=dict)
     bottleneck: str = ""
-    source: str = "cost-model"
+    source: EstimateSource = "cost-model"
     """``cost-model`` (analytic) or ``simulator``."""
+
+    def __post_init__(self) -> None:
+        if self.source not in ESTIMATE_SOURCES:
+            raise PlanError(f"unknown estimate source {self.source!r} (known: {', '.join(ESTIMATE_SOURCES)})",
+                            field="estimate.source")
 
 
 _PIPELINE_FIELDS = ("stages", "microbatch_size", "num_microbatches", "schedule", "actions")
@@ -338,11 +346,11 @@ class Plan:
     explanation: tuple[str, ...]
 
     def __init__(self, *, system: str, cluster: str, model: str, global_batch: int,
-                 replicas: Sequence[ReplicaPlan] | None = None, sync: str = "allreduce-ring",
+                 replicas: Sequence[ReplicaPlan] | None = None, sync: SyncName = "allreduce-ring",
                  strategy: Strategy = EXACT, servers: Sequence[str] = (), excluded_devices: Sequence[str] = (),
                  estimate: Estimate | None = None, explanation: Sequence[str] = (),
                  stages: Sequence[StagePlan] | None = None, microbatch_size: int | None = None,
-                 num_microbatches: int | None = None, schedule: str | None = None,
+                 num_microbatches: int | None = None, schedule: ScheduleName | None = None,
                  actions: Sequence[Sequence[str]] = ()) -> None:
         if replicas is None:
             if stages is None or microbatch_size is None or num_microbatches is None or schedule is None:
@@ -528,7 +536,7 @@ class Plan:
         }
 
 
-def _replica(stages: Sequence[StagePlan], microbatch_size: int, num_microbatches: int, schedule: str,
+def _replica(stages: Sequence[StagePlan], microbatch_size: int, num_microbatches: int, schedule: ScheduleName,
              actions: Sequence[Sequence[str]], *, where: str) -> ReplicaPlan:
     """A replica whose errors name ``where`` + the field (schema-1 field names for ``where=""``)."""
     try:
@@ -585,6 +593,6 @@ def load_plan(path: str | Path) -> Plan:
     return plan_from_dict(read_json(path, PlanError), file=str(path))
 
 
-__all__ = ["EXACT", "OUTER_OPTIMIZERS", "SCHEDULES", "STRATEGIES", "SYNCS", "Estimate", "Plan", "ReplicaPlan",
-           "Semantics", "StagePlan", "Strategy", "load_plan", "plan_from_dict", "save_json_atomic",
-           "share_overlaps", "share_ranges"]
+__all__ = ["ESTIMATE_SOURCES", "EXACT", "OUTER_OPTIMIZERS", "SCHEDULES", "STRATEGIES", "SYNCS", "Estimate",
+           "EstimateSource", "Plan", "ReplicaPlan", "Semantics", "StagePlan", "Strategy", "load_plan",
+           "plan_from_dict", "save_json_atomic", "share_overlaps", "share_ranges"]

@@ -153,3 +153,12 @@ def test_invalid_strategies(kw: dict, needle: str) -> None:
 def test_relaxed_strategy_needs_replicas() -> None:
     with pytest.raises(PlanError, match="joins replicas; the plan has one"):
         make_plan(strategy=Strategy(kind="partial"))
+
+
+def test_estimate_source_is_checked_when_a_file_is_read() -> None:
+    d = make_plan(estimate=Estimate(iteration_s=1.0, samples_per_s=8.0, source="simulator")).to_dict()
+    assert plan_from_dict(d).estimate.source == "simulator"
+    with pytest.raises(PlanError) as info:
+        plan_from_dict({**d, "estimate": {**d["estimate"], "source": "guess"}}, file="p.json")
+    msg = str(info.value)
+    assert msg.startswith("p.json:") and "estimate.source" in msg and "'guess'" in msg
