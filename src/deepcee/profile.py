@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from deepcee.cluster import DeviceKind
 from deepcee.errors import ProfileError
@@ -28,6 +28,10 @@ from deepcee.jsonio import read_json
 
 SCHEMA_VERSION = 1
 Pass = Literal["F", "I", "W", "B"]
+"""Forward, input gradient, weight gradient, and the fused backward (``I + W`` in one walk)."""
+OptimizerName = Literal["adam", "sgd"]
+"""Optimizers whose state size :mod:`deepcee.models` knows."""
+OPTIMIZERS: tuple[OptimizerName, ...] = get_args(OptimizerName)
 
 
 def _check_nonneg(owner: str, **values: float) -> None:
@@ -120,11 +124,13 @@ class ModelProfile:
     input_bytes: float
     """Bytes of one input sample (what the first stage reads)."""
     dtype: str = "fp16"
+    """Training dtype, a label for reports (``fp16``, ``bf16``, ``fp32``; a measured profile may
+    name another torch dtype): the byte counts above and below already hold its size."""
     gradient_bytes_per_parameter: float = 2.0
     """Bytes per parameter sent by gradient synchronisation (the training dtype)."""
     state_bytes_per_parameter: float = 16.0
     """Parameter + gradient + optimizer state bytes per parameter (mixed-precision Adam: 16)."""
-    optimizer: str = "adam"
+    optimizer: OptimizerName = "adam"
     hyper: Mapping[str, Any] = field(default_factory=dict)
     """Shape parameters (sequence length, image size, ...) for reports."""
     measured: Mapping[str, tuple[LayerTiming, ...]] = field(default_factory=dict)
@@ -138,6 +144,9 @@ class ModelProfile:
     def __post_init__(self) -> None:
         if not self.layers:
             raise ProfileError(f"model {self.name!r}: needs at least one layer")
+        if self.optimizer not in OPTIMIZERS:
+            raise ProfileError(f"model {self.name!r}: unknown optimizer {self.optimizer!r} "
+                               f"(known: {', '.join(OPTIMIZERS)})", field="optimizer")
         _check_nonneg(
             f"model {self.name!r}",
             input_bytes=self.input_bytes,

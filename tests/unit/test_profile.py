@@ -55,6 +55,9 @@ def test_validation_names_the_value() -> None:
         ModelProfile(name="m", layers=layers(2), input_bytes=1.0, measured={"k": (t,)})
     with pytest.raises(ProfileError, match="schema_version"):
         profile_from_dict({"format": "deepcee.profile", "schema_version": 7})
+    d = ModelProfile(name="m", layers=layers(2), input_bytes=1.0).to_dict()
+    with pytest.raises(ProfileError, match=r"^p\.json: optimizer: model 'm': unknown optimizer 'lion'"):
+        profile_from_dict({**d, "optimizer": "lion"}, file="p.json")
 
 
 def test_call_overhead_is_paid_once_per_stage_action() -> None:
