@@ -49,6 +49,7 @@ from deepcee.errors import DeepceeError, RuntimeSetupError, SpecError
 from deepcee.plan import Plan, plan_from_dict, save_json_atomic
 from deepcee.runtime import checkpoint as ckpt
 from deepcee.runtime import dist as rdist
+from deepcee.runtime import params as rparams
 from deepcee.runtime.data import Dataset, dataset_for
 from deepcee.runtime.emulation import (
     DEFAULT_CORES,
@@ -151,8 +152,9 @@ class Job:
     name: str
     plan: dict[str, Any]
     cluster: dict[str, Any]
-    model: str | Sequence[nn.Module]
-    """A built-in net's name, or the user's blocks (see :func:`deepcee.nets.as_blocks`)."""
+    model: str | Sequence[nn.Module] | rparams.PackedModel
+    """A built-in net's name, or the user's blocks (see :func:`deepcee.nets.as_blocks`), which
+    travel packed and are copied on every rank ([Note: private copies] in :mod:`deepcee.runtime.params`)."""
     config: TrainConfig
     run_dir: str
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
@@ -160,6 +162,9 @@ class Job:
     checkpoint_dir: str | None = None
     adapter: TrainerFactory | None = None
     """Builds this job's trainer instead of :class:`Trainer` (the adapter's controller); must pickle."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return rparams.reduce_job(self)  # a user model must not reach the ranks as shared memory
 
 
 class TrainerFactory(Protocol):
@@ -196,6 +201,7 @@ class Trainer:
         self.run_dir = Path(job.run_dir)
         self._groups: dict[tuple[int, ...], Any] = {}
         self._records_sent = 0
+        self.ties = rparams.model_ties(job.model)
         # Every rank creates every group, in the same order (torch.distributed requires it).
         self._set_plan(plan_from_dict(job.plan), make_job_group=True)
 
@@ -207,6 +213,7 @@ class Trainer:
             self.job_group = self._make_job_group()
         self.stage_groups = {s: self._group(self.topo.stage_ranks(s))
                              for s in range(plan.num_stages) if len(self.topo.stage_ranks(s)) > 1}
+        self.tie_groups = rparams.tie_groups(self.ties, plan, self.topo, self._group)
 
     def _group(self, ranks: Sequence[int]) -> Any:
         """A process group over ``ranks``, created once per set (every rank calls this in the same order)."""
@@ -246,7 +253,7 @@ class Trainer:
             blocks, loss_fn = nets.build(self.job.model, self.cfg.seed, dtype=dtype)
             loss_fn = self.job.loss_fn or loss_fn
         else:
-            blocks, loss_fn = [b.to(dtype) for b in nets.as_blocks(self.job.model)], self.job.loss_fn
+            blocks, loss_fn = [b.to(dtype) for b in rparams.private_blocks(self.job.model)], self.job.loss_fn
         return blocks, loss_fn
 
     def _check_sync(self) -> None:
@@ -393,13 +400,21 @@ class Trainer:
             p.grad = flat[offset:offset + g.numel()].view_as(g)
             offset += g.numel()
         if self.cfg.mode == "emulated":
-            devices = self.plan.stages[self.placement.stage].devices
-            # The simulator's all-reduce model on the emulated links (one model for both), counted
-            # from the start of the real all-reduce, which overlaps it; traced links read at its start.
-            model_s = allreduce_s(self.cluster, devices, flat.numel() * flat.element_size(), self.plan.sync,
-                                  at_s=self.emulated_s(t0))
-            self.clock.sleep_until(t0 + model_s * self.dilation)
+            self._pace_allreduce(self.plan.stages[self.placement.stage].devices, flat.numel() * flat.element_size(), t0)
         return self.clock.wall() - t0
+
+    def _pace_allreduce(self, devices: Sequence[str], nbytes: int, t0: float) -> None:
+        # The simulator's all-reduce model on the emulated links (one model for both), counted
+        # from the start of the real all-reduce, which overlaps it; traced links read at its start.
+        sync = self.plan.sync if self.plan.sync != "none" else "allreduce-ring"
+        model_s = allreduce_s(self.cluster, devices, nbytes, sync, at_s=self.emulated_s(t0))
+        self.clock.sleep_until(t0 + model_s * self.dilation)
+
+    def _sum_tied_gradients(self) -> float:
+        """Tied parameters across stages ([Note: tied parameters] in :mod:`deepcee.runtime.params`)."""
+        return rparams.sum_tied_gradients(self.tie_groups, self.blocks, self.plan, self.placement,
+                                         timeout_s=self.cfg.timeout_s, clock=self.clock,
+                                         pace=self._pace_allreduce if self.cfg.mode == "emulated" else None)
 
     def emulated_s(self, wall: float | None = None) -> float:
         """Seconds since the run's shared epoch, divided by the dilation (emulated time)."""
@@ -444,7 +459,7 @@ class Trainer:
     def _named(self, tensors: Callable[[nn.Parameter], torch.Tensor | None]) -> dict[str, torch.Tensor]:
         start = self.plan.stages[self.placement.stage].layer_start
         out = {}
-        for name, p in self.stage.module.named_parameters():
+        for name, p in self.stage.module.named_parameters(remove_duplicate=False):  # every name of a tie
             idx, rest = name.split(".", 1)
             t = tensors(p)
             out[f"{start + int(idx)}.{rest}"] = None if t is None else t.detach().cpu().clone()
@@ -504,7 +519,7 @@ class Trainer:
         """One step of this (active) rank: schedule row, gradient sync, optimizer; its metrics."""
         self.stage.zero_grad()
         rec = run_step(self.actions, self.stage, self.p2p, self._feeds(step), self.pacer, trace=self.cfg.trace)
-        sync_s = self._sync_gradients()
+        sync_s = self._sync_gradients() + self._sum_tied_gradients()
         if self.cfg.capture and step == self.start_step:
             capture["grads"] = self._named(lambda p: p.grad)
         self.optimizer.step()
