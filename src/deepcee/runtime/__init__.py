@@ -13,9 +13,10 @@ Public API:
 
 Modules: ``dist`` (process group; the only place that reads the environment), ``partition``
 (topology, sample ranges), ``stage``, ``p2p``, ``executor``, ``emulation``, ``trainer``,
-``checkpoint`` (checkpoints and metrics), ``data`` (shipped datasets), ``launch``,
-``supervise`` (starting and watching rank processes, torch-free), and the real-network mode's
-package ``realnet``.
+``checkpoint`` (checkpoints and metrics), ``data`` (shipped datasets), ``params`` (a user
+model's private copies on the ranks and its tied parameters), ``launch``, ``supervise``
+(starting and watching rank processes, torch-free), and the real-network mode's package
+``realnet``.
 
 The names above are imported on first use (module ``__getattr__``), so that a process that
 imports only a torch-free submodule, such as the relay (``deepcee.runtime.realnet.relay``) or

@@ -167,6 +167,15 @@ def run_training(plan: Plan, cluster: Cluster, *, model: Any = "gpt-tiny", steps
                  checkpoint_dir: str | Path | None = None, **config: Any) -> TrainResult:
     """Train ``model`` for ``steps`` steps following ``plan`` on local processes (one per device).
 
+    ``model`` is a built-in net's name or your own blocks (an ``nn.Sequential``, an
+    ``nn.ModuleList`` or a list of modules; pass ``loss_fn`` and ``dataset`` with them). Every
+    rank trains its own copy: the object you pass is never modified (not trained, not
+    converted to ``dtype``, not moved to shared memory); the trained weights are in the
+    checkpoints (``checkpoint_every``). A parameter that several blocks hold (an embedding
+    tied to an LM head) stays one parameter: on one stage it is one tensor, and its copies on
+    different stages get the summed gradient every step, as in one process. See
+    ``docs/running.md`` ("Your own model").
+
     ``config`` holds :class:`TrainConfig` fields (``mode``, ``dtype``, ``optimizer``,
     ``checkpoint_every``, ``resume``, ...). Metrics go to ``<run_dir>/metrics.jsonl``.
     """

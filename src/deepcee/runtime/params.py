@@ -105,7 +105,7 @@ def find_ties(blocks: Sequence[nn.Module]) -> tuple[Tie, ...]:
     return (*(Tie(kind="parameter", uses=u) for u in params), *(Tie(kind="buffer", uses=u) for u in buffers))
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+@dataclass(frozen=True, slots=True, kw_only=True, repr=False)
 class PackedModel:
     """A user's blocks as ``torch.save`` bytes, with their ties. See [Note: private copies]."""
 
@@ -120,6 +120,9 @@ class PackedModel:
         buf = io.BytesIO()
         torch.save(blocks, buf)  # the standard pickler: storages are copied into the bytes
         return PackedModel(data=buf.getvalue(), num_blocks=len(blocks), ties=find_ties(blocks))
+
+    def __repr__(self) -> str:
+        return f"PackedModel({self.num_blocks} blocks, {len(self.data)} bytes, {len(self.ties)} ties)"
 
     def unpack(self) -> list[nn.Module]:
         """A fresh copy of the blocks (every call), on the CPU."""

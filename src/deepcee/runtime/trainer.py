@@ -5,7 +5,9 @@ process group once and runs one or more :class:`Job`\\ s in order (tests batch s
 into one launch). For each job, :class:`Trainer` builds this rank's stage from the plan,
 agrees boundary shapes with its peers, then per step: runs its row of the lowered schedule
 (:mod:`deepcee.runtime.executor`), all-reduces the stage's gradients over the stage's
-devices, steps the optimizer, gathers metrics on rank 0 and checkpoints.
+devices, sums the gradients of parameters tied across stages (:mod:`deepcee.runtime.params`,
+which also gives every rank its private copy of a user's model), steps the optimizer,
+gathers metrics on rank 0 and checkpoints.
 
 Hooks for a trainer that changes plans while it runs (the adapter's controller,
 :mod:`deepcee.adapter.controller`, passed in as :attr:`Job.adapter`): the topology
@@ -413,8 +415,8 @@ class Trainer:
     def _sum_tied_gradients(self) -> float:
         """Tied parameters across stages ([Note: tied parameters] in :mod:`deepcee.runtime.params`)."""
         return rparams.sum_tied_gradients(self.tie_groups, self.blocks, self.plan, self.placement,
-                                         timeout_s=self.cfg.timeout_s, clock=self.clock,
-                                         pace=self._pace_allreduce if self.cfg.mode == "emulated" else None)
+                                          timeout_s=self.cfg.timeout_s, clock=self.clock,
+                                          pace=self._pace_allreduce if self.cfg.mode == "emulated" else None)
 
     def emulated_s(self, wall: float | None = None) -> float:
         """Seconds since the run's shared epoch, divided by the dilation (emulated time)."""
