@@ -39,7 +39,6 @@ first iteration of the new plan. Takes about 2-3 minutes (1 with ``--profile-dir
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import statistics
@@ -54,8 +53,9 @@ from deepcee.adapter.simloop import compare_adaptation
 from deepcee.cluster import Cluster, cluster_from_toml_dict
 from deepcee.plan import Plan, save_json_atomic, share_overlaps
 from deepcee.profile import ModelProfile, load_profile
+from deepcee.runtime.job import TrainConfig
 from deepcee.runtime.launch import launch_jobs
-from deepcee.runtime.trainer import TrainConfig
+from deepcee.runtime.records import StepMetrics, TrainResult
 from deepcee.simulator.engine import simulate
 from deepcee.traces import load_named_trace, snapshot, with_trace
 
@@ -161,13 +161,14 @@ def describe(plan: Plan) -> str:
     return f"{plan.schedule}, {plan.num_microbatches} x {plan.microbatch_size}: {stages}"
 
 
-def _metrics(run_dir: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+def _control_s(r: StepMetrics) -> float:
+    """The decision time after a step (none after the last)."""
+    return r.boundary.control_s or 0.0
 
 
 def _drop_iteration(records: list[dict[str, Any]], drop_s: float) -> int:
     """The iteration running (or about to start) when the link dropped."""
-    return next((r["step"] for r in records if r["end_s"] > drop_s), records[-1]["step"])
+    return next((r.step for r in records if r.boundary.end_s > drop_s), records[-1].step)
 
 
 def _recovery(rates: list[float | None], drop_at: int, optimum: float, fraction: float = 0.9) -> int | None:
@@ -287,7 +288,7 @@ def main() -> None:
 
     devices = cluster.device_names
     cfg = TrainConfig(steps=args.steps, mode="emulated", cores=args.cores, timeout_s=60)
-    policy = DefaultPolicy(profile=model.to_dict(), config=POLICY)
+    policy = DefaultPolicy(profile=model, config=POLICY)
     with tempfile.TemporaryDirectory(prefix="deepcee-adapter-bench-") as tmp:
         root = Path(tmp)
         jobs = {}
@@ -304,13 +305,13 @@ def main() -> None:
         print(f"training {len(jobs)} runs of {args.steps} steps (one launch, {len(devices)} processes) ...",
               flush=True)
         t0 = time.monotonic()
-        launch_jobs(list(jobs.values()), deadline_s=args.deadline)
+        done = launch_jobs(list(jobs.values()), deadline_s=args.deadline)
         train_wall_s = time.monotonic() - t0
-        runs: dict[str, list[list[dict[str, Any]]]] = {"static": [], "adaptive": [], "optimum": []}
-        results: dict[str, list[dict[str, Any]]] = {"static": [], "adaptive": [], "optimum": []}
-        for (kind, _), job in jobs.items():
-            runs[kind].append(_metrics(Path(job.run_dir)))
-            results[kind].append(json.loads((Path(job.run_dir) / "result.json").read_text()))
+        runs: dict[str, list[list[StepMetrics]]] = {"static": [], "adaptive": [], "optimum": []}
+        results: dict[str, list[TrainResult]] = {"static": [], "adaptive": [], "optimum": []}
+        for (kind, _), res in zip(jobs, done, strict=True):
+            runs[kind].append(list(res.metrics))
+            results[kind].append(res)
 
     t0 = time.monotonic()
     sim = compare_adaptation(start, cluster, model, trace, iterations=args.steps, planner=planner, between=[pair],
@@ -331,23 +332,23 @@ def main() -> None:
 
 def build_report(args, cluster, start, optimum, pair, drop_s, time_scale, runs, results, sim) -> dict[str, Any]:
     gb = GLOBAL_BATCH
-    opt_steps = [r["step_s"] for run in runs["optimum"] for r in run[1:]]
+    opt_steps = [r.step_s for run in runs["optimum"] for r in run[1:]]
     measured_opt = gb / statistics.median(opt_steps)
     measured: dict[str, Any] = {"drop_s": drop_s, "optimum": measured_opt, "optimum_step_s": opt_steps,
-                                "optimum_per_repeat": [gb / statistics.median([r["step_s"] for r in run[1:]])
+                                "optimum_per_repeat": [gb / statistics.median([r.step_s for r in run[1:]])
                                                        for run in runs["optimum"]]}
     drops = {k: [_drop_iteration(run, drop_s) for run in runs[k]] for k in ("static", "adaptive")}
     both = runs["static"] + runs["adaptive"]
     ks = _axis(both, drops["static"] + drops["adaptive"], 3)
     for key in ("static", "adaptive"):
-        reps = _aligned([[r["samples_per_s"] for r in run] for run in runs[key]], drops[key], ks)
-        incl = _aligned([[gb / (r["step_s"] + r.get("control_s", 0.0)) for r in run] for run in runs[key]],
+        reps = _aligned([[r.samples_per_s for r in run] for run in runs[key]], drops[key], ks)
+        incl = _aligned([[gb / (r.step_s + _control_s(r)) for r in run] for run in runs[key]],
                         drops[key], ks)
-        control = _aligned([[r.get("control_s", 0.0) for r in run] for run in runs[key]], drops[key], ks)
+        control = _aligned([[_control_s(r) for r in run] for run in runs[key]], drops[key], ks)
         median = [statistics.median(col) for col in zip(*reps, strict=True)]
         median_incl = [statistics.median(col) for col in zip(*incl, strict=True)]
         k0 = ks.index(0)
-        changes = [c for res in results[key] for c in res["adapter"]["changes"]]
+        changes = [c.to_dict() for res in results[key] for c in res.adapter.changes]
         measured[key] = {
             "drop_iteration": drops[key], "repeats": reps, "median": median,
             "median_including_control": median_incl,
@@ -357,13 +358,12 @@ def build_report(args, cluster, start, optimum, pair, drop_s, time_scale, runs, 
             "recovery_including_control": _recovery(median_incl, k0, measured_opt),
             "mean_from_4_after_drop": statistics.mean(median[k0 + 4:]) if len(median) > k0 + 4 else None,
             "changes": changes,
-            "changes_k": sorted({(c["start_step"] - d, c["kind"]) for res, d in zip(results[key], drops[key],
-                                                                                 strict=True)
-                                 for c in res["adapter"]["changes"]}),
-            "decisions": _aligned([[(r.get("decision"), r.get("reason", "")) for r in run] for run in runs[key]],
+            "changes_k": sorted({(c.start_step - d, c.kind) for res, d in zip(results[key], drops[key], strict=True)
+                                 for c in res.adapter.changes}),
+            "decisions": _aligned([[(r.boundary.decision, r.boundary.reason or "") for r in run] for run in runs[key]],
                                   drops[key], ks),
-            "link_estimates_mbit_per_s": _aligned([[{lk: v["bandwidth_bytes_per_s"] * 8 / 1e6 for lk, v in
-                                                     r.get("link_estimates", {}).items()} for r in run]
+            "link_estimates_mbit_per_s": _aligned([[{lk: v.bandwidth_bytes_per_s * 8 / 1e6 for lk, v in
+                                                     r.boundary.link_estimates.items()} for r in run]
                                                    for run in runs[key]], drops[key], ks),
         }
     measured["k"] = ks
@@ -385,7 +385,7 @@ def build_report(args, cluster, start, optimum, pair, drop_s, time_scale, runs, 
         "cluster": {"name": cluster.name, "description": cluster.description, "devices": list(cluster.device_names),
                     "definition": "benchmarks/adapter.py CLUSTER"},
         "model": MODEL, "global_batch": gb, "steps": args.steps, "repeats": args.repeats,
-        "emulation": {k: first[k] for k in ("mode", "dilation", "cores", "emulated")},
+        "emulation": first.emulation.to_dict(),
         "measured_times": "emulated seconds (wall / D); per-iteration samples/s = global batch / step time, "
                           "step time excluding the controller's decision time (control_s) and including a "
                           "change's state movement and rebuild",

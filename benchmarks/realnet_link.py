@@ -325,24 +325,24 @@ def predicted_step_s(cluster: Cluster, plans: dict[str, Plan]) -> tuple[dict[str
 
 
 def run_train(cluster: Cluster, plans: dict[str, Plan], *, steps: int, repeats: int, work: Path) -> dict[str, Any]:
+    from deepcee.runtime.job import Job, OptimizerConfig, TrainConfig
     from deepcee.runtime.launch import launch_jobs
-    from deepcee.runtime.trainer import Job, OptimizerConfig, TrainConfig
 
     runs: dict[str, dict[str, list]] = {m: {name: [] for name in plans} for m in ("emulated", "realnet")}
     relay_drops = []
     for rep in range(repeats):
         for mode in ("emulated", "realnet"):  # interleaved: the machine's load hits both alike
-            jobs = [Job(name=f"{name}-{mode}-{rep}", plan=plan.to_dict(), cluster=cluster.to_dict(), model="gpt-tiny",
+            jobs = [Job(name=f"{name}-{mode}-{rep}", plan=plan, cluster=cluster, model="gpt-tiny",
                         config=TrainConfig(steps=steps, mode=mode, optimizer=OptimizerConfig(), timeout_s=60),
                         run_dir=str(work / f"{name}-{mode}-{rep}"))
                     for name, plan in plans.items()]
             for job, res in zip(jobs, launch_jobs(jobs, deadline_s=300), strict=True):
-                name = job.plan["system"]
+                name = job.plan.system
                 recs = res.metrics[1:]
                 runs[mode][name].append({"step_s": list(res.step_s[1:]), "dilation": res.dilation,
-                                         "cpu_s": [sum(r["cpu_s"].values()) / len(r["cpu_s"]) for r in recs],
-                                         "compute_s": [max(s["compute_s"] for s in r["stages"]) for r in recs],
-                                         "sync_s": [max(s["sync_s"] for s in r["stages"]) for r in recs]})
+                                         "cpu_s": [sum(r.cpu_s.values()) / len(r.cpu_s) for r in recs],
+                                         "compute_s": [max(s.compute_s for s in r.stages) for r in recs],
+                                         "sync_s": [max(s.sync_s for s in r.stages) for r in recs]})
             if mode == "realnet":
                 relay = json.loads((Path(jobs[0].run_dir) / "relay.json").read_text())
                 relay_drops.append(sum(r["dropped"] for r in relay["resources"]))

@@ -35,8 +35,9 @@ from typing import Any
 from deepcee.cluster import cluster_from_toml_dict
 from deepcee.plan import Plan, StagePlan, save_json_atomic
 from deepcee.runtime.executor import schedule_for
+from deepcee.runtime.job import Job, OptimizerConfig, TrainConfig
 from deepcee.runtime.launch import launch_jobs
-from deepcee.runtime.trainer import Job, OptimizerConfig, TrainConfig
+from deepcee.runtime.records import StepMetrics
 from deepcee.schedule.passes import dry_run
 
 SPLIT = ((0, 2), (2, 3), (3, 4), (4, 6))
@@ -61,11 +62,11 @@ def make_plan(schedule: str, microbatch: int, microbatches: int) -> Plan:
                              for i, (a, b) in enumerate(SPLIT)))
 
 
-def action_costs(records: list[dict[str, Any]]) -> dict[str, dict[int, float]]:
+def action_costs(records: list[StepMetrics]) -> dict[str, dict[int, float]]:
     """Median emulated duration of each compute kind per stage, from traced steps (first step dropped)."""
     got: dict[str, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
     for rec in records[1:]:
-        for device, actions in rec["trace"].items():
+        for device, actions in rec.trace.items():
             stage = int(device.removeprefix("n").split(":")[0])
             for name, t0, t1 in actions:
                 kind = name.lstrip("0123456789").rstrip("0123456789")
@@ -96,7 +97,7 @@ def main() -> None:
             plan = make_plan(sched, args.microbatch, args.microbatches)
             cfg = TrainConfig(steps=args.steps, mode="emulated", cores=args.cores, trace=True, timeout_s=120,
                               optimizer=OptimizerConfig(name="adamw", lr=1e-3))
-            jobs.append(Job(name=f"{sched}-{rep}", plan=plan.to_dict(), cluster=cluster.to_dict(), model="gpt-tiny",
+            jobs.append(Job(name=f"{sched}-{rep}", plan=plan, cluster=cluster, model="gpt-tiny",
                             config=cfg, run_dir=str(root / f"{sched}-{rep}")))
     t0 = time.monotonic()
     results = launch_jobs(jobs, deadline_s=1800)

@@ -276,6 +276,12 @@ def cmd_validate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_train(args: argparse.Namespace) -> int:
+    from deepcee.train import train
+
+    return train(args)
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from deepcee.demo import DemoConfig, format_report, run_demo
 
@@ -320,8 +326,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--full-profile", action="store_true", help="probe every device pair with the full budget")
     p.set_defaults(func=cmd_demo)
 
-    sub.add_parser("train", help="train with a plan on local processes (see `deepcee train --help`)",
-                   add_help=False)
+    from deepcee.train import DESCRIPTION, add_train_arguments
+
+    p = sub.add_parser("train", help="train with a plan on local processes (torchrun: python -m deepcee.train)",
+                       description=DESCRIPTION)
+    add_train_arguments(p)
+    p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("profile", help="measure every device (per-layer F/I/W) and link of a cluster")
     _add_cluster_args(p)
@@ -399,12 +409,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["train"]:
-        # `deepcee train ...` is `python -m deepcee.train ...` (the same entry torchrun uses)
-        from deepcee.train import main as train_main
-
-        return train_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     func: Callable[[argparse.Namespace], int] = args.func

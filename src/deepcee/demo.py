@@ -30,6 +30,7 @@ from deepcee.cluster import Cluster
 from deepcee.errors import DeepceeError
 from deepcee.plan import Plan, save_json_atomic
 from deepcee.profile import ModelProfile
+from deepcee.runtime.records import StepMetrics
 
 log = logging.getLogger(__name__)
 
@@ -161,27 +162,27 @@ def _plans(cluster: Cluster, profile: ModelProfile, global_batch: int) -> tuple[
     return plans, result.explanation
 
 
-def real_run_trace(metrics: Sequence[dict[str, Any]], plan: Plan, *, step: int | None = None) -> dict[str, Any]:
+def real_run_trace(metrics: Sequence[StepMetrics], plan: Plan, *, step: int | None = None) -> dict[str, Any]:
     """Chrome trace of one step of a real run (the runtime's per-action records, emulated
     seconds) for Perfetto: one process per device, sorted by stage."""
-    recs = [m for m in metrics if "trace" in m]
+    recs = [m for m in metrics if m.trace is not None]
     if not recs:
         return {"traceEvents": []}
-    rec = recs[-1] if step is None else next(m for m in recs if m["step"] == step)
+    rec = recs[-1] if step is None else next(m for m in recs if m.step == step)
     events: list[dict[str, Any]] = []
-    t0 = min((t for acts in rec["trace"].values() for _, t, _ in acts), default=0.0)
+    t0 = min((t for acts in rec.trace.values() for _, t, _ in acts), default=0.0)
     for pid, dev in enumerate(plan.devices):
         stage = plan.stage_of(dev)
         events.append({"ph": "M", "name": "process_name", "pid": pid, "args": {"name": f"s{stage} {dev}"}})
         events.append({"ph": "M", "name": "process_sort_index", "pid": pid, "args": {"sort_index": pid}})
-        for action, start, end in rec["trace"].get(dev, []):
+        for action, start, end in rec.trace.get(dev, ()):
             comm = "SEND" in action or "RECV" in action
             events.append({"ph": "X", "name": action, "pid": pid, "tid": 1 if comm else 0,
                            "ts": (start - t0) * 1e6, "dur": max(0.0, end - start) * 1e6,
                            "cat": "comm" if comm else "compute"})
     return {"traceEvents": events, "displayTimeUnit": "ms",
             "otherData": {"source": "measured real run (emulated devices and links), step "
-                          f"{rec['step']}, times divided by the dilation"}}
+                          f"{rec.step}, times divided by the dilation"}}
 
 
 def _plot(report: DemoReport, out: Path) -> dict[str, str]:
@@ -226,8 +227,8 @@ def run_demo(cfg: DemoConfig | None = None, *, say: Callable[[str], None] = prin
     """Run the whole demo and write the report folder. ``say`` receives progress lines."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from deepcee.runtime.launch import TrainResult, launch_jobs
-    from deepcee.runtime.trainer import Job, TrainConfig
+    from deepcee.runtime.job import Job, TrainConfig
+    from deepcee.runtime.launch import launch_jobs
     from deepcee.scenarios import load_scenario
     from deepcee.simulator.engine import simulate
 
@@ -263,7 +264,7 @@ def run_demo(cfg: DemoConfig | None = None, *, say: Callable[[str], None] = prin
         "(one process per emulated device) ...")
     run_dirs = {name: out / "runs" / name for name in plans}
     jobs = [
-        Job(name=name, plan=plan.to_dict(), cluster=cluster.to_dict(), model=cfg.model,
+        Job(name=name, plan=plan, cluster=cluster, model=cfg.model,
             config=TrainConfig(steps=cfg.steps, seed=cfg.seed, mode="emulated", trace=name == "deepcee"),
             run_dir=str(run_dirs[name]))
         for name, plan in plans.items()
@@ -281,12 +282,11 @@ def run_demo(cfg: DemoConfig | None = None, *, say: Callable[[str], None] = prin
                                          lambda n: bar.update(task, completed=n), stop))
         watcher.start()
         try:
-            launch_jobs(jobs, deadline_s=cfg.deadline_s)
+            results = dict(zip(plans, launch_jobs(jobs, deadline_s=cfg.deadline_s), strict=True))
         finally:
             stop.set()
             watcher.join()
     timings["train_s"] = time.monotonic() - t
-    results = {name: TrainResult.from_run_dir(d) for name, d in run_dirs.items()}
 
     runs = []
     for name, plan in plans.items():

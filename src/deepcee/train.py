@@ -1,9 +1,9 @@
-"""Train a plan for real: ``python -m deepcee.train`` (local processes) or under ``torchrun``.
+"""Train a plan for real: ``deepcee train`` (local processes) or ``python -m deepcee.train`` under torchrun.
 
 One machine, emulated devices and links (the default; one process per device of the plan)::
 
     deepcee plan --model gpt-tiny --scenario local-small -o plan.json
-    python -m deepcee.train --plan plan.json --steps 50 --run-dir runs/gpt
+    deepcee train --plan plan.json --steps 50 --run-dir runs/gpt
     deepcee train --plan plan.json --steps 60 --adapt --link-trace drop-5x   # links change mid-run
 
 Several machines (``mode real``; every rank needs the same plan and cluster files; ``nnodes``
@@ -14,6 +14,12 @@ x ``nproc-per-node`` must equal the plan's device count, ranks follow the plan's
 
 ``--dry-run`` prints the lowered schedule each stage will run and exits. Metrics go to
 ``<run-dir>/metrics.jsonl`` (one JSON object per step), the summary to ``<run-dir>/result.json``.
+
+This module and :mod:`deepcee.cli` are the entry points (they print; the library does not).
+``deepcee train`` is the sub-command of :mod:`deepcee.cli` built from :func:`add_train_arguments`
+and run by :func:`train`; ``python -m deepcee.train`` parses the same options itself, so torchrun
+needs nothing else. Both build one :class:`~deepcee.runtime.job.Job` (plan, cluster and
+:class:`~deepcee.runtime.job.TrainConfig` objects) and hand it to a launcher.
 """
 
 from __future__ import annotations
@@ -24,12 +30,21 @@ import logging
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from deepcee.errors import DeepceeError
 
+if TYPE_CHECKING:
+    from deepcee.cluster import Cluster
+    from deepcee.plan import Plan
+    from deepcee.runtime.job import Job, TrainConfig
+    from deepcee.runtime.records import TrainResult
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="deepcee train", description=__doc__.split("\n")[0])
+DESCRIPTION = __doc__.split("\n")[0]
+
+
+def add_train_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``deepcee train`` and ``python -m deepcee.train`` (one definition for both)."""
     p.add_argument("--plan", required=True, help="plan.json written by `deepcee plan`")
     p.add_argument("--cluster", help="cluster file or scenario name (default: the plan's cluster scenario)")
     p.add_argument("--model", help="built-in net (default: the plan's model): gpt-tiny, resnet-tiny")
@@ -59,10 +74,41 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--adapt", action="store_true",
                    help="watch link speed from the runtime's own transfers and re-tune or re-plan when it changes")
     p.add_argument("--profile", help="measured profile.json for the adapter's predictions (default: analytic)")
-    return p.parse_args(argv)
 
 
-def _load(args: argparse.Namespace):
+def train(args: argparse.Namespace) -> int:
+    """Run ``deepcee train`` with parsed ``args``: local processes, or this rank under torchrun.
+
+    Raises :class:`~deepcee.errors.DeepceeError` on bad input (the callers print it)."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    plan, cluster = _load(args)
+    if args.dry_run:
+        from deepcee.runtime.executor import schedule_for
+        from deepcee.schedule.passes import format_table
+
+        print(format_table(schedule_for(plan)))
+        return 0
+    from deepcee.runtime import dist as rdist
+
+    env = rdist.torchrun_env()
+    if (args.adapt or args.link_trace) and env is not None:
+        raise DeepceeError("--adapt and --link-trace run on local emulated processes, not under torchrun")
+    job = _job(args, plan, cluster)
+    if env is None:
+        from deepcee.runtime.launch import launch_jobs
+
+        result = launch_jobs([job], deadline_s=args.deadline)[0]
+    else:
+        from deepcee.runtime.trainer import run_jobs_on_rank
+
+        store = rdist.tcp_store(env, args.timeout)
+        (result,) = run_jobs_on_rank([job], env.rank, env.world_size, store, local_rank=env.local_rank)
+    if result is not None:  # rank 0, or the local launcher
+        _summary(result, args)
+    return 0
+
+
+def _load(args: argparse.Namespace) -> tuple[Plan, Cluster]:
     from deepcee.cluster import load_cluster
     from deepcee.plan import load_plan
     from deepcee.scenarios import load_scenario, scenario_names
@@ -73,82 +119,60 @@ def _load(args: argparse.Namespace):
     return plan, cluster
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    try:
-        plan, cluster = _load(args)
-        model = args.model or plan.model
-        if args.dry_run:
-            from deepcee.runtime.executor import schedule_for
-            from deepcee.schedule.passes import format_table
+def _config(args: argparse.Namespace) -> TrainConfig:
+    from deepcee.runtime.job import OptimizerConfig, TrainConfig
 
-            print(format_table(schedule_for(plan)))
-            return 0
-        from deepcee.runtime import dist as rdist
-        from deepcee.runtime.trainer import Job, OptimizerConfig, TrainConfig, run_jobs_on_rank
-
-        cfg = TrainConfig(
-            steps=args.steps, seed=args.seed, dtype=args.dtype, mode=args.mode, cores=args.cores,
-            optimizer=OptimizerConfig(name=args.optimizer, lr=args.lr, momentum=args.momentum),
-            timeout_s=args.timeout, checkpoint_every=args.checkpoint_every, resume=args.resume,
-            trace=args.trace, use_cuda=args.cuda,
-        )
-        env = rdist.torchrun_env()
-        if args.adapt or args.link_trace:
-            if env is not None:
-                raise DeepceeError("--adapt and --link-trace run on local emulated processes, not under torchrun")
-            return _adaptive(args, plan, cluster, model, cfg)
-        if env is None:
-            from deepcee.runtime.launch import run_training
-
-            res = run_training(plan, cluster, model=model, steps=args.steps, run_dir=args.run_dir,
-                               deadline_s=args.deadline, **{f: getattr(cfg, f) for f in cfg.__dataclass_fields__
-                                                             if f != "steps"})
-            _summary(res.losses, res.samples_per_s, res.mode, res.dilation, args.run_dir)
-            return 0
-        # Same job name on every rank: it namespaces the start-up keys in the shared store.
-        name = "train-" + hashlib.sha256(f"{args.plan}:{args.run_dir}".encode()).hexdigest()[:8]
-        job = Job(name=name, plan=plan.to_dict(), cluster=cluster.to_dict(), model=model, config=cfg,
-                  run_dir=args.run_dir)
-        store = rdist.tcp_store(env, args.timeout)
-        (result,) = run_jobs_on_rank([job], env.rank, env.world_size, store, local_rank=env.local_rank)
-        if result is not None:
-            _summary(result["losses"], result["samples_per_s"], result["mode"], result["dilation"], args.run_dir)
-        return 0
-    except DeepceeError as exc:
-        print(f"deepcee.train: {exc}", file=sys.stderr)
-        return 2
+    return TrainConfig(
+        steps=args.steps, seed=args.seed, dtype=args.dtype, mode=args.mode, cores=args.cores,
+        optimizer=OptimizerConfig(name=args.optimizer, lr=args.lr, momentum=args.momentum),
+        timeout_s=args.timeout, checkpoint_every=args.checkpoint_every, resume=args.resume,
+        trace=args.trace, use_cuda=args.cuda,
+    )
 
 
-def _adaptive(args: argparse.Namespace, plan, cluster, model: str, cfg) -> int:
-    from deepcee.adapter.controller import run_adaptive_training
+def _job(args: argparse.Namespace, plan: Plan, cluster: Cluster) -> Job:
+    """The one job every rank runs; its name, the same on every rank, namespaces the start-up keys."""
+    name = "train-" + hashlib.sha256(f"{args.plan}:{args.run_dir}".encode()).hexdigest()[:8]
+    model = args.model or plan.model
+    if not (args.adapt or args.link_trace):
+        from deepcee.runtime.job import Job
+
+        return Job(name=name, plan=plan, cluster=cluster, model=model, config=_config(args), run_dir=args.run_dir)
+    from deepcee.adapter.controller import adaptive_job
     from deepcee.profile import load_profile
 
-    res = run_adaptive_training(
-        plan, cluster, model=model, steps=args.steps, adapt=args.adapt, link_trace=args.link_trace,
-        trace_time_scale=args.trace_time_scale, profile=load_profile(args.profile) if args.profile else None,
-        run_dir=args.run_dir, deadline_s=args.deadline,
-        **{f: getattr(cfg, f) for f in cfg.__dataclass_fields__ if f != "steps"},
-    )
-    t = res.train
-    _summary(t.losses, t.samples_per_s, t.mode, t.dilation, args.run_dir)
-    per_step = " ".join(f"{x:.0f}" for x in res.samples_per_s)
-    print(f"samples/s per step: {per_step}")
-    if not args.adapt:
+    return adaptive_job(plan, cluster, config=_config(args), run_dir=args.run_dir, model=model, name=name,
+                        adapt=args.adapt, link_trace=args.link_trace, trace_time_scale=args.trace_time_scale,
+                        profile=load_profile(args.profile) if args.profile else None)
+
+
+def _summary(result: TrainResult, args: argparse.Namespace) -> None:
+    losses = result.losses
+    note = (f" ({result.mode}, time dilation {result.dilation:.2f}; times divided by it)"
+            if result.mode in ("emulated", "realnet") else "")
+    print(f"steps {len(losses)}  loss {losses[0]:.4f} -> {losses[-1]:.4f}  {result.samples_per_s:.1f} samples/s{note}")
+    print(f"metrics: {Path(args.run_dir) / 'metrics.jsonl'}")
+    if result.adapter is None:
+        return
+    print("samples/s per step: " + " ".join(f"{m.samples_per_s:.0f}" for m in result.metrics))
+    if not result.adapter.adapt:
         print("adapter off: the plan was kept whatever the links did")
-    for ch in res.changes:
-        print(f"step {ch.get('start_step')}: {ch.get('kind')}: {ch.get('reason')}")
-    if args.adapt and not res.changes:
+    for ch in result.adapter.changes:
+        print(f"step {ch.start_step}: {ch.kind}: {ch.reason}")
+    if result.adapter.adapt and not result.adapter.changes:
         print("adapter on: no change paid for itself")
-    return 0
 
 
-def _summary(losses: Sequence[float], samples_per_s: float, mode: str, dilation: float, run_dir: str) -> None:
-    note = (f" ({mode}, time dilation {dilation:.2f}; times divided by it)" if mode in ("emulated", "realnet")
-            else "")
-    print(f"steps {len(losses)}  loss {losses[0]:.4f} -> {losses[-1]:.4f}  {samples_per_s:.1f} samples/s{note}")
-    print(f"metrics: {Path(run_dir) / 'metrics.jsonl'}")
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m deepcee.train``: the same options as ``deepcee train``; the entry torchrun runs."""
+    parser = argparse.ArgumentParser(prog="python -m deepcee.train", description=DESCRIPTION)
+    add_train_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        return train(args)
+    except DeepceeError as exc:
+        print(f"deepcee.train: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -20,9 +20,9 @@ from deepcee import nets
 from deepcee.plan import Plan, StagePlan
 from deepcee.runtime import dist as rdist
 from deepcee.runtime.data import Batch, dataset_for
+from deepcee.runtime.job import OptimizerConfig
 from deepcee.runtime.p2p import P2P, TensorMeta
 from deepcee.runtime.partition import Topology
-from deepcee.runtime.trainer import OptimizerConfig
 
 
 def make_plan(model: str, stages: list[tuple[int, int, tuple[str, ...], tuple[int, ...]]], num_microbatches: int,

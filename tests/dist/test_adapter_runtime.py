@@ -22,9 +22,8 @@ from _runtime_helpers import load_captures, make_plan, reference
 from deepcee.adapter.controller import DefaultPolicy, ScriptedPolicy, adaptive_job, traced_cluster
 from deepcee.adapter.policy import PolicyConfig
 from deepcee.cluster import BandwidthTrace
-from deepcee.plan import plan_from_dict
+from deepcee.runtime.job import OptimizerConfig, TrainConfig
 from deepcee.runtime.launch import launch_jobs
-from deepcee.runtime.trainer import OptimizerConfig, TrainConfig
 from deepcee.scenarios import load_scenario
 from deepcee.traces import load_named_trace
 
@@ -68,10 +67,10 @@ def runs(tmp_path_factory):
     jobs = {
         "gpt-replan": adaptive_job(
             GPT_PLANS[0], cluster, model="gpt-tiny", config=_config(STEPS, ADAM), run_dir=root / "gpt", name="gpt",
-            devices=DEVICES, policy=ScriptedPolicy(changes=tuple((k, GPT_PLANS[i].to_dict()) for k, i in GPT_CHANGES))),
+            devices=DEVICES, policy=ScriptedPolicy(changes=tuple((k, GPT_PLANS[i]) for k, i in GPT_CHANGES))),
         "resnet-replan": adaptive_job(
             RESNET_PLANS[0], cluster, model="resnet-tiny", config=_config(4, SGD), run_dir=root / "resnet",
-            name="resnet", devices=DEVICES, policy=ScriptedPolicy(changes=((1, RESNET_PLANS[1].to_dict()),))),
+            name="resnet", devices=DEVICES, policy=ScriptedPolicy(changes=((1, RESNET_PLANS[1]),))),
     }
     # emulated cloud-edge link (100 Mbit/s, 20 ms) drops 5x at emulated t = 1.2 s; adapter off
     drop = BandwidthTrace(times_s=(0.0, 1.2), bandwidth_bytes_per_s=(100 * MBIT, 20 * MBIT), name="drop")
@@ -87,14 +86,14 @@ def runs(tmp_path_factory):
         config=_config(10, ADAM, "emulated"), run_dir=root / "noisy", name="noisy", devices=DEVICES,
         policy=DefaultPolicy(config=PolicyConfig(confirm_checks=1)))
     t0 = time.monotonic()
-    launch_jobs(list(jobs.values()), world_size=len(DEVICES), deadline_s=DEADLINE_S)
+    results = launch_jobs(list(jobs.values()), world_size=len(DEVICES), deadline_s=DEADLINE_S)
     assert time.monotonic() - t0 < DEADLINE_S
-    return {name: (job, json.loads((Path(job.run_dir) / "result.json").read_text())) for name, job in jobs.items()}
+    return {name: (job, res) for (name, job), res in zip(jobs.items(), results, strict=True)}
 
 
 def _check_exact(job, result, plans, opt, steps):
     losses, grads0, params = reference(job.model, plans[0], steps, opt)
-    for got, want in zip(result["losses"], losses, strict=True):
+    for got, want in zip(result.losses, losses, strict=True):
         assert got == pytest.approx(want, rel=RTOL)
     caps = load_captures(job.run_dir)
     assert sorted(caps) == sorted(DEVICES.index(d) for d in plans[-1].devices)  # every active rank at the end
@@ -114,39 +113,46 @@ def test_replans_and_retune_end_exactly_where_an_unchanged_run_ends(runs):
     job, result = runs["gpt-replan"]
     expected = [GPT_PLANS[0]] + [GPT_PLANS[i] for _, i in GPT_CHANGES]
     _check_exact(job, result, expected, ADAM, STEPS)
-    changes = result["adapter"]["changes"]
-    assert [(c["start_step"], c["kind"]) for c in changes] == [(2, "replan"), (4, "retune"), (5, "replan")]
+    changes = result.adapter.changes
+    assert [(c.start_step, c.kind) for c in changes] == [(2, "replan"), (4, "retune"), (5, "replan")]
     # layer 2 moves C0 -> E0; C1 gets layers 0 and 1 from C0; the retune moves nothing
-    assert sorted(map(tuple, changes[0]["moves"])) == [(0, C0, C1), (1, C0, C1), (2, C0, E0)]
-    assert changes[1]["moves"] == [] and changes[1]["moved_bytes"] == 0
-    assert {(layer, dst) for layer, _, dst in changes[2]["moves"]} == {(0, N0), (1, N0), (2, N0), (3, N0),
-                                                                          (4, C1), (5, C1)}
-    assert [plan_from_dict(p).num_microbatches for p in result["adapter"]["plans"]] == [2, 2, 4, 2]
+    assert sorted(changes[0].moves) == [(0, C0, C1), (1, C0, C1), (2, C0, E0)]
+    assert changes[1].moves == () and changes[1].moved_bytes == 0
+    assert {(layer, dst) for layer, _, dst in changes[2].moves} == {(0, N0), (1, N0), (2, N0), (3, N0),
+                                                                       (4, C1), (5, C1)}
+    assert result.adapter.plans == tuple(expected)
+    # each change is in the first step it applies to, every active rank's part of it at the boundary after
+    applied = {m.step: m.change.kind for m in result.metrics if m.change is not None}
+    assert applied == {2: "replan", 4: "retune", 5: "replan"}
+    assert set(result.metrics[2].boundary.change_by_device) == set(GPT_PLANS[1].devices)
 
 
 def test_sgd_momentum_moves_with_the_layers(runs):
     job, result = runs["resnet-replan"]
     _check_exact(job, result, RESNET_PLANS, SGD, 4)
-    assert [c["kind"] for c in result["adapter"]["changes"]] == ["replan"]
+    assert [c.kind for c in result.adapter.changes] == ["replan"]
 
 
 def test_monitor_tracks_a_5x_drop_from_the_runtimes_own_transfers(runs):
     job, result = runs["monitor-drop"]
-    metrics = [json.loads(line) for line in (Path(job.run_dir) / "metrics.jsonl").read_text().splitlines()]
+    metrics = [m.boundary for m in result.metrics]
     forward = "cloud0->edge0"
-    before = [m for m in metrics if m["end_s"] < 1.2]
-    assert len(before) >= 2 and metrics[-1]["end_s"] > 1.6, [m["end_s"] for m in metrics]
-    bw = lambda m: m["link_estimates"][forward]["bandwidth_bytes_per_s"] / MBIT  # noqa: E731
+    before = [m for m in metrics if m.end_s < 1.2]
+    assert len(before) >= 2 and metrics[-1].end_s > 1.6, [m.end_s for m in metrics]
+    bw = lambda m: m.link_estimates[forward].bandwidth_bytes_per_s / MBIT  # noqa: E731
     assert bw(before[-1]) == pytest.approx(100, rel=0.1)
     assert bw(metrics[-1]) == pytest.approx(20, rel=0.1)
-    assert forward in metrics[-1]["changed_links"]
-    assert all(m.get("decision", "keep") == "keep" for m in metrics)  # adapter off: monitor only
-    assert result["mode"] == "emulated" and result["adapter"]["changes"] == []
+    assert forward in metrics[-1].changed_links
+    assert all(m.decision in ("keep", None) for m in metrics)  # adapter off: monitor only
+    assert result.mode == "emulated" and result.adapter.changes == () and not result.adapter.adapt
+    # the file on disk has the keys readers of metrics.jsonl use
+    lines = [json.loads(line) for line in (Path(job.run_dir) / "metrics.jsonl").read_text().splitlines()]
+    assert [line["end_s"] for line in lines] == [m.end_s for m in metrics]
+    assert {"link_estimates", "changed_links", "plan_version", "decision", "control_s"} <= set(lines[0])
 
 
 def test_production_policy_does_not_flap_on_a_noisy_stationary_trace(runs):
     job, result = runs["noisy"]
-    metrics = [json.loads(line) for line in (Path(job.run_dir) / "metrics.jsonl").read_text().splitlines()]
-    assert result["adapter"]["changes"] == []
-    assert all(m.get("decision", "keep") == "keep" for m in metrics)
-    assert not any(m["changed_links"] for m in metrics)
+    assert result.adapter.changes == ()
+    assert all(m.boundary.decision in ("keep", None) for m in result.metrics)
+    assert not any(m.boundary.changed_links for m in result.metrics)

@@ -33,11 +33,16 @@ from _runtime_helpers import load_captures, make_plan, reference
 from deepcee.cluster import Cluster, Device, DeviceKind, Island, LinkEntry, LinkSpec, Node
 from deepcee.errors import RuntimeSetupError
 from deepcee.runtime.emulation import REALNET_FIGURES, choose_dilation
+from deepcee.runtime.job import Job, OptimizerConfig, TrainConfig
 from deepcee.runtime.launch import launch_jobs
 from deepcee.runtime.realnet import RealNetwork, launch_realnet
-from deepcee.runtime.realnet.netns import PREFIX, cleanup_stale, list_namespaces, realnet_unavailable
+from deepcee.runtime.realnet.netns import (
+    PREFIX,
+    cleanup_stale,
+    list_namespaces,
+    realnet_unavailable,
+)
 from deepcee.runtime.realnet.relay import OWNER_MARKER
-from deepcee.runtime.trainer import Job, OptimizerConfig, TrainConfig
 from deepcee.scenarios import load_scenario
 
 pytestmark = pytest.mark.dist
@@ -131,7 +136,7 @@ def test_training_over_the_relay_matches_the_reference_and_is_labelled(tmp_path)
         "pipeline": make_plan("gpt-tiny", [(0, 3, (c0,), (2,)), (3, 6, (e0,), (2,))], 2, "1f1b"),
         "data-parallel": make_plan("gpt-tiny", [(0, 6, (c0, e0), (1, 2))], 2, "gpipe"),
     }
-    jobs = [Job(name=name, plan=plan.to_dict(), cluster=cluster.to_dict(), model="gpt-tiny",
+    jobs = [Job(name=name, plan=plan, cluster=cluster, model="gpt-tiny",
                 config=TrainConfig(steps=steps, dtype="float64", optimizer=opt, mode="realnet", timeout_s=40,
                                    capture=True), run_dir=str(tmp_path / name))
             for name, plan in plans.items()]
@@ -146,25 +151,25 @@ def test_training_over_the_relay_matches_the_reference_and_is_labelled(tmp_path)
         assert result.mode == "realnet" and result.dilation == pytest.approx(dilation) and dilation > 1
         assert result.emulated == REALNET_FIGURES
         for rec in result.metrics:
-            assert rec["mode"] == "realnet" and rec["emulated"] == list(REALNET_FIGURES)
+            assert rec.mode == "realnet" and rec.emulated == REALNET_FIGURES
     pipe, dp = results
     # every step sends activations c0 -> e0 and gradients back over the 20 ms link, paid for real
     # by the relay (no in-process delay exists in this mode); times are divided by the dilation
     assert min(pipe.step_s) > 2 * 0.020, pipe.step_s
-    assert all(rec["link_bytes"].keys() == {f"{c0}->{e0}", f"{e0}->{c0}"} for rec in pipe.metrics)
+    assert all(rec.link_bytes.keys() == {f"{c0}->{e0}", f"{e0}->{c0}"} for rec in pipe.metrics)
     # the data-parallel stage moves no activations: its link time is the all-reduce's, which
     # needs at least one round trip (2 x 20 ms) over the relay
-    assert all(rec["stages"][0]["sync_s"] > 2 * 0.020 for rec in dp.metrics), [r["stages"] for r in dp.metrics]
+    assert all(rec.stages[0].sync_s > 2 * 0.020 for rec in dp.metrics), [r.stages for r in dp.metrics]
     assert elapsed < 55
 
 
 def test_realnet_launch_rejects_mixed_modes_and_device_orders(tmp_path):
-    cluster = load_scenario("local-small").to_dict()
+    cluster = load_scenario("local-small")
     plan = make_plan("gpt-tiny", [(0, 3, ("cloud0:0",), (2,)), (3, 6, ("edge0:0",), (2,))], 1, "gpipe")
     swapped = make_plan("gpt-tiny", [(0, 3, ("edge0:0",), (2,)), (3, 6, ("cloud0:0",), (2,))], 1, "gpipe")
 
     def job(name, p, mode="realnet"):
-        return Job(name=name, plan=p.to_dict(), cluster=cluster, model="gpt-tiny",
+        return Job(name=name, plan=p, cluster=cluster, model="gpt-tiny",
                    config=TrainConfig(steps=1, mode=mode), run_dir=str(tmp_path / name))
 
     with pytest.raises(Exception, match=r"not in mode 'realnet'"):

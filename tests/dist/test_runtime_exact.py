@@ -10,8 +10,8 @@ import pytest
 import torch
 from _runtime_helpers import RegressionData, load_captures, make_plan, reference, user_model
 
+from deepcee.runtime.job import Job, OptimizerConfig, TrainConfig
 from deepcee.runtime.launch import launch_jobs
-from deepcee.runtime.trainer import Job, OptimizerConfig, TrainConfig
 from deepcee.scenarios import load_scenario
 
 pytestmark = pytest.mark.dist
@@ -39,21 +39,21 @@ STEPS = 3
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    cluster = load_scenario("local-small").to_dict()
+    cluster = load_scenario("local-small")
     root = tmp_path_factory.mktemp("runtime-exact")
     jobs = []
     for name, (plan, opt) in CASES.items():
         cfg = TrainConfig(steps=STEPS, dtype="float64", optimizer=opt, mode="real", timeout_s=40, capture=True)
-        jobs.append(Job(name=name, plan=plan.to_dict(), cluster=cluster, model=plan.model, config=cfg,
+        jobs.append(Job(name=name, plan=plan, cluster=cluster, model=plan.model, config=cfg,
                         run_dir=str(root / name)))
     # emulated devices and links must not change a single number
     emu_plan = make_plan("resnet-tiny", [(0, 4, (C0, C1), (2, 1)), (4, 8, (E1,), (3,))], 2, "1f1b")
-    jobs.append(Job(name="emulated-1f1b", plan=emu_plan.to_dict(), cluster=cluster, model="resnet-tiny",
+    jobs.append(Job(name="emulated-1f1b", plan=emu_plan, cluster=cluster, model="resnet-tiny",
                     config=TrainConfig(steps=STEPS, dtype="float64", optimizer=SGD, mode="emulated", timeout_s=40,
                                        capture=True), run_dir=str(root / "emulated-1f1b")))
     # a user's nn.Sequential with its own loss and data, split 2 | 3 modules
     user_plan = make_plan("user", [(0, 2, (C0,), (2,)), (2, 5, (E0, N0), (1, 1))], 3, "zb-h1")
-    jobs.append(Job(name="user-sequential", plan=user_plan.to_dict(), cluster=cluster, model=user_model(),
+    jobs.append(Job(name="user-sequential", plan=user_plan, cluster=cluster, model=user_model(),
                     loss_fn=torch.nn.functional.mse_loss, dataset=RegressionData(),
                     config=TrainConfig(steps=STEPS, dtype="float64", optimizer=SGD, mode="real", timeout_s=40,
                                        capture=True), run_dir=str(root / "user-sequential")))
@@ -61,7 +61,7 @@ def runs(tmp_path_factory):
     ck_plan = CASES["1f1b-gpt-uneven"][0]
     for name, steps, resume in (("ckpt-straight", 4, False), ("ckpt-first-half", 2, False), ("ckpt-resumed", 4, True)):
         cdir = root / ("ckpt-a" if name == "ckpt-straight" else "ckpt-b")
-        jobs.append(Job(name=name, plan=ck_plan.to_dict(), cluster=cluster, model="gpt-tiny",
+        jobs.append(Job(name=name, plan=ck_plan, cluster=cluster, model="gpt-tiny",
                         config=TrainConfig(steps=steps, dtype="float64", optimizer=ADAM, mode="real", timeout_s=40,
                                            capture=True, checkpoint_every=2, resume=resume),
                         run_dir=str(root / name), checkpoint_dir=str(cdir)))
@@ -103,17 +103,17 @@ def test_emulated_run_is_exact_and_labelled(runs):
     _check_against_reference(job, result, plans["emulated-1f1b"], SGD)
     assert result.mode == "emulated" and result.dilation > 1 and result.emulated
     for rec in result.metrics:
-        assert rec["mode"] == "emulated" and rec["dilation"] == result.dilation and rec["emulated"]
+        assert rec.mode == "emulated" and rec.dilation == result.dilation and rec.emulated
         # boundary after block2 is 32x16x16 float64; cloud0:0 holds 2 samples, cloud0:1 one, 2 microbatches
-        assert rec["link_bytes"]["cloud0:0->edge0:1"] == 2 * 2 * 32 * 16 * 16 * 8
-        assert rec["link_bytes"]["edge0:1->cloud0:1"] == 2 * 1 * 32 * 16 * 16 * 8
+        assert rec.link_bytes["cloud0:0->edge0:1"] == 2 * 2 * 32 * 16 * 16 * 8
+        assert rec.link_bytes["edge0:1->cloud0:1"] == 2 * 1 * 32 * 16 * 16 * 8
     # a 20 ms (emulated) cloud->edge link each way bounds an emulated step from below
     assert min(result.step_s) > 0.04
     # device pacing: stage 1 runs on edge0:1 (slowdown 2): its emulated compute time is at
     # least its CPU time x 2 (padding never shortens, load can only lengthen)
     for rec in result.metrics:
-        assert rec["stages"][1]["compute_s"] >= 0.99 * 2.0 * rec["cpu_s"]["edge0:1"]
-        assert rec["stages"][0]["compute_s"] >= 0.99 * max(rec["cpu_s"]["cloud0:0"], rec["cpu_s"]["cloud0:1"])
+        assert rec.stages[1].compute_s >= 0.99 * 2.0 * rec.cpu_s["edge0:1"]
+        assert rec.stages[0].compute_s >= 0.99 * max(rec.cpu_s["cloud0:0"], rec.cpu_s["cloud0:1"])
 
 
 def test_user_sequential_matches_reference(runs):

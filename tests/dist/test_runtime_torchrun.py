@@ -11,7 +11,7 @@ import pytest
 from _runtime_helpers import make_plan, reference
 
 from deepcee.plan import save_json_atomic
-from deepcee.runtime.trainer import OptimizerConfig
+from deepcee.runtime.job import OptimizerConfig
 
 pytestmark = pytest.mark.dist
 

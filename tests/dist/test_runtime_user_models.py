@@ -37,9 +37,10 @@ from _runtime_helpers import (
 from torch import nn
 
 from deepcee.adapter.controller import ScriptedPolicy, adaptive_job
+from deepcee.cluster import Cluster
 from deepcee.runtime.data import ByteTextDataset
 from deepcee.runtime.launch import launch_jobs
-from deepcee.runtime.trainer import Job, OptimizerConfig, TrainConfig
+from deepcee.runtime.job import Job, OptimizerConfig, TrainConfig
 from deepcee.scenarios import load_scenario
 
 pytestmark = pytest.mark.dist
@@ -101,30 +102,30 @@ def _config(opt: OptimizerConfig, *, steps: int = STEPS, dtype: str = "float64",
     return TrainConfig(steps=steps, dtype=dtype, optimizer=opt, mode=mode, timeout_s=40, capture=True, **kw)
 
 
-def _jobs(root: Path, cluster: dict) -> list[Job]:
+def _jobs(root: Path, cluster: Cluster) -> list[Job]:
     jobs = []
     for name, (plan, opt, kind) in MLP_CASES.items():
-        jobs.append(Job(name=name, plan=plan.to_dict(), cluster=cluster, model=_mlp(kind, torch.float64), loss_fn=MSE,
+        jobs.append(Job(name=name, plan=plan, cluster=cluster, model=_mlp(kind, torch.float64), loss_fn=MSE,
                         dataset=RegressionData(), config=_config(opt), run_dir=str(root / name)))
     plan, opt, _ = MLP_CASES["mlp-2dev-issue"]
-    jobs.append(Job(name="mlp-2dev-issue-f32", plan=plan.to_dict(), cluster=cluster, model=_mlp("sequential", torch.float32),
+    jobs.append(Job(name="mlp-2dev-issue-f32", plan=plan, cluster=cluster, model=_mlp("sequential", torch.float32),
                     loss_fn=MSE, dataset=RegressionData(), config=_config(opt, dtype="float32"),
                     run_dir=str(root / "mlp-2dev-issue-f32")))
     for name, (plan, opt) in GPT_CASES.items():
         mode = "emulated" if name.endswith("emulated") else "real"
-        jobs.append(Job(name=name, plan=plan.to_dict(), cluster=cluster, model=_gpt(), loss_fn=lm_loss, dataset=TEXT,
+        jobs.append(Job(name=name, plan=plan, cluster=cluster, model=_gpt(), loss_fn=lm_loss, dataset=TEXT,
                         config=_config(opt, mode=mode), run_dir=str(root / name)))
     for name, steps, resume in (("ckpt-straight", 4, False), ("ckpt-first-half", 2, False), ("ckpt-resumed", 4, True)):
         cdir = root / ("ckpt-a" if name == "ckpt-straight" else "ckpt-b")
-        jobs.append(Job(name=name, plan=TIED_3.to_dict(), cluster=cluster, model=_gpt(), loss_fn=lm_loss, dataset=TEXT,
+        jobs.append(Job(name=name, plan=TIED_3, cluster=cluster, model=_gpt(), loss_fn=lm_loss, dataset=TEXT,
                         config=_config(ADAM, steps=steps, checkpoint_every=2, resume=resume),
                         run_dir=str(root / name), checkpoint_dir=str(cdir)))
     jobs.append(adaptive_job(REPLANS[0], load_scenario("local-small"), model=_gpt(), loss_fn=lm_loss, dataset=TEXT,
                              config=_config(ADAM, steps=REPLAN_STEPS), run_dir=root / "replan", name="replan",
                              devices=(C0, C1, E0, N0),
-                             policy=ScriptedPolicy(changes=tuple((k, REPLANS[k + 1].to_dict()) for k in range(3)))))
+                             policy=ScriptedPolicy(changes=tuple((k, REPLANS[k + 1]) for k in range(3)))))
     if HAVE_HF:
-        jobs.append(Job(name="hf-gpt2", plan=HF_PLAN.to_dict(), cluster=cluster, model=_hf_blocks(), loss_fn=lm_loss,
+        jobs.append(Job(name="hf-gpt2", plan=HF_PLAN, cluster=cluster, model=_hf_blocks(), loss_fn=lm_loss,
                         dataset=TEXT, config=_config(SGD), run_dir=str(root / "hf-gpt2")))
     return jobs
 
@@ -150,7 +151,7 @@ def _snapshot(model) -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("runtime-user-models")
-    jobs = _jobs(root, load_scenario("local-small").to_dict())
+    jobs = _jobs(root, load_scenario("local-small"))
     before = {j.name: _snapshot(j.model) for j in jobs}
     t0 = time.monotonic()
     results = launch_jobs(jobs, world_size=4, deadline_s=DEADLINE_S)
@@ -168,7 +169,7 @@ def _check(job, losses_got, plan, opt, *, steps=STEPS, dtype=torch.float64, rtol
     for step, (got, want) in enumerate(zip(losses_got, losses, strict=True)):
         assert got == pytest.approx(want, rel=rtol, abs=atol), f"step {step}: loss {got!r}, reference {want!r}"
     caps = load_captures(job.run_dir)
-    ranks = job.adapter.devices if job.adapter is not None else (final or plan).devices
+    ranks = job.rank_devices()
     assert sorted(caps) == sorted(ranks.index(d) for d in (final or plan).devices)
     seen, seen_grads = set(), set()
     for rank, cap in caps.items():
@@ -238,10 +239,9 @@ def test_tied_gpt_resumes_from_checkpoint_exactly(runs):
 
 def test_adapter_replans_keep_tied_parameters_exact(runs):
     jobs, _ = runs
-    job, _ = jobs["replan"]
-    result = json.loads((Path(job.run_dir) / "result.json").read_text())
-    assert [c["kind"] for c in result["adapter"]["changes"]] == ["replan"] * 3
-    _, caps = _check(job, result["losses"], REPLANS[0], ADAM, steps=REPLAN_STEPS, final=REPLANS[-1])
+    job, result = jobs["replan"]
+    assert [c.kind for c in result.adapter.changes] == ["replan"] * 3
+    _, caps = _check(job, result.losses, REPLANS[0], ADAM, steps=REPLAN_STEPS, final=REPLANS[-1])
     _tied_copies_equal(caps)
 
 

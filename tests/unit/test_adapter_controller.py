@@ -8,14 +8,12 @@ import json
 import pytest
 import torch
 
-from deepcee.adapter.controller import (
+from deepcee.adapter.coordinator import Coordinator, PolicyContext, ScriptedPolicy
+from deepcee.adapter.messages import (
     DecisionMessage,
     DeviceTopology,
     Move,
-    PolicyContext,
-    ScriptedPolicy,
     decision_message,
-    layer_state_bytes,
     state_moves,
     transfers_of,
 )
@@ -25,6 +23,7 @@ from deepcee.errors import PlanError
 from deepcee.models import get_model
 from deepcee.plan import Plan, StagePlan
 from deepcee.runtime.emulation import Clock, LinkShaper, MemoryLedger
+from deepcee.runtime.records import RankMetrics
 from deepcee.scenarios import load_scenario
 
 C0, C1, E0, E1, N0 = "cloud0:0", "cloud0:1", "edge0:0", "edge0:1", "end0:0"
@@ -141,7 +140,7 @@ def test_device_topology_keeps_each_devices_rank() -> None:
 def test_scripted_policy_changes_after_the_given_steps(cluster) -> None:
     new = plan([(0, 2, (C0, C1), (1, 3)), (2, 6, (E0,), (4,))])
     retuned = plan([(0, 2, (C0, C1), (2, 2)), (2, 6, (E0,), (4,))])
-    policy = ScriptedPolicy(changes=((1, new.to_dict()), (3, retuned.to_dict()))).build(
+    policy = ScriptedPolicy(changes=((1, new), (3, retuned))).build(
         PolicyContext(plan=OLD, cluster=cluster, model="gpt-tiny", steps=6, clock=lambda: 0.0))
     kinds = []
     current = OLD
@@ -153,6 +152,8 @@ def test_scripted_policy_changes_after_the_given_steps(cluster) -> None:
 
 
 def test_layer_state_bytes_counts_optimizer_state() -> None:
+    from deepcee.adapter.hooks import layer_state_bytes
+
     blocks = [torch.nn.Linear(4, 2), torch.nn.ReLU()]  # 10 float32 parameters, none
     assert layer_state_bytes(blocks, "adamw") == [120.0, 0.0]
     assert layer_state_bytes(blocks, "sgd", momentum=0.9) == [80.0, 0.0]
@@ -200,17 +201,17 @@ def test_queueing_decides_which_rate_a_transfer_pays() -> None:
 
 
 def _coordinator(cluster, changes, devices=(C0, C1, E0, N0)):
-    from deepcee.adapter.controller import AdaptSpec, _Coordinator
+    from deepcee.adapter.hooks import AdaptSpec
 
     spec = AdaptSpec(devices=devices, policy=ScriptedPolicy(changes=changes))
     ctx = PolicyContext(plan=OLD, cluster=cluster, model="gpt-tiny", steps=6, clock=lambda: 0.0)
-    return _Coordinator(spec, OLD, cluster, ctx, [1e5] * 6)
+    return Coordinator(spec, OLD, cluster, ctx, [1e5] * 6)
 
 
 def test_coordinator_turns_decisions_into_messages_and_rejects_plans_without_ranks(cluster) -> None:
     new = plan([(0, 2, (C0, C1), (1, 3)), (2, 6, (E0,), (4,))])
     outside = plan([(0, 3, (E1,), (4,)), (3, 6, (E0,), (4,))])  # edge0:1 has no rank here
-    coord = _coordinator(cluster, ((0, new.to_dict()), (1, outside.to_dict())))
+    coord = _coordinator(cluster, ((0, new), (1, outside)))
     msg = coord.decide(0, OLD)
     assert msg.kind == DecisionKind.REPLAN and msg.start_step == 1 and msg.plan == new and len(msg.moves) == 3
     rejected = coord.decide(1, new)
@@ -224,9 +225,10 @@ def test_coordinator_feeds_the_monitor_with_the_gathered_transfers(cluster) -> N
     slow = link.bandwidth_bytes_per_s / 5
     for step in range(4):
         t = step * 1.0
-        ranks = [None, {"transfers": [(link.resource, n, t + 0.1 * i, t + 0.1 * i + link.latency_s + n / slow)
-                                      for i, n in enumerate((1e5, 2e5, 1e5))]}]
-        coord.observe(ranks)
-    est = coord.estimates_record()
-    assert link.resource in est["changed_links"]
-    assert est["link_estimates"][link.resource]["bandwidth_bytes_per_s"] == pytest.approx(slow, rel=0.05)
+        transfers = tuple((link.resource, n, t + 0.1 * i, t + 0.1 * i + link.latency_s + n / slow)
+                          for i, n in enumerate((100_000, 200_000, 100_000)))
+        coord.observe([None, RankMetrics(rank=2, stage=1, device=E0, loss=0.0, compute_s=0.0, cpu_s=0.0, wait_s=0.0,
+                                         sync_s=0.0, peak_in_flight=1, bytes_sent={}, transfers=transfers)])
+    est = coord.link_estimates()
+    assert est[link.resource].changed
+    assert est[link.resource].bandwidth_bytes_per_s == pytest.approx(slow, rel=0.05)

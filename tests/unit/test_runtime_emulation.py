@@ -123,7 +123,7 @@ def test_emulation_info_says_what_each_mode_emulates():
 
 
 def test_train_config_accepts_realnet_on_cpu_only():
-    from deepcee.runtime.trainer import TrainConfig
+    from deepcee.runtime.job import TrainConfig
 
     assert TrainConfig(steps=1, mode="realnet").mode == "realnet"
     with pytest.raises(Exception, match="realnet"):
@@ -134,17 +134,17 @@ def test_train_config_accepts_realnet_on_cpu_only():
 
 def _jobs(tmp_path, *specs):
     from deepcee.plan import Plan, StagePlan
-    from deepcee.runtime.trainer import Job, TrainConfig
+    from deepcee.runtime.job import Job, TrainConfig
     from deepcee.scenarios import load_scenario
 
-    cluster = load_scenario("local-small").to_dict()
+    cluster = load_scenario("local-small")
     out = []
     for i, (devices, mode, dilation) in enumerate(specs):
         plan = Plan(system="t", cluster="local-small", model="gpt-tiny", global_batch=2, microbatch_size=2,
                     num_microbatches=1, schedule="gpipe",
                     stages=tuple(StagePlan(layer_start=3 * k, layer_stop=3 * k + 3, devices=(d,), shares=(2,))
                                  for k, d in enumerate(devices)))
-        out.append(Job(name=f"j{i}", plan=plan.to_dict(), cluster=cluster, model="gpt-tiny",
+        out.append(Job(name=f"j{i}", plan=plan, cluster=cluster, model="gpt-tiny",
                        config=TrainConfig(steps=1, mode=mode, dilation=dilation), run_dir=str(tmp_path / f"j{i}")))
     return out
 

@@ -13,6 +13,7 @@ from torch import nn
 
 from deepcee.errors import RuntimeSetupError, SpecError
 from deepcee.plan import Plan, StagePlan
+from deepcee.runtime.job import Job, TrainConfig
 from deepcee.runtime.params import (
     PackedModel,
     Tie,
@@ -22,7 +23,7 @@ from deepcee.runtime.params import (
     tie_groups,
 )
 from deepcee.runtime.partition import Topology
-from deepcee.runtime.trainer import Job, TrainConfig
+from deepcee.scenarios import load_scenario
 
 
 class Head(nn.Module):
@@ -95,7 +96,10 @@ def test_torch_forking_pickler_moves_a_model_to_shared_memory():
 def test_a_job_reaches_a_spawned_rank_packed_without_shared_memory():
     blocks = tied_model()
     before = {k: v.clone() for k, v in nn.ModuleList(blocks).state_dict().items()}
-    job = Job(name="j", plan={}, cluster={}, model=blocks, config=TrainConfig(steps=1), run_dir="/nonexistent")
+    plan = Plan(system="t", cluster="local-small", model="user", global_batch=2, microbatch_size=2, num_microbatches=1,
+                schedule="gpipe", stages=(StagePlan(layer_start=0, layer_stop=4, devices=("cloud0:0",), shares=(2,)),))
+    job = Job(name="j", plan=plan, cluster=load_scenario("local-small"), model=blocks, config=TrainConfig(steps=1),
+              run_dir="/nonexistent")
     on_rank = pickle.loads(bytes(ForkingPickler.dumps(job)))
     assert not any(t.is_shared() for b in blocks for t in [*b.parameters(), *b.buffers()])
     assert isinstance(on_rank.model, PackedModel) and on_rank.model.num_blocks == 4

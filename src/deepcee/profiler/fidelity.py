@@ -39,8 +39,8 @@ from deepcee.cluster import Cluster, load_cluster
 from deepcee.errors import DeepceeError, ProfileError
 from deepcee.plan import SCHEDULES, Plan, StagePlan, save_json_atomic
 from deepcee.profile import ModelProfile, load_profile
+from deepcee.runtime.job import Job, TrainConfig
 from deepcee.runtime.launch import launch_jobs
-from deepcee.runtime.trainer import Job, TrainConfig
 from deepcee.schedule.compact import build_compact
 from deepcee.schedule.ir import format_schedule
 from deepcee.simulator.engine import simulate
@@ -308,7 +308,7 @@ def run_fidelity(declared: Cluster, measured: Cluster, profile: ModelProfile, an
     by_name = {p.system: p for p in plans}
     cfg = TrainConfig(steps=steps, mode="emulated", cores=cores, timeout_s=timeout_s)
     names = [p.system for p in plans] + [f"{spread_plan}#{k}" for k in range(1, spread_repeats)]
-    jobs = [Job(name=n, plan=by_name[n.split("#")[0]].to_dict(), cluster=declared.to_dict(), model=profile.name,
+    jobs = [Job(name=n, plan=by_name[n.split("#")[0]], cluster=declared, model=profile.name,
                 config=cfg, run_dir=str(root / n.replace("#", "-"))) for n in names]
     log.info("running %d jobs (%d plans + %d repeats of %s), %d steps each", len(jobs), len(plans),
              spread_repeats - 1, spread_plan, steps)

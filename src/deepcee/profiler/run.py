@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from deepcee.cluster import Cluster, Device, DeviceKind, Node, cluster_from_dict
+from deepcee.cluster import Cluster, Device, DeviceKind, Node
 from deepcee.errors import ProfileError
 from deepcee.plan import save_json_atomic
 from deepcee.planner.grouping import (
@@ -88,7 +88,7 @@ PROBES_SCHEMA_VERSION = 1
 class ProfileJob:
     """What every rank of a profiling run needs (pickled to the spawned processes)."""
 
-    cluster: dict[str, Any]
+    cluster: Cluster
     model: str | Sequence[nn.Module]
     raw_dir: str
     emulated: bool
@@ -122,7 +122,7 @@ def _rank_main(rank: int, world_size: int, store_path: str, job: ProfileJob) -> 
     """What every profiling process runs (see the module docstring)."""
     logging.basicConfig(level=job.log_level, format=f"%(asctime)s rank {rank} %(name)s: %(message)s")
     rdist.single_thread()
-    cluster = cluster_from_dict(job.cluster)
+    cluster = job.cluster
     devices = cluster.device_names
     me = cluster.device(devices[rank])
     device = rdist.pick_device(job.use_cuda, rank)
@@ -255,7 +255,7 @@ def profile_cluster(cluster: Cluster, model: str | Sequence[nn.Module] = "gpt-ti
     budget = network_budget or NetworkBudget()
     dilation = choose_dilation([d.slowdown for d in cluster.devices], cores) if emulated else 1.0
     net_dilation = (dilation if network_dilation is None else network_dilation) if emulated else 1.0
-    job = ProfileJob(cluster=cluster.to_dict(), model=model, raw_dir=str(raw), emulated=emulated, dilation=dilation,
+    job = ProfileJob(cluster=cluster, model=model, raw_dir=str(raw), emulated=emulated, dilation=dilation,
                      network_dilation=net_dilation,
                      device_config=config, network_budget=budget, loss_fn=loss_fn, dataset=dataset,
                      use_cuda=use_cuda, log_level=logging.getLogger("deepcee").getEffectiveLevel())
@@ -315,7 +315,7 @@ def probe_links(cluster: Cluster, *, emulated: bool = True, dilation: float = 1.
     """
     budget = budget or NetworkBudget()
     with tempfile.TemporaryDirectory(prefix="deepcee-links-") as tmp:
-        job = ProfileJob(cluster=cluster.to_dict(), model="", raw_dir=tmp, emulated=emulated, dilation=dilation,
+        job = ProfileJob(cluster=cluster, model="", raw_dir=tmp, emulated=emulated, dilation=dilation,
                          network_dilation=dilation if emulated else 1.0, device_config=ProbeConfig(),
                          network_budget=budget, log_level=logging.getLogger("deepcee").getEffectiveLevel(),
                          probe_devices=False)

@@ -12,11 +12,12 @@ Public API:
   :func:`schedule_for` (the lowered schedule a plan runs).
 
 Modules: ``dist`` (process group; the only place that reads the environment), ``partition``
-(topology, sample ranges), ``stage``, ``p2p``, ``executor``, ``emulation``, ``trainer``,
-``checkpoint`` (checkpoints and metrics), ``data`` (shipped datasets), ``params`` (a user
-model's private copies on the ranks and its tied parameters), ``launch``, ``supervise``
-(starting and watching rank processes, torch-free), and the real-network mode's package
-``realnet``.
+(topology, sample ranges), ``stage``, ``p2p``, ``executor``, ``emulation``, ``job`` (what every
+rank gets), ``trainer`` (one rank's run), ``hooks`` (what a run whose plan changes plugs into
+the trainer), ``records`` (step records and the result), ``checkpoint`` (checkpoints and the
+metrics file), ``data`` (shipped datasets), ``params`` (a user model's private copies on the
+ranks and its tied parameters), ``launch``, ``supervise`` (starting and watching rank
+processes, torch-free), and the real-network mode's package ``realnet``.
 
 The names above are imported on first use (module ``__getattr__``), so that a process that
 imports only a torch-free submodule, such as the relay (``deepcee.runtime.realnet.relay``) or
@@ -31,15 +32,17 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from deepcee.runtime.executor import schedule_for
-    from deepcee.runtime.launch import TrainResult, launch_jobs, run_training
+    from deepcee.runtime.job import Job, OptimizerConfig, TrainConfig
+    from deepcee.runtime.launch import launch_jobs, run_training
     from deepcee.runtime.partition import Topology
+    from deepcee.runtime.records import TrainResult
     from deepcee.runtime.stage import StageRunner
-    from deepcee.runtime.trainer import Job, OptimizerConfig, TrainConfig, run_jobs_on_rank
+    from deepcee.runtime.trainer import run_jobs_on_rank
 
 _HOME = {
-    "schedule_for": "executor", "TrainResult": "launch", "launch_jobs": "launch", "run_training": "launch",
-    "Topology": "partition", "StageRunner": "stage", "Job": "trainer", "OptimizerConfig": "trainer",
-    "TrainConfig": "trainer", "run_jobs_on_rank": "trainer",
+    "schedule_for": "executor", "TrainResult": "records", "launch_jobs": "launch", "run_training": "launch",
+    "Topology": "partition", "StageRunner": "stage", "Job": "job", "OptimizerConfig": "job",
+    "TrainConfig": "job", "run_jobs_on_rank": "trainer",
 }
 
 __all__ = [

@@ -9,8 +9,9 @@ later ones are usually timeouts it caused) is raised again in the parent, as the
 killed and :class:`RuntimeSetupError` says which ranks were still running: a hang is a
 failure, never a stuck test.
 
-:func:`run_training` is the one-call public entry: plan + cluster + model -> :class:`TrainResult`.
-For many machines use ``torchrun`` with :mod:`deepcee.train` instead.
+:func:`run_training` is the one-call public entry: plan + cluster + model -> :class:`TrainResult`
+(:mod:`deepcee.runtime.records`; ``launch_jobs`` returns the same, read back from each job's
+run folder). For many machines use ``torchrun`` with :mod:`deepcee.train` instead.
 
 Jobs in mode ``realnet`` run under :func:`deepcee.runtime.realnet.launch_realnet` instead of
 :func:`launch`: rank ``r`` in its own network namespace as device ``devices[r]``, every
@@ -23,56 +24,27 @@ bytes, drops, queueing per link resource) go to ``<run_dir>/relay.json`` of ever
 
 from __future__ import annotations
 
-import json
 import logging
 import shutil
 import tempfile
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from deepcee.cluster import Cluster, cluster_from_dict
+from deepcee.cluster import Cluster
 from deepcee.errors import RuntimeSetupError, SpecError
-from deepcee.plan import Plan, plan_from_dict, save_json_atomic
+from deepcee.plan import Plan, save_json_atomic
 from deepcee.runtime import dist as rdist
-from deepcee.runtime.checkpoint import read_metrics
 from deepcee.runtime.emulation import choose_dilation
+from deepcee.runtime.job import Job, TrainConfig
 from deepcee.runtime.realnet import launch_realnet
+from deepcee.runtime.records import TrainResult
 from deepcee.runtime.supervise import spawn_ranks, supervise
-from deepcee.runtime.trainer import Job, TrainConfig, run_jobs_on_rank
+from deepcee.runtime.trainer import run_jobs_on_rank
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class TrainResult:
-    """What a run measured (times already divided by the dilation in modes ``emulated`` and ``realnet``)."""
-
-    job: str
-    losses: tuple[float, ...]
-    """Mean loss over the global batch, per step."""
-    step_s: tuple[float, ...]
-    samples_per_s: float
-    """Global batch / median step time, first step (warm-up) excluded when there are more."""
-    median_step_s: float
-    mode: str
-    dilation: float
-    emulated: tuple[str, ...]
-    """Which figures come from emulation (empty in mode ``real``)."""
-    run_dir: str
-    metrics: tuple[dict[str, Any], ...]
-    """The per-step records of ``metrics.jsonl``."""
-
-    @staticmethod
-    def from_run_dir(run_dir: str | Path) -> TrainResult:
-        d = json.loads((Path(run_dir) / "result.json").read_text())
-        return TrainResult(
-            job=d["job"], losses=tuple(d["losses"]), step_s=tuple(d["step_s"]), samples_per_s=d["samples_per_s"],
-            median_step_s=d["median_step_s"], mode=d["mode"], dilation=d["dilation"], emulated=tuple(d["emulated"]),
-            run_dir=str(run_dir), metrics=tuple(read_metrics(Path(run_dir) / "metrics.jsonl")),
-        )
 
 
 def launch(target: Callable[..., None], args: tuple[Any, ...], *, world_size: int, deadline_s: float,
@@ -96,17 +68,6 @@ def _jobs_entry(rank: int, world_size: int, store_path: str, jobs: Sequence[Job]
     run_jobs_on_rank(jobs, rank, world_size, rdist.file_store(store_path, world_size, timeout_s))
 
 
-def _rank_devices(job: Job) -> tuple[str, ...]:
-    """Device of each rank: an adaptive job's fixed device list, else the plan's devices in rank order."""
-    if job.adapter is None:
-        return plan_from_dict(job.plan).devices
-    devices = getattr(job.adapter, "devices", None)
-    if devices is None:
-        raise RuntimeSetupError(f"job {job.name!r}: mode 'realnet' needs the device of every rank, and its trainer "
-                                f"factory {type(job.adapter).__name__} has no 'devices'")
-    return tuple(devices)
-
-
 def _realnet_jobs(jobs: Sequence[Job], world_size: int | None) -> tuple[list[Job], Cluster, tuple[str, ...], float]:
     """Check a realnet launch (see the module docstring); the jobs with the launch's dilation set,
     the cluster, the rank devices and the dilation."""
@@ -114,17 +75,17 @@ def _realnet_jobs(jobs: Sequence[Job], world_size: int | None) -> tuple[list[Job
     if other:
         raise SpecError(f"jobs {other} are not in mode 'realnet' but others of the launch are; the relay shapes "
                         "every message of a realnet launch, so run them in a separate launch", field="mode")
-    devices = _rank_devices(jobs[0])
+    devices = jobs[0].rank_devices()
     for j in jobs[1:]:
-        if _rank_devices(j) != devices:
-            raise SpecError(f"job {j.name!r} runs devices {list(_rank_devices(j))}, job {jobs[0].name!r} runs "
+        if j.rank_devices() != devices:
+            raise SpecError(f"job {j.name!r} runs devices {list(j.rank_devices())}, job {jobs[0].name!r} runs "
                             f"{list(devices)}: a realnet launch has one device per rank, in one order",
                             field="devices")
     if world_size is not None and world_size != len(devices):
         raise RuntimeSetupError(f"mode 'realnet' runs one rank per device ({len(devices)}: {list(devices)}), "
                                 f"world_size is {world_size}")
-    cluster = cluster_from_dict(jobs[0].cluster)
-    if any(cluster_from_dict(j.cluster) != cluster for j in jobs[1:]):
+    cluster = jobs[0].cluster
+    if any(j.cluster != cluster for j in jobs[1:]):
         raise SpecError("jobs of a realnet launch must share one cluster (the relay's links)", field="cluster")
     slowdowns = [cluster.device(d).slowdown for d in devices]
     dilations = {j.config.dilation or choose_dilation(slowdowns, j.config.cores) for j in jobs}
@@ -153,7 +114,7 @@ def launch_jobs(jobs: Sequence[Job], *, world_size: int | None = None, deadline_
                 "note": f"counters of the relay over the whole launch ({len(shaped)} job(s)); wall seconds",
                 "dilation": dilation, **stats.to_dict()})
         return [TrainResult.from_run_dir(j.run_dir) for j in shaped]
-    need = max(j.adapter.ranks(j) if j.adapter is not None else len(plan_from_dict(j.plan).devices) for j in jobs)
+    need = max(len(j.rank_devices()) for j in jobs)
     world = need if world_size is None else world_size
     if world < need:
         raise RuntimeSetupError(f"a job needs {need} ranks, world_size is {world}")
@@ -176,12 +137,12 @@ def run_training(plan: Plan, cluster: Cluster, *, model: Any = "gpt-tiny", steps
     different stages get the summed gradient every step, as in one process. See
     ``docs/running.md`` ("Your own model").
 
-    ``config`` holds :class:`TrainConfig` fields (``mode``, ``dtype``, ``optimizer``,
-    ``checkpoint_every``, ``resume``, ...). Metrics go to ``<run_dir>/metrics.jsonl``.
+    A convenience over :class:`Job` and :func:`launch_jobs`: ``config`` holds the other
+    :class:`TrainConfig` fields (``mode``, ``dtype``, ``optimizer``, ``checkpoint_every``,
+    ``resume``, ...). Metrics go to ``<run_dir>/metrics.jsonl`` (default: a new temporary folder).
     """
-    cfg = TrainConfig(steps=steps, **config)
     run_dir = Path(run_dir) if run_dir is not None else Path(tempfile.mkdtemp(prefix="deepcee-run-"))
-    job = Job(name=f"job-{uuid.uuid4().hex[:8]}", plan=plan.to_dict(), cluster=cluster.to_dict(), model=model,
-              config=cfg, run_dir=str(run_dir), loss_fn=loss_fn, dataset=dataset,
+    job = Job(name=f"job-{uuid.uuid4().hex[:8]}", plan=plan, cluster=cluster, model=model,
+              config=TrainConfig(steps=steps, **config), run_dir=str(run_dir), loss_fn=loss_fn, dataset=dataset,
               checkpoint_dir=None if checkpoint_dir is None else str(checkpoint_dir))
     return launch_jobs([job], deadline_s=deadline_s)[0]

@@ -146,7 +146,7 @@ def private_blocks(model: PackedModel | nn.Module | Iterable[nn.Module]) -> list
 
 
 def reduce_job(job: Any) -> tuple[Callable[..., Any], tuple[Any, ...]]:
-    """``__reduce__`` of a :class:`~deepcee.runtime.trainer.Job`: its user model travels packed."""
+    """``__reduce__`` of a :class:`~deepcee.runtime.job.Job`: its user model travels packed."""
     values = {f.name: getattr(job, f.name) for f in fields(job)}
     if not isinstance(values["model"], str | PackedModel):
         values["model"] = PackedModel.pack(values["model"])

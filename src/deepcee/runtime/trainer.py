@@ -9,13 +9,13 @@ devices, sums the gradients of parameters tied across stages (:mod:`deepcee.runt
 which also gives every rank its private copy of a user's model), steps the optimizer,
 gathers metrics on rank 0 and checkpoints.
 
-Hooks for a trainer that changes plans while it runs (the adapter's controller,
-:mod:`deepcee.adapter.controller`, passed in as :attr:`Job.adapter`): the topology
-(:meth:`Trainer._topology`), the gather group (:meth:`Trainer._make_job_group`), the step
-boundary (:meth:`Trainer._decide` after a step's metrics are gathered, excluded from step
-times; :meth:`Trainer._apply` before the next step, counted in it) and whether an idle rank
-still takes part (:attr:`Trainer.takes_part`). The stage is built by
-:meth:`Trainer._build_stage`, which can run again for a new plan.
+A run whose plan changes while it runs (the adapter) plugs in through
+:class:`~deepcee.runtime.hooks.TrainerHooks` (built on each rank by :attr:`Job.hooks`; see
+[Note: trainer hooks]); without it, :class:`~deepcee.runtime.hooks.FixedPlan`. The hooks act on
+the trainer through its public methods: :meth:`Trainer.set_plan` (a new plan's topology and
+stage groups), :meth:`Trainer.build_stage` (this rank's stage, schedule row and optimizer for
+the plan in force), :meth:`Trainer.reshard` (same stage, new sample ranges) and
+:meth:`Trainer.make_p2p`. Step records and the result are :mod:`deepcee.runtime.records`.
 
 [Note: loss weighting]
 Each device scales its per-microbatch mean loss by ``share / global_batch``
@@ -31,44 +31,47 @@ import hashlib
 import json
 import logging
 import pickle
-import statistics
 import time
 import traceback
-from collections import defaultdict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from deepcee import nets
-from deepcee.cluster import Cluster, cluster_from_dict
+from deepcee.cluster import Cluster
 from deepcee.errors import DeepceeError, RuntimeSetupError, SpecError
-from deepcee.plan import Plan, plan_from_dict, save_json_atomic
+from deepcee.plan import Plan, save_json_atomic
 from deepcee.runtime import checkpoint as ckpt
 from deepcee.runtime import dist as rdist
 from deepcee.runtime import params as rparams
-from deepcee.runtime.data import Dataset, dataset_for
+from deepcee.runtime.data import dataset_for
 from deepcee.runtime.emulation import (
-    DEFAULT_CORES,
-    MODES,
     PACED_MODES,
     Clock,
     DevicePacer,
     FileLedger,
     LinkShaper,
-    Mode,
     choose_dilation,
     emulation_info,
 )
 from deepcee.runtime.executor import Feeds, StepRecord, run_step, schedule_for
+from deepcee.runtime.hooks import FixedPlan, TrainerHooks
+from deepcee.runtime.job import Job
 from deepcee.runtime.p2p import P2P, TensorMeta, exchange_metadata
-from deepcee.runtime.partition import Topology
 from deepcee.runtime.realnet.relay import RelayControl
+from deepcee.runtime.records import (
+    RankMetrics,
+    StepMetrics,
+    TrainResult,
+    step_metrics,
+    train_result,
+)
 from deepcee.runtime.stage import StageRunner
 from deepcee.simulator.collectives import allreduce_s
 
@@ -77,103 +80,6 @@ log = logging.getLogger(__name__)
 STORE_POLL_S = 5e-4
 """How often rank 0 looks for the ranks' step records in the store (mode ``realnet``); a check
 of a ``FileStore`` costs about 10 us."""
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class OptimizerConfig:
-    """Per-parameter optimizers only (no global norms), so per-stage optimizers equal a whole-model one."""
-
-    name: Literal["adamw", "sgd"] = "adamw"
-    lr: float = 1e-3
-    momentum: float = 0.0
-    """SGD only."""
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-
-    def __post_init__(self) -> None:
-        if self.name not in ("adamw", "sgd"):
-            raise SpecError(f"unknown optimizer {self.name!r} (known: adamw, sgd)", field="optimizer")
-        if self.lr <= 0:
-            raise SpecError(f"must be > 0, got {self.lr!r}", field="optimizer.lr")
-
-    def build(self, params: Sequence[nn.Parameter]) -> torch.optim.Optimizer:
-        if self.name == "sgd":
-            return torch.optim.SGD(params, lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay)
-        return torch.optim.AdamW(params, lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay)
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class TrainConfig:
-    """How to train (the plan says where and in what order)."""
-
-    steps: int
-    seed: int = 0
-    dtype: Literal["float32", "float64"] = "float32"
-    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
-    mode: Mode = "emulated"
-    """``emulated``: devices and links emulated on this machine; ``realnet``: devices emulated,
-    links real TCP through the shaping relay between network namespaces (ranks started by
-    :func:`deepcee.runtime.realnet.launch_realnet`, which :func:`deepcee.runtime.launch.launch_jobs`
-    does for this mode); ``real``: run as fast as it goes."""
-    cores: float = DEFAULT_CORES
-    """CPU cores the emulated devices may use together (sets the dilation)."""
-    dilation: float | None = None
-    """Force the time dilation ``D`` (default: from ``cores``)."""
-    timeout_s: float = 60.0
-    """Limit on every receive, collective and start-up wait."""
-    checkpoint_every: int = 0
-    keep_checkpoints: int = 2
-    resume: bool = False
-    capture: bool = False
-    """Save step-0 gradients and final parameters of every rank (tests compare them)."""
-    trace: bool = False
-    """Record every action's start and end in the metrics."""
-    use_cuda: bool = False
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.steps, int) or self.steps < 1:
-            raise SpecError(f"must be an integer >= 1, got {self.steps!r}", field="steps")
-        if self.dtype not in ("float32", "float64"):
-            raise SpecError(f"must be float32 or float64, got {self.dtype!r}", field="dtype")
-        if self.mode not in MODES:
-            raise SpecError(f"must be one of {', '.join(MODES)}, got {self.mode!r}", field="mode")
-        if self.timeout_s <= 0 or self.cores <= 0:
-            raise SpecError(f"timeout_s and cores must be > 0, got {self.timeout_s!r}, {self.cores!r}")
-        if self.dilation is not None and self.dilation < 1:
-            raise SpecError(f"must be >= 1, got {self.dilation!r}", field="dilation")
-        if self.mode in PACED_MODES and self.use_cuda:
-            raise SpecError(f"mode {self.mode!r} paces CPU workers as emulated devices; use mode 'real' with CUDA",
-                            field="mode")
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Job:
-    """One training run of a plan. Plan and cluster travel as dicts (plain pickles, stable)."""
-
-    name: str
-    plan: dict[str, Any]
-    cluster: dict[str, Any]
-    model: str | Sequence[nn.Module] | rparams.PackedModel
-    """A built-in net's name, or the user's blocks (see :func:`deepcee.nets.as_blocks`), which
-    travel packed and are copied on every rank ([Note: private copies] in :mod:`deepcee.runtime.params`)."""
-    config: TrainConfig
-    run_dir: str
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
-    dataset: Dataset | None = None
-    checkpoint_dir: str | None = None
-    adapter: TrainerFactory | None = None
-    """Builds this job's trainer instead of :class:`Trainer` (the adapter's controller); must pickle."""
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return rparams.reduce_job(self)  # a user model must not reach the ranks as shared memory
-
-
-class TrainerFactory(Protocol):
-    def trainer(self, job: Job, worker: Worker) -> Trainer: ...
-    def ranks(self, job: Job) -> int:
-        """Processes the job needs (the launch's world size)."""
-        ...
 
 
 def plan_digest(plan: Plan) -> str:
@@ -196,21 +102,22 @@ class Worker:
 class Trainer:
     """Runs one job on one rank. See the module docstring."""
 
-    def __init__(self, job: Job, w: Worker) -> None:
+    def __init__(self, job: Job, w: Worker, hooks: TrainerHooks | None = None) -> None:
         self.job, self.w, self.cfg = job, w, job.config
-        self.cluster: Cluster = cluster_from_dict(job.cluster)
+        self.hooks: TrainerHooks = hooks or FixedPlan()
+        self.cluster: Cluster = job.cluster
         self.clock = Clock()
         self.run_dir = Path(job.run_dir)
         self._groups: dict[tuple[int, ...], Any] = {}
         self._records_sent = 0
         self.ties = rparams.model_ties(job.model)
         # Every rank creates every group, in the same order (torch.distributed requires it).
-        self._set_plan(plan_from_dict(job.plan), make_job_group=True)
+        self.set_plan(job.plan, make_job_group=True)
 
-    def _set_plan(self, plan: Plan, *, make_job_group: bool = False) -> None:
+    def set_plan(self, plan: Plan, *, make_job_group: bool = False) -> None:
         """Make ``plan`` the one in force: topology and stage groups (a collective over the world)."""
         self.plan, self.digest = plan, plan_digest(plan)
-        self.topo = self._topology(plan)
+        self.topo = self.hooks.topology(plan, self.w.world_size)
         if make_job_group:
             self.job_group = self._make_job_group()
         self.stage_groups = {s: self._group(self.topo.stage_ranks(s))
@@ -224,11 +131,10 @@ class Trainer:
             self._groups[key] = dist.new_group(list(key), timeout=timedelta(seconds=self.cfg.timeout_s))
         return self._groups[key]
 
-    def _topology(self, plan: Plan) -> Topology:
-        return Topology(plan, self.w.world_size)
-
     def _make_job_group(self) -> Any:
         """The group metrics are gathered over: the plan's ranks (``None``: the world)."""
+        if self.hooks.gathers_over_world():
+            return None
         active = list(range(self.topo.num_active))
         return self._group(active) if len(active) < self.w.world_size else None
 
@@ -239,14 +145,7 @@ class Trainer:
     @property
     def takes_part(self) -> bool:
         """Whether this rank runs :meth:`setup` and :meth:`train` (idle ranks of a fixed plan do not)."""
-        return self.active
-
-    def _device_name(self) -> str:
-        return self.topo.device_of(self.w.rank)
-
-    def _emulated_devices(self) -> Sequence[str]:
-        """The devices that compute at once (they set the dilation)."""
-        return self.plan.devices
+        return self.hooks.takes_part(self)
 
     # -- set-up --------------------------------------------------------------------------
     def _blocks(self) -> tuple[list[nn.Module], Callable]:
@@ -275,13 +174,13 @@ class Trainer:
         paced = self.cfg.mode in PACED_MODES
         relay = self._relay_control() if self.cfg.mode == "realnet" else None
         if self.active:
-            self._build_stage(self.job.name)
-        slowdowns = [self.cluster.device(d).slowdown for d in self._emulated_devices()]
+            self.build_stage(self.job.name)
+        slowdowns = [self.cluster.device(d).slowdown for d in self.hooks.paced_devices(self)]
         self.dilation = (self.cfg.dilation or choose_dilation(slowdowns, self.cfg.cores)) if paced else 1.0
         self.info = emulation_info(self.cfg.mode, self.dilation, self.cfg.cores)
-        self.pacer = DevicePacer(slowdown=self.cluster.device(self._device_name()).slowdown, dilation=self.dilation,
-                                 enabled=paced, clock=self.clock)
-        self._prepare()
+        self.pacer = DevicePacer(slowdown=self.cluster.device(self.hooks.device(self)).slowdown,
+                                 dilation=self.dilation, enabled=paced, clock=self.clock)
+        self.hooks.prepare(self)
         # emulated time (and every bandwidth trace) starts when all ranks are ready to train
         self._barrier()
         self.epoch = self._epoch()
@@ -294,7 +193,7 @@ class Trainer:
             # is one clock for every namespace of this machine)
             relay.set_epoch(self.epoch)
         if self.active:
-            self.p2p = self._make_p2p()
+            self.p2p = self.make_p2p()
         self.start_step = self._resume() if self.active else 0
 
     def _relay_control(self) -> RelayControl:
@@ -306,10 +205,7 @@ class Trainer:
                                     f"socket in the environment ({rdist.RELAY_CONTROL_ENV})")
         return RelayControl(path, timeout_s=self.cfg.timeout_s)
 
-    def _prepare(self) -> None:
-        """Last set-up work before the shared epoch is taken (one-off costs that must not count)."""
-
-    def _build_stage(self, key: str, metas: tuple[TensorMeta | None, TensorMeta | None] | None = None) -> None:
+    def build_stage(self, key: str, metas: tuple[TensorMeta | None, TensorMeta | None] | None = None) -> None:
         """This rank's stage of the plan in force, its schedule row and optimizer; boundary shapes
         agreed with its peers under store prefix ``key`` unless ``metas`` are given."""
         self._check_sync()
@@ -330,7 +226,15 @@ class Trainer:
         )
         self.optimizer = self.cfg.optimizer.build(self.stage.params)
 
-    def _make_p2p(self) -> P2P:
+    def reshard(self) -> None:
+        """Same stage, other sample ranges, microbatches or schedule (a re-tune of the plan in
+        force): new placement, schedule row and transport; the stage module and optimizer stay."""
+        self.placement = self.topo.placement(self.w.rank)
+        self.schedule = schedule_for(self.plan)
+        self.actions = self.schedule[self.placement.stage]
+        self.p2p = self.make_p2p()
+
+    def make_p2p(self) -> P2P:
         in_meta, out_meta = self.metas
         return P2P(topology=self.topo, rank=self.w.rank, device=self.w.device, timeout_s=self.cfg.timeout_s,
                    in_meta=in_meta, out_meta=out_meta, cluster=self.cluster, shaper=self.shaper, clock=self.clock,
@@ -484,12 +388,12 @@ class Trainer:
         else:
             dist.barrier(group=self.job_group)
 
-    def train(self) -> dict[str, Any] | None:
-        """Run the steps; rank 0 returns the result record (also written to ``result.json``)."""
+    def train(self) -> TrainResult | None:
+        """Run the steps; rank 0 returns the result (also written to ``result.json``)."""
         writer = ckpt.MetricsWriter(self.run_dir / "metrics.jsonl", append=self.start_step > 0) if self.w.rank == 0 else None
         capture: dict[str, Any] = {}
-        records: list[dict[str, Any]] = []
-        carried: dict[str, Any] = {}
+        records: list[StepMetrics] = []
+        carried = None
         self._barrier()
         t_prev = self.clock.wall()
         for step in range(self.start_step, self.cfg.steps):
@@ -499,13 +403,15 @@ class Trainer:
             step_s = now - t_prev
             if self.cfg.checkpoint_every and (step + 1) % self.cfg.checkpoint_every == 0:
                 self._checkpoint(step + 1)
-            boundary = self._decide(step, gathered)
+            boundary = self.hooks.decide(self, step, gathered)
             t_prev = self.clock.wall()  # the decision is not part of any step; applying it is
             if writer is not None:
                 ranks = [r for r in gathered if r is not None]
-                records.append(self._step_record(step, ranks, step_s, {**carried, **boundary}))
-                writer.write(records[-1])
-            carried = self._apply()
+                records.append(step_metrics(step, ranks, step_s, global_batch=self.plan.global_batch,
+                                            emulation=self.info, epoch=self.epoch if self.cfg.trace else None,
+                                            change=carried, boundary=boundary))
+                writer.write(records[-1].to_dict())
+            carried = self.hooks.apply(self)
         if self.cfg.capture and self.active:
             capture["params"] = self._named(lambda p: p)
             (self.run_dir / "capture").mkdir(parents=True, exist_ok=True)
@@ -513,11 +419,14 @@ class Trainer:
         if writer is None:
             return None
         writer.close()
-        result = self._result(records)
-        save_json_atomic(self.run_dir / "result.json", result)
+        result = train_result(
+            records, job=self.job.name, plan=self.plan, plan_digest=self.digest, start_step=self.start_step,
+            steps=self.cfg.steps, emulation=self.info, run_dir=str(self.run_dir), adapter=self.hooks.adapter_run(),
+            sync="none" if not self.stage_groups else "allreduce (gloo/nccl, SUM over each stage's devices)")
+        save_json_atomic(self.run_dir / "result.json", result.to_dict())
         return result
 
-    def _train_step(self, step: int, capture: dict[str, Any]) -> dict[str, Any]:
+    def _train_step(self, step: int, capture: dict[str, Any]) -> RankMetrics:
         """One step of this (active) rank: schedule row, gradient sync, optimizer; its metrics."""
         self.stage.zero_grad()
         rec = run_step(self.actions, self.stage, self.p2p, self._feeds(step), self.pacer, trace=self.cfg.trace)
@@ -525,64 +434,20 @@ class Trainer:
         if self.cfg.capture and step == self.start_step:
             capture["grads"] = self._named(lambda p: p.grad)
         self.optimizer.step()
-        return self._rank_record(rec, sync_s)
+        return self._rank_metrics(rec, sync_s)
 
-    def _decide(self, step: int, gathered: list[Any] | None) -> dict[str, Any]:
-        """Step boundary, after the step's metrics reached rank 0: what to record for this step."""
-        return {}
-
-    def _apply(self) -> dict[str, Any]:
-        """Before the next step (and counted in its time): what to record for it."""
-        return {}
-
-    def _rank_record(self, rec: StepRecord, sync_s: float) -> dict[str, Any]:
-        transfers = [(res, n, self.emulated_s(t0), self.emulated_s(t1)) for res, n, t0, t1 in self.p2p.stats.transfers]
-        return {"rank": self.w.rank, "stage": self.placement.stage, "device": self.placement.device,
-                "loss": rec.loss, "compute_s": rec.compute_s, "cpu_s": rec.cpu_s, "wait_s": rec.wait_s,
-                "sync_s": sync_s, "peak_in_flight": rec.peak_in_flight, "bytes": dict(self.p2p.stats.bytes_sent),
-                "trace": rec.trace, "transfers": transfers}
-
-    def _step_record(self, step: int, ranks: list[dict[str, Any]], step_wall_s: float,
-                     extra: dict[str, Any] | None = None) -> dict[str, Any]:
-        d = self.dilation
-        stages: dict[int, dict[str, float]] = defaultdict(lambda: {"compute_s": 0.0, "wait_s": 0.0, "sync_s": 0.0})
-        links: dict[str, int] = defaultdict(int)
-        for r in ranks:
-            s = stages[r["stage"]]
-            for k in ("compute_s", "wait_s", "sync_s"):
-                s[k] = max(s[k], r[k] / d)  # the stage's slowest device
-            for link, n in r["bytes"].items():
-                links[link] += n
-        out = {
-            "step": step, "loss": sum(r["loss"] for r in ranks), "step_s": step_wall_s / d,
-            "samples_per_s": self.plan.global_batch / (step_wall_s / d),
-            **self.info.to_dict(),
-            "stages": [{"stage": s, **v} for s, v in sorted(stages.items())],
-            "link_bytes": dict(links),
-            "cpu_s": {r["device"]: r["cpu_s"] for r in ranks},
-            **(extra or {}),
-        }
-        if self.cfg.trace:
-            out["trace"] = {r["device"]: [(a, (t0 - self.epoch) / d, (t1 - self.epoch) / d) for a, t0, t1 in r["trace"]]
-                            for r in ranks}
-        return out
-
-    def _result(self, records: list[dict[str, Any]]) -> dict[str, Any]:
-        steady = [r["step_s"] for r in records[1:]] or [r["step_s"] for r in records]
-        median = statistics.median(steady) if steady else float("nan")
-        return {
-            "format": "deepcee.train-result", "schema_version": 1, "job": self.job.name,
-            "plan_digest": self.digest, "system": self.plan.system, "schedule": self.plan.schedule,
-            "global_batch": self.plan.global_batch, "start_step": self.start_step, "steps": self.cfg.steps,
-            "sync": "none" if not self.stage_groups else "allreduce (gloo/nccl, SUM over each stage's devices)",
-            "losses": [r["loss"] for r in records], "step_s": [r["step_s"] for r in records],
-            "median_step_s": median, "samples_per_s": self.plan.global_batch / median if steady else float("nan"),
-            **self.info.to_dict(), "run_dir": str(self.run_dir),
-        }
+    def _rank_metrics(self, rec: StepRecord, sync_s: float) -> RankMetrics:
+        stats = self.p2p.stats
+        return RankMetrics(
+            rank=self.w.rank, stage=self.placement.stage, device=self.placement.device, loss=rec.loss,
+            compute_s=rec.compute_s, cpu_s=rec.cpu_s, wait_s=rec.wait_s, sync_s=sync_s,
+            peak_in_flight=rec.peak_in_flight, bytes_sent=dict(stats.bytes_sent), trace=tuple(rec.trace),
+            transfers=tuple((res, n, self.emulated_s(t0), self.emulated_s(t1)) for res, n, t0, t1 in stats.transfers),
+            change=self.hooks.rank_change())
 
 
 def run_jobs_on_rank(jobs: Sequence[Job], rank: int, world_size: int, store: dist.Store, *,
-                     local_rank: int = 0) -> list[dict[str, Any] | None]:
+                     local_rank: int = 0) -> list[TrainResult | None]:
     """Join the process group and run ``jobs`` in order on this rank; rank 0 gets the results."""
     rdist.single_thread()
     use_cuda = any(j.config.use_cuda for j in jobs)
@@ -595,7 +460,7 @@ def run_jobs_on_rank(jobs: Sequence[Job], rank: int, world_size: int, store: dis
         for job in jobs:
             Path(job.run_dir).mkdir(parents=True, exist_ok=True)
             worker = Worker(rank=rank, world_size=world_size, store=store, device=device)
-            trainer = job.adapter.trainer(job, worker) if job.adapter is not None else Trainer(job, worker)
+            trainer = Trainer(job, worker, None if job.hooks is None else job.hooks.hooks(job, worker))
             if trainer.takes_part:
                 trainer.setup()
                 results.append(trainer.train())

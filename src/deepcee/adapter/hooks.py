@@ -1,0 +1,345 @@
+"""The adapter's training hooks: apply keep / re-tune / re-plan decisions to a running job (torch).
+
+An adaptive job (:func:`deepcee.adapter.controller.adaptive_job`) carries an :class:`AdaptSpec`
+as its :attr:`~deepcee.runtime.job.Job.hooks`; on every rank it builds an
+:class:`AdaptiveHooks`, the :class:`~deepcee.runtime.hooks.TrainerHooks` of a
+:class:`~deepcee.runtime.trainer.Trainer` whose plan can change between steps. Ranks are tied
+to devices for the whole run (:class:`~deepcee.adapter.messages.DeviceTopology`: rank ``r`` is
+always device ``devices[r]``, whichever plan is in force), so a plan may leave devices idle and
+bring them back; idle ranks still take part in every gather and broadcast.
+
+[Note: adapter step boundary]
+At the end of every step but the last, on every rank of the world:
+
+1. the step's per-rank records, including every received piece's timing
+   (:attr:`deepcee.runtime.records.RankMetrics.transfers`: link resource, bytes, send start,
+   delivery, in emulated seconds), are gathered on rank 0 (over the world: idle ranks send
+   nothing but still take part);
+2. rank 0's :class:`~deepcee.adapter.coordinator.Coordinator` feeds them to its link monitor
+   and, when adapting, asks its policy on the planning cluster corrected by the monitor's
+   estimates; the policy never sees the links' traces, only what the transfers showed;
+3. rank 0 broadcasts a :class:`~deepcee.adapter.messages.DecisionMessage` (kind, the new plan,
+   the step it starts at, the state moves) over the world; every rank checks the start step,
+   so all agree on the new plan and when it starts.
+
+Steps 1-3 are the *control* time, recorded per step (``control_s``) and excluded from step
+times. Then, before the next step and counted in its time (``change_s``):
+
+- **re-tune** (same stages on the same devices; other microbatch size, count or shares): the
+  topology, schedule row and transport are rebuilt (:meth:`Trainer.reshard
+  <deepcee.runtime.trainer.Trainer.reshard>`); no state moves, the stage module and its
+  optimizer stay;
+- **re-plan**: for every layer, each device of its new stage that did not hold it receives
+  its parameters and optimizer state (AdamW ``exp_avg``, ``exp_avg_sq``, ``step``; SGD
+  ``momentum_buffer``) from one device of its old stage (every device of a stage holds a
+  replica; :func:`~deepcee.adapter.messages.state_moves` picks the one whose link frees first,
+  as :func:`~deepcee.adapter.policy.state_movement` costs it); the moves run pairwise in the
+  message's order (a global order: no deadlock) over the emulated links
+  (:class:`~deepcee.runtime.emulation.LinkShaper`: bytes and latency, queueing on shared
+  resources). Then every rank creates the new plan's stage groups (``new_group`` is
+  collective over the world), and every active rank rebuilds its stage from the blocks it
+  holds, agrees boundary shapes with its new peers, rebuilds its optimizer with the moved
+  or kept state, and its transport. Parameters and optimizer state are exactly those a run
+  without the change would have (tested against a single-process reference).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from deepcee.adapter.coordinator import Coordinator, DefaultPolicy, PolicyContext, PolicyFactory
+from deepcee.adapter.messages import DecisionMessage, DeviceTopology, Move, transfers_of
+from deepcee.adapter.monitor import MonitorConfig
+from deepcee.adapter.policy import DecisionKind
+from deepcee.cluster import Cluster
+from deepcee.errors import RuntimeSetupError, SpecError
+from deepcee.plan import Plan
+from deepcee.runtime.job import Job
+from deepcee.runtime.partition import Topology
+from deepcee.runtime.records import (
+    AdapterRun,
+    AppliedChange,
+    BoundaryMetrics,
+    LinkEstimateRecord,
+    PlanChange,
+    RankChange,
+    RankMetrics,
+)
+from deepcee.traces import snapshot
+
+if TYPE_CHECKING:
+    from deepcee.runtime.trainer import Trainer, Worker
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AdaptSpec:
+    """:attr:`deepcee.runtime.job.Job.hooks` of an adaptive job (pickled to every rank)."""
+
+    devices: tuple[str, ...]
+    """Rank ``r`` runs ``devices[r]`` for the whole run; every plan must use only these."""
+    adapt: bool = True
+    """``False``: same machinery and monitor, but the plan is always kept (the baseline)."""
+    policy: PolicyFactory = field(default_factory=DefaultPolicy)
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    planning_cluster: Cluster | None = None
+    """What the policy plans on (no traces); ``None``: the job's cluster frozen at time 0,
+    restricted to ``devices``."""
+
+    def __post_init__(self) -> None:
+        if not self.devices or len(set(self.devices)) != len(self.devices):
+            raise SpecError(f"devices must be distinct and non-empty, got {list(self.devices)}", field="devices")
+
+    def hooks(self, job: Job, worker: Worker) -> AdaptiveHooks:
+        return AdaptiveHooks(self, job, worker)
+
+    def rank_devices(self, job: Job) -> tuple[str, ...]:
+        return self.devices
+
+
+def layer_state_bytes(blocks: Sequence[nn.Module], optimizer: str, momentum: float = 0.0) -> list[float]:
+    """Bytes of each layer's parameters and optimizer state (AdamW: 2 moments; SGD: momentum)."""
+    states = 2 if optimizer == "adamw" else (1 if momentum else 0)
+    return [float(sum(p.numel() * p.element_size() for p in b.parameters()) * (1 + states)) for b in blocks]
+
+
+class AdaptiveHooks:
+    """One rank's hooks of a run whose plan changes at step boundaries. See the module docstring."""
+
+    def __init__(self, spec: AdaptSpec, job: Job, worker: Worker) -> None:
+        if worker.world_size != len(spec.devices):
+            raise RuntimeSetupError(f"an adaptive job needs one rank per device of {list(spec.devices)}, "
+                                    f"the world has {worker.world_size}")
+        if job.config.checkpoint_every or job.config.resume:
+            raise SpecError("checkpoints are not supported with the adapter (the plan changes)", field="checkpoint")
+        self.spec = spec
+        self.version = 0
+        self.plans: list[Plan] = [job.plan]
+        self.changes: list[PlanChange] = []
+        self._pending: DecisionMessage | None = None
+        self._rank_change: RankChange | None = None
+        self._coordinator: Coordinator | None = None
+
+    # -- set-up --------------------------------------------------------------------------
+    def topology(self, plan: Plan, world_size: int) -> Topology:
+        return DeviceTopology(plan, self.spec.devices)
+
+    def gathers_over_world(self) -> bool:
+        return True  # idle ranks take part in every gather and broadcast
+
+    def takes_part(self, trainer: Trainer) -> bool:
+        return True
+
+    def device(self, trainer: Trainer) -> str:
+        return self.spec.devices[trainer.w.rank]
+
+    def paced_devices(self, trainer: Trainer) -> Sequence[str]:
+        return self.spec.devices  # fixed for the run, whatever the plans use
+
+    def prepare(self, t: Trainer) -> None:
+        _warm_up(t)
+        if t.w.rank == 0:
+            planning = (self.spec.planning_cluster if self.spec.planning_cluster is not None
+                        else snapshot(t.cluster, 0.0).subset(self.spec.devices))
+            model = t.job.model if isinstance(t.job.model, str) else "user"
+            ctx = PolicyContext(plan=t.plan, cluster=planning, model=model, steps=t.cfg.steps, clock=t.emulated_s)
+            opt = t.cfg.optimizer
+            self._coordinator = Coordinator(self.spec, t.plan, planning, ctx,
+                                            layer_state_bytes(t.blocks, opt.name, opt.momentum))
+            self._coordinator.warm_up(t.plan)
+
+    # -- the step boundary ---------------------------------------------------------------
+    def decide(self, t: Trainer, step: int, gathered: Sequence[RankMetrics | None] | None) -> BoundaryMetrics:
+        t0 = t.clock.wall()
+        end_s = t.emulated_s(t0)
+        estimates: dict[str, LinkEstimateRecord] = {}
+        changed: dict[str, RankChange] = {}
+        if self._coordinator is not None:
+            self._coordinator.observe(gathered)
+            estimates = self._coordinator.link_estimates()
+            # every active rank's part of the change before this step
+            changed = {r.device: r.change for r in gathered if r is not None and r.change is not None}
+        record = BoundaryMetrics(plan_version=self.version, end_s=end_s, link_estimates=estimates,
+                                 changed_links=tuple(r for r, e in estimates.items() if e.changed),
+                                 change_by_device=changed)
+        if step == t.cfg.steps - 1:
+            return record
+        box: list[Any] = [None]
+        if self._coordinator is not None:
+            box[0] = self._coordinator.decide(step, t.plan)
+        dist.broadcast_object_list(box, src=0)
+        msg: DecisionMessage = box[0]
+        if msg.start_step != step + 1:
+            raise RuntimeSetupError(f"rank {t.w.rank}: decision for step {msg.start_step} arrived after step {step}")
+        self._pending = msg if msg.changes_plan else None
+        return BoundaryMetrics(plan_version=record.plan_version, end_s=end_s, link_estimates=estimates,
+                               changed_links=record.changed_links, change_by_device=changed,
+                               decision=msg.kind.value, reason=msg.reason,
+                               control_s=(t.clock.wall() - t0) / t.dilation)
+
+    def apply(self, t: Trainer) -> AppliedChange | None:
+        msg, self._pending = self._pending, None
+        if msg is None:
+            return None
+        t0 = t.clock.wall()
+        received = _move_state(t, self.spec.devices, msg.moves)
+        t_moved = t.clock.wall()
+        kept_state = t.optimizer.state if t.active else {}
+        old_plan, was_active = t.plan, t.active
+        t.set_plan(msg.plan)  # every rank: the new stage groups
+        self.version += 1
+        self.plans.append(msg.plan)
+        if t.active:
+            if msg.kind == DecisionKind.RETUNE and was_active:
+                t.reshard()
+            else:
+                _rebuild(t, f"{t.job.name}/v{self.version}", received, kept_state)
+        else:
+            t.stage = t.optimizer = t.p2p = None
+        change_s = (t.clock.wall() - t0) / t.dilation
+        self._rank_change = RankChange(change_s=change_s, move_s=(t_moved - t0) / t.dilation)
+        self.changes.append(PlanChange(
+            start_step=msg.start_step, kind=msg.kind.value, reason=msg.reason, change_s=change_s,
+            moved_bytes=msg.moved_bytes, moves=tuple((m.layer, m.src, m.dst) for m in msg.moves),
+            predicted_current_s=msg.predicted_current_s, predicted_new_s=msg.predicted_new_s,
+            predicted_change_s=msg.predicted_change_s))
+        log.info("rank %d: %s from step %d (%s -> %s stages) in %.3g s", t.w.rank, msg.kind, msg.start_step,
+                 old_plan.num_stages, msg.plan.num_stages, change_s)
+        return AppliedChange(kind=msg.kind.value, change_s=change_s, moved_bytes=msg.moved_bytes)
+
+    def rank_change(self) -> RankChange | None:
+        out, self._rank_change = self._rank_change, None
+        return out
+
+    def adapter_run(self) -> AdapterRun:
+        return AdapterRun(adapt=self.spec.adapt, devices=self.spec.devices, plans=tuple(self.plans),
+                          changes=tuple(self.changes))
+
+
+# ---------------------------------------------------------------------------------------
+# on a rank: warm-up, rebuilding a stage, moving layer state
+# ---------------------------------------------------------------------------------------
+
+
+def _warm_up(t: Trainer) -> None:
+    """Pay one-off costs now, not in the first step a rank runs after a change (a standby
+    device is kept ready): the first optimizer built in a process imports ``torch._dynamo``
+    (measured: about 4 s), and the first forward and backward through a block costs its
+    process about 2x a later one. Runs every block once on two samples and leaves
+    parameters, gradients and buffers as they were."""
+    dummy = nn.Parameter(torch.zeros(1, device=t.w.device))
+    opt = t.cfg.optimizer.build([dummy])
+    dummy.grad = torch.zeros_like(dummy)
+    opt.step()
+    if t.loss_fn is None:
+        return
+    buffers = [(b, b.detach().clone()) for block in t.blocks for b in block.buffers()]
+    batch = t.dataset.batch(0, 2)
+    x = batch.inputs.to(t.w.device)
+    dtype = getattr(torch, t.cfg.dtype)
+    x = x.to(dtype) if x.is_floating_point() else x
+    for block in t.blocks:
+        x = block(x)
+    targets = batch.targets.to(t.w.device)
+    t.loss_fn(x, targets.to(dtype) if targets.is_floating_point() else targets).backward()
+    with torch.no_grad():
+        for block in t.blocks:
+            for p in block.parameters():
+                p.grad = None
+        for b, saved in buffers:
+            b.copy_(saved)
+
+
+def _rebuild(t: Trainer, key: str, received: Mapping[int, dict[str, Any]], kept_state: Mapping[Any, Any]) -> None:
+    """New stage from the blocks (moved layers loaded first), optimizer state carried over."""
+    with torch.no_grad():
+        for layer, payload in received.items():
+            for name, p in t.blocks[layer].named_parameters():
+                p.copy_(payload["params"][name])
+            for name, b in t.blocks[layer].named_buffers():
+                b.copy_(payload["buffers"][name])
+    t.build_stage(key)
+    start = t.plan.stages[t.placement.stage].layer_start
+    for name, p in t.stage.module.named_parameters():
+        idx, rest = name.split(".", 1)
+        layer = start + int(idx)
+        if layer in received:
+            state = received[layer]["state"].get(rest)
+            if state:
+                t.optimizer.state[p] = {k: _to_device(v, p) for k, v in state.items()}
+        elif p in kept_state:
+            t.optimizer.state[p] = kept_state[p]
+    t.p2p = t.make_p2p()
+
+
+def _layer_payload(t: Trainer, layer: int) -> dict[str, Any]:
+    """Parameters, buffers and optimizer state of ``layer`` as this rank holds them (CPU copies)."""
+    params, state = {}, {}
+    opt_state = t.optimizer.state
+    for name, p in t.blocks[layer].named_parameters():
+        params[name] = p.detach().cpu().clone()
+        if p in opt_state:
+            state[name] = {k: (v.detach().cpu().clone() if torch.is_tensor(v) else v)
+                           for k, v in opt_state[p].items()}
+    buffers = {name: b.detach().cpu().clone() for name, b in t.blocks[layer].named_buffers()}
+    return {"params": params, "buffers": buffers, "state": state}
+
+
+def _move_state(t: Trainer, devices: Sequence[str], moves: Sequence[Move]) -> dict[int, dict[str, Any]]:
+    """Run this rank's part of ``moves`` (pairwise, in the message's order); returns what it received."""
+    me = devices[t.w.rank]
+    received: dict[int, dict[str, Any]] = {}
+    for src, dst, layers in transfers_of(moves):
+        if me == src:
+            payload = {layer: _layer_payload(t, layer) for layer in layers}
+            nbytes = sum(_nbytes(v) for v in payload.values())
+            deliver = t.clock.wall()
+            if t.shaper is not None:
+                deliver = t.shaper.deliver_at(t.cluster.link(src, dst), nbytes, deliver)
+            _send_object(t, {"deliver": deliver, "layers": payload}, dst)
+        elif me == dst:
+            box = _recv_object(t, src)
+            if t.shaper is not None:
+                t.clock.sleep_until(box["deliver"])
+            received.update(box["layers"])
+    return received
+
+
+def _send_object(t: Trainer, obj: Any, dst: str) -> None:
+    rank = t.topo.rank_of_device(dst)
+    try:
+        dist.send_object_list([obj], dst=rank)
+    except RuntimeError as exc:
+        raise RuntimeSetupError(f"rank {t.w.rank}: sending layer state to rank {rank} ({dst}) failed: "
+                                f"{str(exc)[:160]}") from None
+
+
+def _recv_object(t: Trainer, src: str) -> Any:
+    rank = t.topo.rank_of_device(src)
+    box: list[Any] = [None]
+    try:
+        dist.recv_object_list(box, src=rank)
+    except RuntimeError as exc:
+        raise RuntimeSetupError(f"rank {t.w.rank}: receiving layer state from rank {rank} ({src}) failed: "
+                                f"{str(exc)[:160]}") from None
+    return box[0]
+
+
+def _to_device(v: Any, p: torch.Tensor) -> Any:
+    # moments live with the parameter; AdamW keeps its step counter on the CPU
+    return v.to(p.device) if torch.is_tensor(v) and v.shape == p.shape else v
+
+
+def _nbytes(payload: Mapping[str, Any]) -> int:
+    n = sum(t.numel() * t.element_size() for part in ("params", "buffers") for t in payload[part].values())
+    for st in payload["state"].values():
+        n += sum(v.numel() * v.element_size() for v in st.values() if torch.is_tensor(v))
+    return n

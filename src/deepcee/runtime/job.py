@@ -1,0 +1,142 @@
+"""A training job: what every rank of a run gets (pickled to spawned processes as is).
+
+:class:`Job` carries the :class:`~deepcee.plan.Plan` and :class:`~deepcee.cluster.Cluster`
+objects themselves (frozen dataclasses pickle as they are; nothing is turned into a dict and
+parsed again on the way to the ranks), the model, a :class:`TrainConfig` and, for a run
+whose plan changes while it runs, a :class:`~deepcee.runtime.hooks.HooksFactory` (the
+adapter's). Launchers: :func:`deepcee.runtime.launch.launch_jobs` (local processes) and
+:func:`deepcee.runtime.trainer.run_jobs_on_rank` (each rank, e.g. under ``torchrun``).
+
+Torch is imported only to build an optimizer or to send a job to its ranks, so the entry points
+can build jobs cheaply.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+from deepcee.cluster import Cluster
+from deepcee.errors import SpecError
+from deepcee.plan import Plan
+from deepcee.runtime.emulation import DEFAULT_CORES, MODES, PACED_MODES, Mode
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from deepcee.runtime.data import Dataset
+    from deepcee.runtime.hooks import HooksFactory
+    from deepcee.runtime.params import PackedModel
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class OptimizerConfig:
+    """Per-parameter optimizers only (no global norms), so per-stage optimizers equal a whole-model one."""
+
+    name: Literal["adamw", "sgd"] = "adamw"
+    lr: float = 1e-3
+    momentum: float = 0.0
+    """SGD only."""
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+
+    def __post_init__(self) -> None:
+        if self.name not in ("adamw", "sgd"):
+            raise SpecError(f"unknown optimizer {self.name!r} (known: adamw, sgd)", field="optimizer")
+        if self.lr <= 0:
+            raise SpecError(f"must be > 0, got {self.lr!r}", field="optimizer.lr")
+
+    def build(self, params: Sequence[nn.Parameter]) -> torch.optim.Optimizer:
+        import torch
+
+        if self.name == "sgd":
+            return torch.optim.SGD(params, lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay)
+        return torch.optim.AdamW(params, lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TrainConfig:
+    """How to train (the plan says where and in what order)."""
+
+    steps: int
+    seed: int = 0
+    dtype: Literal["float32", "float64"] = "float32"
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    mode: Mode = "emulated"
+    """``emulated``: devices and links emulated on this machine; ``realnet``: devices emulated,
+    links real TCP through the shaping relay between network namespaces (ranks started by
+    :func:`deepcee.runtime.realnet.launch_realnet`, which :func:`deepcee.runtime.launch.launch_jobs`
+    does for this mode); ``real``: run as fast as it goes."""
+    cores: float = DEFAULT_CORES
+    """CPU cores the emulated devices may use together (sets the dilation)."""
+    dilation: float | None = None
+    """Force the time dilation ``D`` (default: from ``cores``)."""
+    timeout_s: float = 60.0
+    """Limit on every receive, collective and start-up wait."""
+    checkpoint_every: int = 0
+    keep_checkpoints: int = 2
+    resume: bool = False
+    capture: bool = False
+    """Save step-0 gradients and final parameters of every rank (tests compare them)."""
+    trace: bool = False
+    """Record every action's start and end in the metrics."""
+    use_cuda: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.steps, int) or self.steps < 1:
+            raise SpecError(f"must be an integer >= 1, got {self.steps!r}", field="steps")
+        if self.dtype not in ("float32", "float64"):
+            raise SpecError(f"must be float32 or float64, got {self.dtype!r}", field="dtype")
+        if self.mode not in MODES:
+            raise SpecError(f"must be one of {', '.join(MODES)}, got {self.mode!r}", field="mode")
+        if self.timeout_s <= 0 or self.cores <= 0:
+            raise SpecError(f"timeout_s and cores must be > 0, got {self.timeout_s!r}, {self.cores!r}")
+        if self.dilation is not None and self.dilation < 1:
+            raise SpecError(f"must be >= 1, got {self.dilation!r}", field="dilation")
+        if self.mode in PACED_MODES and self.use_cuda:
+            raise SpecError(f"mode {self.mode!r} paces CPU workers as emulated devices; use mode 'real' with CUDA",
+                            field="mode")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Job:
+    """One training run of a plan."""
+
+    name: str
+    """Namespaces the run's keys in the shared store; the same on every rank."""
+    plan: Plan
+    cluster: Cluster
+    model: str | Sequence[nn.Module] | PackedModel
+    """A built-in net's name, or the user's blocks (see :func:`deepcee.nets.as_blocks`), which
+    travel packed and are copied on every rank ([Note: private copies] in :mod:`deepcee.runtime.params`)."""
+    config: TrainConfig
+    run_dir: str
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    dataset: Dataset | None = None
+    checkpoint_dir: str | None = None
+    hooks: HooksFactory | None = None
+    """Builds each rank's :class:`~deepcee.runtime.hooks.TrainerHooks` (the adapter's, for a run
+    whose plan changes); ``None``: the plan is fixed. Must pickle."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.plan, Plan):
+            raise SpecError(f"job {self.name!r}: plan must be a deepcee.plan.Plan, got {type(self.plan).__name__} "
+                            "(load a plan file with deepcee.plan.load_plan)", field="plan")
+        if not isinstance(self.cluster, Cluster):
+            raise SpecError(f"job {self.name!r}: cluster must be a deepcee.cluster.Cluster, got "
+                            f"{type(self.cluster).__name__}", field="cluster")
+        if not isinstance(self.config, TrainConfig):
+            raise SpecError(f"job {self.name!r}: config must be a TrainConfig, got {type(self.config).__name__}",
+                            field="config")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        from deepcee.runtime import params  # torch, loaded anyway where jobs are sent to ranks
+
+        return params.reduce_job(self)  # a user model must not reach the ranks as shared memory
+
+    def rank_devices(self) -> tuple[str, ...]:
+        """The device of each rank: the hooks' fixed devices, else the plan's devices in rank order."""
+        return self.plan.devices if self.hooks is None else tuple(self.hooks.rank_devices(self))
