@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
@@ -108,10 +109,19 @@ def backend_for(device: torch.device) -> str:
 
 
 def pick_device(use_cuda: bool, local_rank: int) -> torch.device:
-    """``cuda:<local rank>`` when asked and available, else CPU."""
-    if use_cuda and torch.cuda.is_available():
-        return torch.device("cuda", local_rank % torch.cuda.device_count())
-    return torch.device("cpu")
+    """``cuda:<local rank>`` when asked (an error when this host has no CUDA device), else CPU."""
+    if not use_cuda:
+        return torch.device("cpu")
+    check_cuda()
+    return torch.device("cuda", local_rank % torch.cuda.device_count())
+
+
+def check_cuda() -> None:
+    """Raise unless CUDA can be used here (``--cuda`` never falls back to the CPU silently)."""
+    if not torch.cuda.is_available():
+        why = "this torch is a CPU build" if torch.version.cuda is None else "no CUDA device is visible"
+        raise RuntimeSetupError(f"--cuda: CUDA is not available on host {socket.gethostname()} ({why}; "
+                                f"torch {torch.__version__}); run without --cuda to train on the CPU")
 
 
 def file_store(path: str, world_size: int, timeout_s: float) -> dist.Store:

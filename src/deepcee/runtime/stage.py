@@ -166,10 +166,12 @@ class StageRunner:
 
     def __init__(self, blocks: Sequence[nn.Module], *, stage: int, is_first: bool, is_last: bool,
                  loss_fn: LossFn | None = None, device: torch.device | str = "cpu",
-                 dtype: torch.dtype = torch.float32) -> None:
+                 dtype: torch.dtype = torch.float32, autocast: torch.dtype | None = None) -> None:
         if is_last and loss_fn is None:
             raise ValueError("the last stage needs a loss_fn")
         self.stage, self.is_first, self.is_last = stage, is_first, is_last
+        self.autocast = autocast
+        """Mixed-precision compute dtype (CUDA autocast); boundaries stay in ``dtype``."""
         self.module = nn.Sequential(*blocks).to(device=device, dtype=dtype)
         self.loss_fn = loss_fn
         self.device, self.dtype = torch.device(device), dtype
@@ -202,6 +204,10 @@ class StageRunner:
         for p in self.params:
             p.grad = None
 
+    def discard(self) -> None:
+        """Drop every microbatch's state (after forward-only work such as an evaluation)."""
+        self._state.clear()
+
     # -- actions -------------------------------------------------------------------------
     def forward(self, microbatch: int, inputs: torch.Tensor, targets: torch.Tensor | None = None,
                 loss_scale: float = 1.0) -> torch.Tensor:
@@ -209,11 +215,14 @@ class StageRunner:
         if microbatch in self._state:
             raise ScheduleError(f"stage {self.stage}: F of microbatch {microbatch} twice")
         x = self.prepare_input(inputs)
-        out = self.module(x)
-        if self.is_last:
-            if targets is None:
-                raise ScheduleError(f"stage {self.stage}: last stage F of microbatch {microbatch} without targets")
-            out = self.loss_fn(out, targets.to(self.device)) * loss_scale
+        with torch.autocast(self.device.type, dtype=self.autocast, enabled=self.autocast is not None):
+            out = self.module(x)
+            if self.is_last:
+                if targets is None:
+                    raise ScheduleError(f"stage {self.stage}: last stage F of microbatch {microbatch} without targets")
+                out = self.loss_fn(out, targets.to(self.device)) * loss_scale
+        if self.autocast is not None and out.is_floating_point():
+            out = out.to(self.dtype)  # boundaries in the stage dtype: the shapes agreed at start-up
         self._state[microbatch] = MicrobatchState(input=x, output=out)
         return out.detach()
 

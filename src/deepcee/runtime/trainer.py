@@ -27,10 +27,9 @@ DDP's hooks are not used: they do not fire with split backward (PLATFORM.md).
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import pickle
+import socket
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -50,6 +49,8 @@ from deepcee.plan import Plan, save_json_atomic
 from deepcee.runtime import checkpoint as ckpt
 from deepcee.runtime import dist as rdist
 from deepcee.runtime import params as rparams
+from deepcee.runtime import persist, runlock
+from deepcee.runtime import state as rstate
 from deepcee.runtime.data import dataset_for
 from deepcee.runtime.emulation import (
     PACED_MODES,
@@ -60,13 +61,18 @@ from deepcee.runtime.emulation import (
     choose_dilation,
     emulation_info,
 )
+from deepcee.runtime.evaluation import eval_source, evaluate
 from deepcee.runtime.executor import Feeds, StepRecord, run_step, schedule_for
 from deepcee.runtime.hooks import FixedPlan, TrainerHooks
-from deepcee.runtime.job import Job
+from deepcee.runtime.job import Job, plan_digest
+from deepcee.runtime.optstep import OptimizerStep, StepOutcome, owned_parameters
 from deepcee.runtime.p2p import P2P, TensorMeta, exchange_metadata
+from deepcee.runtime.progress import RunLog, open_tensorboard
 from deepcee.runtime.realnet.relay import RelayControl
 from deepcee.runtime.records import (
+    RankInfo,
     RankMetrics,
+    ResumeRecord,
     StepMetrics,
     TrainResult,
     step_metrics,
@@ -82,11 +88,7 @@ STORE_POLL_S = 5e-4
 of a ``FileStore`` costs about 10 us."""
 
 
-def plan_digest(plan: Plan) -> str:
-    d = plan.to_dict()
-    d.pop("estimate", None)
-    d.pop("explanation", None)
-    return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+__all__ = ["Trainer", "Worker", "plan_digest", "run_jobs_on_rank", "write_error"]
 
 
 @dataclass(slots=True)
@@ -97,6 +99,10 @@ class Worker:
     world_size: int
     store: dist.Store
     device: torch.device
+    node: str = ""
+    """The cluster node this rank's machine runs (torchrun with a host mapping), else empty."""
+    launcher_rank: int | None = None
+    """The rank torchrun gave this process, before it was mapped to a device."""
 
 
 class Trainer:
@@ -111,6 +117,8 @@ class Trainer:
         self._groups: dict[tuple[int, ...], Any] = {}
         self._records_sent = 0
         self.ties = rparams.model_ties(job.model)
+        self.optstep = OptimizerStep(job.config)
+        self.resumed: ResumeRecord | None = None
         # Every rank creates every group, in the same order (torch.distributed requires it).
         self.set_plan(job.plan, make_job_group=True)
 
@@ -123,6 +131,8 @@ class Trainer:
         self.stage_groups = {s: self._group(self.topo.stage_ranks(s))
                              for s in range(plan.num_stages) if len(self.topo.stage_ranks(s)) > 1}
         self.tie_groups = rparams.tie_groups(self.ties, plan, self.topo, self._group)
+        active = [r for r in range(self.w.world_size) if self.topo.is_active(r)]
+        self.active_group = self._group(active) if len(active) < self.w.world_size else None
 
     def _group(self, ranks: Sequence[int]) -> Any:
         """A process group over ``ranks``, created once per set (every rank calls this in the same order)."""
@@ -166,15 +176,30 @@ class Trainer:
             # Same gradients and parameters as an all-reduce; only memory and traffic differ.
             log.warning("sync 'zero2' runs as a plain gradient all-reduce (optimizer states are not sharded)")
 
+    def _state_names(self) -> rstate.StateNames:
+        """The plain model's names of every block's state ([Note: state names])."""
+        m = self.job.model
+        if isinstance(m, rparams.PackedModel):
+            return m.names
+        return rstate.state_names(m, self.blocks if isinstance(m, str) else None)
+
     def setup(self) -> None:
-        """Model blocks, data, emulation (dilation, pacing, link shaping or the relay's trace
-        epoch, the shared epoch) and, on an active rank, its stage."""
+        """Model blocks (and weights to start from), data, emulation (dilation, pacing, link
+        shaping or the relay's trace epoch, the shared epoch) and, on an active rank, its stage
+        (resumed from the newest intact checkpoint when asked)."""
         self.blocks, self.loss_fn = self._blocks()
+        self.state_names = self._state_names()
         self.dataset = self.job.dataset or dataset_for(self.job.model, self.cfg.seed)
+        if self.cfg.eval_every and eval_source(self.dataset) is None:
+            raise SpecError("the dataset has no held-out batches (an eval_batches(batch_size) method; "
+                            "see docs/running.md)", field="eval_every")
+        if self.cfg.init_from:
+            persist.init_weights(self, self.cfg.init_from)
         paced = self.cfg.mode in PACED_MODES
         relay = self._relay_control() if self.cfg.mode == "realnet" else None
         if self.active:
             self.build_stage(self.job.name)
+        self.start_step = self._resume() if self.active else 0
         slowdowns = [self.cluster.device(d).slowdown for d in self.hooks.paced_devices(self)]
         self.dilation = (self.cfg.dilation or choose_dilation(slowdowns, self.cfg.cores)) if paced else 1.0
         self.info = emulation_info(self.cfg.mode, self.dilation, self.cfg.cores)
@@ -194,7 +219,6 @@ class Trainer:
             relay.set_epoch(self.epoch)
         if self.active:
             self.p2p = self.make_p2p()
-        self.start_step = self._resume() if self.active else 0
 
     def _relay_control(self) -> RelayControl:
         """The relay of a realnet launch; a clear error when this rank was not started by one."""
@@ -217,7 +241,8 @@ class Trainer:
             raise SpecError("a user model needs a loss_fn", field="loss_fn")
         self.stage = StageRunner(self.blocks[st.layer_start:st.layer_stop], stage=p.stage, is_first=p.stage == 0,
                                  is_last=last, loss_fn=self.loss_fn, device=self.w.device,
-                                 dtype=getattr(torch, self.cfg.dtype))
+                                 dtype=getattr(torch, self.cfg.dtype),
+                                 autocast=getattr(torch, self.cfg.autocast) if self.cfg.autocast else None)
         self.schedule = schedule_for(self.plan)
         self.actions = self.schedule[p.stage]
         self.metas = metas or exchange_metadata(
@@ -259,20 +284,15 @@ class Trainer:
         self.w.store.wait([key], timedelta(seconds=self.cfg.timeout_s))
         return float(self.w.store.get(key).decode())
 
-    def _ckpt_root(self) -> Path:
+    def ckpt_root(self) -> Path:
         return Path(self.job.checkpoint_dir) if self.job.checkpoint_dir else self.run_dir / "checkpoints"
 
     def _resume(self) -> int:
+        """Load the newest intact checkpoint (under any plan; see :mod:`deepcee.runtime.persist`)."""
         if not self.cfg.resume:
             return 0
-        info = ckpt.latest(self._ckpt_root())
-        if info is None:
-            return 0
-        state = ckpt.load_stage(self._ckpt_root(), info, self.placement.stage, self.digest)
-        self.stage.module.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        log.info("rank %d resumes at step %d", self.w.rank, info.step)
-        return info.step
+        self.resumed = persist.resume(self)
+        return 0 if self.resumed is None else self.resumed.step
 
     # -- steps ---------------------------------------------------------------------------
     def _feeds(self, step: int) -> Feeds:
@@ -284,7 +304,7 @@ class Trainer:
 
         return Feeds(inputs=piece(batch.inputs) if self.stage.is_first else None,
                      targets=piece(batch.targets) if self.stage.is_last else None,
-                     loss_scale=self.topo.loss_scale(r))
+                     loss_scale=self.topo.loss_scale(r) * self.optstep.loss_scale)
 
     def _sync_gradients(self) -> float:
         """SUM all-reduce of the stage's gradients ([Note: loss weighting]); returns wall seconds."""
@@ -372,15 +392,7 @@ class Trainer:
         return out
 
     def _checkpoint(self, step_done: int) -> None:
-        root = self._ckpt_root()
-        if self.placement.index == 0:
-            ckpt.save_stage(root, step_done, self.placement.stage,
-                            {"model": self.stage.module.state_dict(), "optimizer": self.optimizer.state_dict(),
-                             "step": step_done, "plan_digest": self.digest})
-        self._barrier()
-        if self.w.rank == 0:
-            ckpt.commit(root, ckpt.CheckpointInfo(step=step_done, plan_digest=self.digest,
-                                                  num_stages=self.plan.num_stages), keep=self.cfg.keep_checkpoints)
+        persist.save(self, step_done)
 
     def _barrier(self) -> None:
         if self.w.device.type == "cpu":
@@ -388,9 +400,35 @@ class Trainer:
         else:
             dist.barrier(group=self.job_group)
 
+    def _due(self, every: int, done: int) -> bool:
+        """Whether something done every ``every`` steps is due after ``done`` steps (and after the last)."""
+        return bool(every) and (done % every == 0 or done == self.cfg.steps)
+
+    def _rank_info(self) -> RankInfo:
+        p = self.placement if self.active else None
+        return RankInfo(rank=self.w.rank, device=self.hooks.device(self), stage=None if p is None else p.stage,
+                        backend=dist.get_backend(), torch_device=str(self.w.device), host=socket.gethostname(),
+                        node=self.w.node, launcher_rank=self.w.launcher_rank)
+
+    def _rank_infos(self) -> list[RankInfo] | None:
+        """Every rank's :class:`RankInfo` on rank 0 (collective over the job group)."""
+        out = [None] * dist.get_world_size(group=self.job_group) if self.w.rank == 0 else None
+        dist.gather_object(self._rank_info(), out, dst=0, group=self.job_group)
+        return out
+
+    def _run_log(self) -> RunLog:
+        writer = open_tensorboard(self.run_dir) if self.cfg.tensorboard else None
+        return RunLog(every=self.cfg.log_every, total_steps=self.cfg.steps, global_batch=self.plan.global_batch,
+                      writer=writer)
+
     def train(self) -> TrainResult | None:
         """Run the steps; rank 0 returns the result (also written to ``result.json``)."""
-        writer = ckpt.MetricsWriter(self.run_dir / "metrics.jsonl", append=self.start_step > 0) if self.w.rank == 0 else None
+        ranks = self._rank_infos()
+        writer, runlog = None, None
+        if self.w.rank == 0:
+            writer = ckpt.MetricsWriter(self.run_dir / "metrics.jsonl", append=self.start_step > 0,
+                                        start_step=self.start_step)
+            runlog = self._run_log()
         capture: dict[str, Any] = {}
         records: list[StepMetrics] = []
         carried = None
@@ -401,16 +439,21 @@ class Trainer:
             gathered = self._gather(mine)
             now = self.clock.wall()
             step_s = now - t_prev
-            if self.cfg.checkpoint_every and (step + 1) % self.cfg.checkpoint_every == 0:
+            # evaluations and checkpoints are not part of any step's time
+            eval_loss = evaluate(self) if self._due(self.cfg.eval_every, step + 1) else None
+            if self._due(self.cfg.checkpoint_every, step + 1):
                 self._checkpoint(step + 1)
             boundary = self.hooks.decide(self, step, gathered)
             t_prev = self.clock.wall()  # the decision is not part of any step; applying it is
             if writer is not None:
-                ranks = [r for r in gathered if r is not None]
-                records.append(step_metrics(step, ranks, step_s, global_batch=self.plan.global_batch,
+                ranks_now = [r for r in gathered if r is not None]
+                norm = next((r.grad_norm for r in ranks_now if r.grad_norm is not None), None)
+                records.append(step_metrics(step, ranks_now, step_s, global_batch=self.plan.global_batch,
                                             emulation=self.info, epoch=self.epoch if self.cfg.trace else None,
-                                            change=carried, boundary=boundary))
+                                            change=carried, boundary=boundary, lr=self.optstep.lr(step),
+                                            grad_norm=norm, eval_loss=eval_loss))
                 writer.write(records[-1].to_dict())
+                runlog.step(records[-1])
             carried = self.hooks.apply(self)
         if self.cfg.capture and self.active:
             capture["params"] = self._named(lambda p: p)
@@ -419,36 +462,58 @@ class Trainer:
         if writer is None:
             return None
         writer.close()
+        runlog.close()
         result = train_result(
             records, job=self.job.name, plan=self.plan, plan_digest=self.digest, start_step=self.start_step,
             steps=self.cfg.steps, emulation=self.info, run_dir=str(self.run_dir), adapter=self.hooks.adapter_run(),
-            sync="none" if not self.stage_groups else "allreduce (gloo/nccl, SUM over each stage's devices)")
+            sync="none" if not self.stage_groups else "allreduce (gloo/nccl, SUM over each stage's devices)",
+            ranks=ranks or (), resumed=self.resumed)
         save_json_atomic(self.run_dir / "result.json", result.to_dict())
         return result
 
+    def _owned_params(self) -> list[nn.Parameter]:
+        """What this rank counts in the global gradient norm ([Note: global gradient norm] in
+        :mod:`deepcee.runtime.optstep`)."""
+        p = self.placement
+        stage_of = rparams.stage_of_blocks(self.plan)
+        ties = []
+        for tie in self.ties:
+            stages = {stage_of[b] for b in tie.blocks}
+            if tie.kind == "parameter" and p.stage in stages and len(stages) > 1:
+                ties.append((min(stages), [self.blocks[b].get_parameter(n) for b, n in tie.uses if stage_of[b] == p.stage]))
+        return owned_parameters(self.stage.params, index=p.index, replica=getattr(p, "replica", 0), stage=p.stage,
+                                cross_stage_ties=ties)
+
     def _train_step(self, step: int, capture: dict[str, Any]) -> RankMetrics:
-        """One step of this (active) rank: schedule row, gradient sync, optimizer; its metrics."""
+        """One step of this (active) rank: schedule row, gradient sync, optimizer step (learning
+        rate, global norm and clipping: :mod:`deepcee.runtime.optstep`); its metrics."""
         self.stage.zero_grad()
+        loss_scale = self.optstep.loss_scale
         rec = run_step(self.actions, self.stage, self.p2p, self._feeds(step), self.pacer, trace=self.cfg.trace)
         sync_s = self._sync_gradients() + self._sum_tied_gradients()
         if self.cfg.capture and step == self.start_step:
             capture["grads"] = self._named(lambda p: p.grad)
-        self.optimizer.step()
-        return self._rank_metrics(rec, sync_s)
+        owned = self._owned_params() if self.optstep.measures_norm else []
+        outcome = self.optstep(step, self.optimizer, self.stage.params, owned, self.active_group)
+        return self._rank_metrics(rec, sync_s, outcome, loss_scale)
 
-    def _rank_metrics(self, rec: StepRecord, sync_s: float) -> RankMetrics:
+    def _rank_metrics(self, rec: StepRecord, sync_s: float, outcome: StepOutcome, loss_scale: float) -> RankMetrics:
         stats = self.p2p.stats
         return RankMetrics(
-            rank=self.w.rank, stage=self.placement.stage, device=self.placement.device, loss=rec.loss,
+            rank=self.w.rank, stage=self.placement.stage, device=self.placement.device, loss=rec.loss / loss_scale,
             compute_s=rec.compute_s, cpu_s=rec.cpu_s, wait_s=rec.wait_s, sync_s=sync_s,
             peak_in_flight=rec.peak_in_flight, bytes_sent=dict(stats.bytes_sent), trace=tuple(rec.trace),
             transfers=tuple((res, n, self.emulated_s(t0), self.emulated_s(t1)) for res, n, t0, t1 in stats.transfers),
-            change=self.hooks.rank_change())
+            change=self.hooks.rank_change(), grad_norm=outcome.grad_norm)
 
 
 def run_jobs_on_rank(jobs: Sequence[Job], rank: int, world_size: int, store: dist.Store, *,
-                     local_rank: int = 0) -> list[TrainResult | None]:
-    """Join the process group and run ``jobs`` in order on this rank; rank 0 gets the results."""
+                     local_rank: int = 0, node: str = "", launcher_rank: int | None = None,
+                     ) -> list[TrainResult | None]:
+    """Join the process group and run ``jobs`` in order on this rank; rank 0 gets the results.
+
+    Each job's run folder is locked by rank 0 while the job runs (:mod:`deepcee.runtime.runlock`);
+    when another run holds it, every rank fails with rank 0's message."""
     rdist.single_thread()
     use_cuda = any(j.config.use_cuda for j in jobs)
     device = rdist.pick_device(use_cuda, local_rank)
@@ -459,16 +524,36 @@ def run_jobs_on_rank(jobs: Sequence[Job], rank: int, world_size: int, store: dis
     try:
         for job in jobs:
             Path(job.run_dir).mkdir(parents=True, exist_ok=True)
-            worker = Worker(rank=rank, world_size=world_size, store=store, device=device)
-            trainer = Trainer(job, worker, None if job.hooks is None else job.hooks.hooks(job, worker))
-            if trainer.takes_part:
-                trainer.setup()
-                results.append(trainer.train())
-            else:
-                results.append(None)
+            worker = Worker(rank=rank, world_size=world_size, store=store, device=device, node=node,
+                            launcher_rank=launcher_rank)
+            with _job_lock(job, worker):
+                trainer = Trainer(job, worker, None if job.hooks is None else job.hooks.hooks(job, worker))
+                if trainer.takes_part:
+                    trainer.setup()
+                    results.append(trainer.train())
+                else:
+                    results.append(None)
     finally:
         rdist.shutdown()
     return results
+
+
+def _job_lock(job: Job, w: Worker) -> runlock.RunLock:
+    """Rank 0 locks the job's run folder; every rank learns the outcome through the store."""
+    key = f"{job.name}/run-lock"
+    lock, message = runlock.RunLock(path=Path(job.run_dir), handle=None), ""
+    if w.rank == 0:
+        try:
+            lock = runlock.acquire(job.run_dir, job=job.name)
+        except RuntimeSetupError as exc:
+            message = str(exc)
+        w.store.set(key, message)
+    else:
+        w.store.wait([key], timedelta(seconds=job.config.timeout_s))
+        message = w.store.get(key).decode()
+    if message:
+        raise RuntimeSetupError(message)
+    return lock
 
 
 def write_error(run_dir: str | Path, rank: int, exc: BaseException) -> None:
