@@ -282,6 +282,18 @@ def cmd_train(args: argparse.Namespace) -> int:
     return train(args)
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from deepcee.runtime.export import export_checkpoint
+
+    res = export_checkpoint(args.checkpoint, args.output)
+    print(f"checkpoint {res.folder} (step {res.step}): {res.tensors} tensors under {res.names} names")
+    for f in res.files:
+        print(f"wrote {f}")
+    if len(res.files) == 1 and not args.output.endswith(".safetensors"):
+        print("no .safetensors: the safetensors package is not installed")
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from deepcee.demo import DemoConfig, format_report, run_demo
 
@@ -308,6 +320,11 @@ def _add_cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cluster", help="cluster file (TOML, or JSON written by `deepcee profile`)")
 
 
+def _subparser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices[command]
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="deepcee",
@@ -332,6 +349,12 @@ def build_parser() -> argparse.ArgumentParser:
                        description=DESCRIPTION)
     add_train_arguments(p)
     p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("export", help="write a checkpoint as one plain state_dict (.pt, and .safetensors when "
+                       "installed) that loads into the model with strict=True")
+    p.add_argument("checkpoint", help="run folder, checkpoint folder, or one step-N folder (default: the newest intact)")
+    p.add_argument("-o", "--output", default="model.pt", help="state_dict file (torch.save); .safetensors beside it")
+    p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("profile", help="measure every device (per-layer F/I/W) and link of a cluster")
     _add_cluster_args(p)
@@ -413,6 +436,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     func: Callable[[argparse.Namespace], int] = args.func
     try:
+        if getattr(args, "config", None):  # a job config: its values become defaults, flags override them
+            from deepcee.jobconfig import parse_with_config
+
+            args = parse_with_config(parser, argv, train_parser=_subparser(parser, args.command))
         return func(args)
     except DeepceeError as exc:
         print(f"deepcee {args.command}: error: {exc}", file=sys.stderr)

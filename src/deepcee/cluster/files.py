@@ -178,13 +178,18 @@ def _toml_node(f: _Fields, kinds: dict[str, DeviceKind], islands: list[Island],
     if island not in {x.name for x in islands}:
         raise f.err("island", f"unknown island {island!r} (known: {[x.name for x in islands]})")
     intra = _link_spec(f, base_dir, DEFAULT_NODE_LATENCY_S, DEFAULT_NODE_BANDWIDTH_BYTES_PER_S)
+    host = f.get("host", str, "")
+    node_rank = f.get("node_rank", int, None)
+    if node_rank is not None and node_rank < 0:
+        raise f.err("node_rank", f"must be >= 0, got {node_rank}")
     f.done()
     dnames = tuple(f"{nname}:{j}" for j in range(count))
     devices = [
         Device(name=dn, kind=kind, node=nname, island=island, slowdown=float(s))
         for dn, s in zip(dnames, slows, strict=True)
     ]
-    return Node(name=nname, island=island, kind=kind, devices=dnames, intra=intra), devices
+    node = Node(name=nname, island=island, kind=kind, devices=dnames, intra=intra, host=host, node_rank=node_rank)
+    return node, devices
 
 
 def _toml_links(entries: list[Any], file: str, base_dir: Path) -> list[LinkEntry]:
@@ -224,7 +229,9 @@ def cluster_to_dict(cluster: Cluster) -> dict[str, Any]:
         },
         "islands": [{"name": i.name, **_spec_to_json(i.intra)} for i in c.islands],
         "nodes": [
-            {"name": n.name, "island": n.island, "kind": n.kind, "devices": list(n.devices), **_spec_to_json(n.intra)}
+            {"name": n.name, "island": n.island, "kind": n.kind, "devices": list(n.devices), **_spec_to_json(n.intra),
+             **({"host": n.host} if n.host else {}),
+             **({"node_rank": n.node_rank} if n.node_rank is not None else {})}
             for n in c.nodes
         ],
         "devices": [
@@ -278,7 +285,7 @@ def cluster_from_dict(d: dict[str, Any], *, file: str = "<cluster.json>") -> Clu
             islands=tuple(Island(name=i["name"], intra=_spec_from_json(i)) for i in d["islands"]),
             nodes=tuple(
                 Node(name=n["name"], island=n["island"], kind=n["kind"], devices=tuple(n["devices"]),
-                     intra=_spec_from_json(n))
+                     intra=_spec_from_json(n), host=n.get("host", ""), node_rank=n.get("node_rank"))
                 for n in d["nodes"]
             ),
             devices=tuple(Device(**x) for x in d["devices"]),

@@ -154,6 +154,17 @@ class Node:
     """Names of its devices, in file order."""
     intra: LinkSpec
     """Link between two devices of this node."""
+    host: str = ""
+    """The machine it is (host name or address), checked when ``torchrun`` starts a run; empty: not mapped."""
+    node_rank: int | None = None
+    """The ``torchrun`` node rank that runs it (static rendezvous); ``None``: not mapped."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.host, str):
+            raise ClusterSpecError(f"node {self.name!r}: host must be a string, got {self.host!r}", field="host")
+        r = self.node_rank
+        if r is not None and (isinstance(r, bool) or not isinstance(r, int) or r < 0):
+            raise ClusterSpecError(f"node {self.name!r}: node_rank must be an integer >= 0, got {r!r}", field="node_rank")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -14,6 +14,7 @@ can build jobs cheaply.
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import math
 from collections.abc import Callable, Sequence
@@ -133,6 +134,9 @@ class TrainConfig:
                 raise SpecError(f"must be an integer >= 0, got {v!r}", field=name)
         if isinstance(self.eval_batches, bool) or not isinstance(self.eval_batches, int) or self.eval_batches < 1:
             raise SpecError(f"must be an integer >= 1, got {self.eval_batches!r}", field="eval_batches")
+        if self.tensorboard and importlib.util.find_spec("tensorboard") is None:
+            raise SpecError("TensorBoard logs need the tensorboard package, which is not installed "
+                            "(pip install tensorboard)", field="tensorboard")
         c = self.clip_grad_norm
         if c is not None and not (isinstance(c, int | float) and math.isfinite(c) and c > 0):
             raise SpecError(f"must be a finite number > 0, got {c!r}", field="clip_grad_norm")

@@ -114,17 +114,18 @@ def _stored_keys(folder: str) -> dict[str, Any]:
     return dict(reader.read_metadata().state_dict_metadata)
 
 
-def _load_stage(t: Trainer, choice: ckpt.Choice, *, optimizer: bool) -> None:
-    """Fill this rank's stage (and optimizer) from ``choice`` by name (collective)."""
+def _load_stage(t: Trainer, choice: ckpt.Choice, *, optimizer: bool, every_block: bool = False) -> None:
+    """Fill this rank's stage (and optimizer) from ``choice`` by name (collective); ``every_block``:
+    every block this rank holds, model state only (before a stage exists)."""
     stored = _stored_keys(choice.folder)
-    start, stop = _stage_span(t)
+    start, stop = (0, len(t.blocks)) if every_block else _stage_span(t)
     model = rstate.stage_tensors(t.blocks, t.state_names, start, stop)
     missing = [k for k in model if rstate.MODEL_PREFIX + k not in stored]
     _fail_together(t, None if not missing else (
         f"{choice.folder}: no {missing[0]} (and {len(missing) - 1} more) in this checkpoint of "
         f"{choice.manifest.model!r}; this run trains {model_label(t.job.model)!r}"))
     template: dict[str, Any] = {rstate.MODEL_PREFIX + k: v for k, v in model.items()}
-    pnames = rstate.param_names(t.blocks, t.state_names, start, stop, t.stage.params)
+    pnames = rstate.param_names(t.blocks, t.state_names, start, stop, t.stage.params) if optimizer else []
     if optimizer:
         wanted = {rstate.OPTIM_PREFIX + n + "/" for n in pnames}
         for key, md in stored.items():
@@ -159,19 +160,19 @@ def resume(t: Trainer) -> ResumeRecord | None:
 
 
 def init_weights(t: Trainer, source: str) -> None:
-    """Start from the weights in ``source`` (a state-dict file or a checkpoint folder), strictly
-    by name (collective); the optimizer starts fresh."""
+    """Start every block this rank holds from the weights in ``source`` (a state-dict file or a
+    checkpoint folder), strictly by name (collective; before the stage is built); the optimizer
+    starts fresh."""
     if Path(source).is_dir():
         choice = _agree(t, lambda: ckpt.resolve(source))
         rstate.check_names(t.state_names, [n for _, names in choice.manifest.names for n in names], source=source)
-        _load_stage(t, choice, optimizer=False)
+        _load_stage(t, choice, optimizer=False, every_block=True)
     else:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             weights = rstate.read_state_file(source)
         rstate.check_names(t.state_names, weights, source=source)
-        start, stop = _stage_span(t)
-        rstate.copy_into(rstate.stage_tensors(t.blocks, t.state_names, start, stop), t.state_names, weights,
+        rstate.copy_into(rstate.stage_tensors(t.blocks, t.state_names, 0, len(t.blocks)), t.state_names, weights,
                          source=source)
     if t.w.rank == 0:
         log.info("weights from %s", source)
