@@ -51,7 +51,7 @@ FIELDS: dict[str, dict[str, Field]] = {
                    "dir": Field("checkpoint_dir", "output"), "init_from": Field("init_from", "input")},
     "eval": {"every": Field("eval_every"), "batches": Field("eval_batches")},
     "logging": {"every": Field("log_every"), "tensorboard": Field("tensorboard"), "trace": Field("trace")},
-    "run": {"dir": Field("run_dir", "output"), "node": Field("node")},
+    "run": {"dir": Field("run_dir", "output"), "cluster_node": Field("cluster_node")},
     "adapter": {"adapt": Field("adapt"), "link_trace": Field("link_trace", "trace"),
                 "trace_time_scale": Field("trace_time_scale")},
 }

@@ -12,7 +12,7 @@ processes run the devices of the cluster node(s) mapped to it, [Note: machine ma
 :mod:`deepcee.runtime.machines`)::
 
     torchrun --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
-        -m deepcee.train --plan plan.json --cluster cluster.toml --mode real --cuda --steps 1000 --node cloud0
+        -m deepcee.train --plan plan.json --cluster cluster.toml --mode real --cuda --cluster-node cloud0
 
 ``--dry-run`` prints the lowered schedule each stage will run and exits. Metrics go to
 ``<run-dir>/metrics.jsonl`` (one JSON object per step), the summary to ``<run-dir>/result.json``.
@@ -90,7 +90,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=120.0, help="seconds any receive or collective may wait")
     p.add_argument("--deadline", type=float, default=3600.0, help="local launch: hard limit for the whole run")
     p.add_argument("--cuda", action="store_true", help="use CUDA + NCCL (mode real); an error without CUDA")
-    p.add_argument("--node", help="torchrun: the cluster node(s) this machine runs, NAME[,NAME] (default: by the "
+    p.add_argument("--cluster-node", help="torchrun: the cluster node(s) this machine runs, NAME[,NAME] (default: by the "
                    "cluster file's host or node_rank)")
     p.add_argument("--trace", action="store_true", help="record every action's start and end in the metrics")
     p.add_argument("--dry-run", action="store_true", help="print each stage's lowered schedule and exit")
@@ -142,14 +142,14 @@ def _torchrun_rank(args: argparse.Namespace, env: TorchrunEnv, job: Job) -> Trai
     from deepcee.runtime.trainer import run_jobs_on_rank
 
     store = rdist.tcp_store(env, args.timeout)
-    nodes = tuple(n for n in (args.node or "").split(",") if n)
+    nodes = tuple(n for n in (args.cluster_node or "").split(",") if n)
     me, table = rdist.map_torchrun_rank(env, store, job.cluster, job.rank_devices(), nodes=nodes,
                                         source=job.cluster.source or job.cluster.name, timeout_s=args.timeout)
     if me.rank == 0:
         stage_of = {d: s for s, st in enumerate(job.plan.stages) for d in st.devices}
         log.info("devices of %d torchrun processes:\n%s", len(table), "\n".join(format_table(table, stage_of)))
         if me.mapped_by == "rank order":
-            log.warning("no --node, host or node_rank: devices follow torchrun's rank order, which c10d "
+            log.warning("no --cluster-node, host or node_rank: devices follow torchrun's rank order, which c10d "
                         "rendezvous gives in the order machines join (docs/running.md, Several machines)")
     (result,) = run_jobs_on_rank([job], me.rank, env.world_size, store, local_rank=env.local_rank,
                                  node=me.node, launcher_rank=env.rank)

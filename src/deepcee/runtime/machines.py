@@ -6,7 +6,7 @@ order in which the nodes joined: start the machines in another order and the sam
 lands on another machine. deepcee therefore does not take a device from the global rank. Each
 process says which cluster nodes (the ``[[nodes]]`` of the cluster file) its machine is:
 
-1. the nodes named by ``--node NAME[,NAME]`` on its command line, else
+1. the nodes named by ``--cluster-node NAME[,NAME]`` on its command line, else
 2. the nodes whose ``host`` equals this machine's host name (or its short name, full name or an
    address of it), when the cluster file gives hosts, else
 3. the nodes whose ``node_rank`` equals torchrun's node rank (``GROUP_RANK``; only the static
@@ -18,7 +18,7 @@ order), so the same devices run the same stages however the machines were starte
 process checks the result before joining the process group: a node whose ``host`` is not the
 machine the process runs on, a device no process runs, or a node claimed by two machines
 fails at once, naming the device, the expected host and the actual host. Without any mapping
-(no ``--node``, no ``host``, no ``node_rank``) devices follow torchrun's global rank as before,
+(no ``--cluster-node``, no ``host``, no ``node_rank``) devices follow torchrun's global rank as before,
 with a warning. Torch-free: every process computes the same table from the same reports.
 """
 
@@ -45,7 +45,7 @@ class Report:
     aliases: tuple[str, ...] = ()
     """Other names of its machine (short and full host name, addresses)."""
     nodes: tuple[str, ...] = ()
-    """Cluster nodes named by ``--node`` (empty: not given)."""
+    """Cluster nodes named by ``--cluster-node`` (empty: not given)."""
 
     def to_dict(self) -> dict[str, object]:
         return {"launcher_rank": self.launcher_rank, "local_rank": self.local_rank, "group_rank": self.group_rank,
@@ -73,7 +73,7 @@ class Assignment:
     """Its device's cluster node (empty when idle)."""
     host: str
     mapped_by: str
-    """``--node``, ``host``, ``node_rank`` or ``rank order``."""
+    """``--cluster-node``, ``host``, ``node_rank`` or ``rank order``."""
 
 
 def _describe(r: Report) -> str:
@@ -86,15 +86,15 @@ def _nodes_of(r: Report, cluster: Cluster, source: str) -> tuple[tuple[str, ...]
     if r.nodes:
         bad = [n for n in r.nodes if n not in known]
         if bad:
-            raise RuntimeSetupError(f"{_describe(r)}: --node {bad[0]!r} is not a node of {source} "
+            raise RuntimeSetupError(f"{_describe(r)}: --cluster-node {bad[0]!r} is not a node of {source} "
                                     f"(nodes: {', '.join(sorted(known))})")
-        return r.nodes, "--node"
+        return r.nodes, "--cluster-node"
     if any(n.host for n in cluster.nodes):
         mine = tuple(n.name for n in cluster.nodes if n.host and r.is_host(n.host))
         if not mine:
             hosts = sorted({n.host for n in cluster.nodes if n.host})
             raise RuntimeSetupError(f"{_describe(r)}: no node of {source} has host {r.host!r} (hosts there: "
-                                    f"{', '.join(hosts)}); set host, or pass --node on this machine")
+                                    f"{', '.join(hosts)}); set host, or pass --cluster-node on this machine")
         return mine, "host"
     if any(n.node_rank is not None for n in cluster.nodes):
         mine = tuple(n.name for n in cluster.nodes if n.node_rank == r.group_rank)
@@ -115,7 +115,7 @@ def assign(reports: Sequence[Report], cluster: Cluster, devices: Sequence[str], 
         return tuple(_by_rank_order(reports, cluster, devices))
     if any(how == "rank order" for _, how in found):
         r = reports[next(i for i, (_, how) in enumerate(found) if how == "rank order")]
-        raise RuntimeSetupError(f"{_describe(r)} gave no --node while other processes did: give it on every machine")
+        raise RuntimeSetupError(f"{_describe(r)} gave no --cluster-node while other processes did: give it on every machine")
     groups: dict[tuple[str, ...], list[int]] = defaultdict(list)
     for i, (nodes, _) in enumerate(found):
         groups[nodes].append(i)
@@ -134,7 +134,7 @@ def assign(reports: Sequence[Report], cluster: Cluster, devices: Sequence[str], 
     missing = [d for d in devices if d not in placed.values()]
     if missing:
         raise RuntimeSetupError(f"device {missing[0]} (node {cluster.device(missing[0]).node}) has no process: no "
-                                "machine serves its node (check --node, host or node_rank)")
+                                "machine serves its node (check --cluster-node, host or node_rank)")
     out = _ranked(reports, found, placed, cluster, devices)
     _check_hosts(out, reports, cluster, source)
     return out
