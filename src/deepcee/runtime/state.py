@@ -25,6 +25,7 @@ with the blocks.
 from __future__ import annotations
 
 import logging
+import pickle
 from collections import OrderedDict, defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -189,7 +190,7 @@ def read_state_file(path: str | Path) -> dict[str, torch.Tensor]:
             raise RuntimeSetupError(f"{p}: cannot read weights: {str(exc).splitlines()[0][:200]}") from None
     try:
         data = torch.load(p, map_location="cpu", weights_only=True)
-    except (OSError, RuntimeError, ValueError, EOFError) as exc:
+    except (OSError, RuntimeError, ValueError, EOFError, pickle.UnpicklingError) as exc:
         raise RuntimeSetupError(f"{p}: cannot read weights: {str(exc).splitlines()[0][:200]}") from None
     for key in ("model", "state_dict"):
         if isinstance(data, dict) and isinstance(data.get(key), dict):
