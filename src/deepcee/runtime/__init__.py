@@ -14,10 +14,16 @@ Public API:
 Modules: ``dist`` (process group; the only place that reads the environment), ``partition``
 (topology, sample ranges), ``stage``, ``p2p``, ``executor``, ``emulation``, ``job`` (what every
 rank gets), ``trainer`` (one rank's run), ``hooks`` (what a run whose plan changes plugs into
-the trainer), ``records`` (step records and the result), ``checkpoint`` (checkpoints and the
-metrics file), ``data`` (shipped datasets), ``params`` (a user model's private copies on the
-ranks and its tied parameters), ``launch``, ``supervise`` (starting and watching rank
-processes, torch-free), and the real-network mode's package ``realnet``.
+the trainer), ``records`` (step records and the result), ``checkpoint`` (the checkpoint format:
+DCP folders, manifest, integrity; the metrics file), ``persist`` (a trainer's saves, resumes and
+starting weights), ``state`` (a model's state under its own names), ``export`` (a checkpoint as
+one ``state_dict``), ``runlock`` (one run per run folder), ``lr`` (learning-rate schedules),
+``optstep`` (learning rate, global gradient norm, clipping, float16 loss scale),
+``evaluation`` (held-out loss), ``progress`` (progress lines, TensorBoard), ``machines``
+(torchrun processes to devices by machine), ``data`` (shipped datasets), ``params`` (a user
+model's private copies on the ranks and its tied parameters), ``launch``, ``supervise``
+(starting and watching rank processes, torch-free), and the real-network mode's package
+``realnet``.
 
 The names above are imported on first use (module ``__getattr__``), so that a process that
 imports only a torch-free submodule, such as the relay (``deepcee.runtime.realnet.relay``) or
