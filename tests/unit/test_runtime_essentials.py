@@ -139,10 +139,24 @@ def test_tensorboard_without_the_package_is_a_clear_error():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this host has CUDA")
-def test_cuda_without_a_gpu_is_an_error():
+def test_cuda_without_a_gpu_is_an_error(tmp_path, capsys):
     with pytest.raises(RuntimeSetupError, match="--cuda: CUDA is not available on host"):
         rdist.pick_device(True, 0)
     assert rdist.pick_device(False, 0) == torch.device("cpu")
+    from deepcee import cli
+    from deepcee.plan import Plan, StagePlan, save_json_atomic
+
+    plan = Plan(system="t", cluster="local-small", model="gpt-tiny", global_batch=2, microbatch_size=2,
+                num_microbatches=1, schedule="gpipe",
+                stages=(StagePlan(layer_start=0, layer_stop=6, devices=("cloud0:0",), shares=(2,)),))
+    save_json_atomic(tmp_path / "plan.json", plan.to_dict())
+    args = ["train", "--plan", str(tmp_path / "plan.json"), "--run-dir", str(tmp_path), "--mode", "real"]
+    assert cli.main([*args, "--cuda"]) == 2
+    assert cli.main([*args, "--autocast", "bfloat16"]) == 2
+    assert cli.main([*args, "--init-from", str(tmp_path / "none.pt")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 3 and "--cuda: CUDA is not available on host" in err[0]
+    assert "autocast: bfloat16 autocast runs on CUDA only" in err[1] and "init_from: no such file" in err[2]
 
 
 def test_shipped_datasets_hold_out_data_for_evaluation():

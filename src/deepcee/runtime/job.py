@@ -19,6 +19,7 @@ import json
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from deepcee.cluster import Cluster
@@ -137,6 +138,8 @@ class TrainConfig:
         if self.tensorboard and importlib.util.find_spec("tensorboard") is None:
             raise SpecError("TensorBoard logs need the tensorboard package, which is not installed "
                             "(pip install tensorboard)", field="tensorboard")
+        if self.init_from is not None and not Path(self.init_from).exists():
+            raise SpecError(f"no such file or folder: {self.init_from!r}", field="init_from")
         c = self.clip_grad_norm
         if c is not None and not (isinstance(c, int | float) and math.isfinite(c) and c > 0):
             raise SpecError(f"must be a finite number > 0, got {c!r}", field="clip_grad_norm")
