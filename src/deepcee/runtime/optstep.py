@@ -27,7 +27,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -35,6 +35,10 @@ from torch import nn
 
 from deepcee.errors import RuntimeSetupError
 from deepcee.runtime.job import TrainConfig
+from deepcee.runtime.params import stage_of_blocks
+
+if TYPE_CHECKING:
+    from deepcee.runtime.trainer import Trainer
 
 CLIP_EPS = 1e-6
 """Added to the norm before dividing (torch's ``clip_grad_norm_``)."""
@@ -143,3 +147,16 @@ def owned_parameters(stage_params: Sequence[nn.Parameter], *, index: int, replic
         return []
     skip = {id(p) for first, copies in cross_stage_ties if first < stage for p in copies}
     return [p for p in stage_params if id(p) not in skip]
+
+
+def norm_owned(t: Trainer) -> list[nn.Parameter]:
+    """What trainer ``t``'s rank counts in the global norm ([Note: global gradient norm])."""
+    p = t.placement
+    stage_of = stage_of_blocks(t.plan)
+    ties = []
+    for tie in t.ties:
+        stages = {stage_of[b] for b in tie.blocks}
+        if tie.kind == "parameter" and p.stage in stages and len(stages) > 1:
+            ties.append((min(stages), [t.blocks[b].get_parameter(n) for b, n in tie.uses if stage_of[b] == p.stage]))
+    return owned_parameters(t.stage.params, index=p.index, replica=getattr(p, "replica", 0), stage=p.stage,
+                            cross_stage_ties=ties)

@@ -1,4 +1,5 @@
-"""What rank 0 tells the user while a run goes: a progress line every N steps, TensorBoard scalars.
+"""What rank 0 tells the user while a run goes (a progress line every N steps, TensorBoard scalars)
+and records about it (where every rank ran: :func:`gather_rank_infos`).
 
 The progress line goes through ``logging`` (logger ``deepcee.runtime.progress``, level INFO;
 ``deepcee train`` shows it on stderr)::
@@ -17,13 +18,20 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import torch.distributed as dist
 
 from deepcee.errors import RuntimeSetupError
-from deepcee.runtime.records import StepMetrics
+from deepcee.runtime.job import TrainConfig
+from deepcee.runtime.records import RankInfo, StepMetrics
+
+if TYPE_CHECKING:
+    from deepcee.runtime.trainer import Trainer
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +69,11 @@ class RunLog:
         self._since: list[float] = []
         self._t0 = clock()
         self._last_eval: float | None = None
+
+    @staticmethod
+    def for_run(cfg: TrainConfig, run_dir: str | Path, *, global_batch: int) -> RunLog:
+        writer = open_tensorboard(run_dir) if cfg.tensorboard else None
+        return RunLog(every=cfg.log_every, total_steps=cfg.steps, global_batch=global_batch, writer=writer)
 
     def step(self, rec: StepMetrics) -> str | None:
         """Record step ``rec``; returns the progress line when one is due (it is also logged)."""
@@ -103,3 +116,15 @@ class RunLog:
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+
+
+def gather_rank_infos(t: Trainer) -> list[RankInfo] | None:
+    """Where every rank of trainer ``t``'s job group runs (device, stage, backend, torch device,
+    host), on rank 0 (``None`` elsewhere); collective over the job group."""
+    p = t.placement if t.active else None
+    mine = RankInfo(rank=t.w.rank, device=t.hooks.device(t), stage=None if p is None else p.stage,
+                    backend=dist.get_backend(), torch_device=str(t.w.device), host=socket.gethostname(),
+                    node=t.w.node, launcher_rank=t.w.launcher_rank)
+    out = [None] * dist.get_world_size(group=t.job_group) if t.w.rank == 0 else None
+    dist.gather_object(mine, out, dst=0, group=t.job_group)
+    return out

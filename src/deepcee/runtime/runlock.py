@@ -17,6 +17,7 @@ import os
 import socket
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import IO, Any
 
@@ -84,3 +85,23 @@ def check_free(run_dir: str | Path, *, job: str) -> None:
     """Raise now if another run holds ``run_dir`` (a launcher's check before it starts processes)."""
     if (Path(run_dir) / LOCK_FILE).exists():
         acquire(run_dir, job=job).release()
+
+
+def agree(run_dir: str | Path, *, job: str, rank: int, store: Any, timeout_s: float) -> RunLock:
+    """Rank 0 locks ``run_dir``; every rank learns the outcome through the launch's ``store``
+    (``set``/``wait``/``get``), so when another run holds the folder every rank fails at once
+    with rank 0's message instead of waiting for it in a collective."""
+    key = f"{job}/run-lock"
+    lock, message = RunLock(path=Path(run_dir) / LOCK_FILE, handle=None), ""
+    if rank == 0:
+        try:
+            lock = acquire(run_dir, job=job)
+        except RuntimeSetupError as exc:
+            message = str(exc)
+        store.set(key, message)
+    else:
+        store.wait([key], timedelta(seconds=timeout_s))
+        message = store.get(key).decode()
+    if message:
+        raise RuntimeSetupError(message)
+    return lock

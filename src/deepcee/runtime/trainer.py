@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import logging
 import pickle
-import socket
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -65,12 +64,11 @@ from deepcee.runtime.evaluation import eval_source, evaluate
 from deepcee.runtime.executor import Feeds, StepRecord, run_step, schedule_for
 from deepcee.runtime.hooks import FixedPlan, TrainerHooks
 from deepcee.runtime.job import Job, plan_digest
-from deepcee.runtime.optstep import OptimizerStep, StepOutcome, owned_parameters
+from deepcee.runtime.optstep import OptimizerStep, StepOutcome, norm_owned
 from deepcee.runtime.p2p import P2P, TensorMeta, exchange_metadata
-from deepcee.runtime.progress import RunLog, open_tensorboard
+from deepcee.runtime.progress import RunLog, gather_rank_infos
 from deepcee.runtime.realnet.relay import RelayControl
 from deepcee.runtime.records import (
-    RankInfo,
     RankMetrics,
     ResumeRecord,
     StepMetrics,
@@ -404,31 +402,14 @@ class Trainer:
         """Whether something done every ``every`` steps is due after ``done`` steps (and after the last)."""
         return bool(every) and (done % every == 0 or done == self.cfg.steps)
 
-    def _rank_info(self) -> RankInfo:
-        p = self.placement if self.active else None
-        return RankInfo(rank=self.w.rank, device=self.hooks.device(self), stage=None if p is None else p.stage,
-                        backend=dist.get_backend(), torch_device=str(self.w.device), host=socket.gethostname(),
-                        node=self.w.node, launcher_rank=self.w.launcher_rank)
-
-    def _rank_infos(self) -> list[RankInfo] | None:
-        """Every rank's :class:`RankInfo` on rank 0 (collective over the job group)."""
-        out = [None] * dist.get_world_size(group=self.job_group) if self.w.rank == 0 else None
-        dist.gather_object(self._rank_info(), out, dst=0, group=self.job_group)
-        return out
-
-    def _run_log(self) -> RunLog:
-        writer = open_tensorboard(self.run_dir) if self.cfg.tensorboard else None
-        return RunLog(every=self.cfg.log_every, total_steps=self.cfg.steps, global_batch=self.plan.global_batch,
-                      writer=writer)
-
     def train(self) -> TrainResult | None:
         """Run the steps; rank 0 returns the result (also written to ``result.json``)."""
-        ranks = self._rank_infos()
+        ranks = gather_rank_infos(self)
         writer, runlog = None, None
         if self.w.rank == 0:
             writer = ckpt.MetricsWriter(self.run_dir / "metrics.jsonl", append=self.start_step > 0,
                                         start_step=self.start_step)
-            runlog = self._run_log()
+            runlog = RunLog.for_run(self.cfg, self.run_dir, global_batch=self.plan.global_batch)
         capture: dict[str, Any] = {}
         records: list[StepMetrics] = []
         carried = None
@@ -471,19 +452,6 @@ class Trainer:
         save_json_atomic(self.run_dir / "result.json", result.to_dict())
         return result
 
-    def _owned_params(self) -> list[nn.Parameter]:
-        """What this rank counts in the global gradient norm ([Note: global gradient norm] in
-        :mod:`deepcee.runtime.optstep`)."""
-        p = self.placement
-        stage_of = rparams.stage_of_blocks(self.plan)
-        ties = []
-        for tie in self.ties:
-            stages = {stage_of[b] for b in tie.blocks}
-            if tie.kind == "parameter" and p.stage in stages and len(stages) > 1:
-                ties.append((min(stages), [self.blocks[b].get_parameter(n) for b, n in tie.uses if stage_of[b] == p.stage]))
-        return owned_parameters(self.stage.params, index=p.index, replica=getattr(p, "replica", 0), stage=p.stage,
-                                cross_stage_ties=ties)
-
     def _train_step(self, step: int, capture: dict[str, Any]) -> RankMetrics:
         """One step of this (active) rank: schedule row, gradient sync, optimizer step (learning
         rate, global norm and clipping: :mod:`deepcee.runtime.optstep`); its metrics."""
@@ -493,7 +461,7 @@ class Trainer:
         sync_s = self._sync_gradients() + self._sum_tied_gradients()
         if self.cfg.capture and step == self.start_step:
             capture["grads"] = self._named(lambda p: p.grad)
-        owned = self._owned_params() if self.optstep.measures_norm else []
+        owned = norm_owned(self) if self.optstep.measures_norm else []
         outcome = self.optstep(step, self.optimizer, self.stage.params, owned, self.active_group)
         return self._rank_metrics(rec, sync_s, outcome, loss_scale)
 
@@ -526,7 +494,7 @@ def run_jobs_on_rank(jobs: Sequence[Job], rank: int, world_size: int, store: dis
             Path(job.run_dir).mkdir(parents=True, exist_ok=True)
             worker = Worker(rank=rank, world_size=world_size, store=store, device=device, node=node,
                             launcher_rank=launcher_rank)
-            with _job_lock(job, worker):
+            with runlock.agree(job.run_dir, job=job.name, rank=rank, store=store, timeout_s=job.config.timeout_s):
                 trainer = Trainer(job, worker, None if job.hooks is None else job.hooks.hooks(job, worker))
                 if trainer.takes_part:
                     trainer.setup()
@@ -536,24 +504,6 @@ def run_jobs_on_rank(jobs: Sequence[Job], rank: int, world_size: int, store: dis
     finally:
         rdist.shutdown()
     return results
-
-
-def _job_lock(job: Job, w: Worker) -> runlock.RunLock:
-    """Rank 0 locks the job's run folder; every rank learns the outcome through the store."""
-    key = f"{job.name}/run-lock"
-    lock, message = runlock.RunLock(path=Path(job.run_dir), handle=None), ""
-    if w.rank == 0:
-        try:
-            lock = runlock.acquire(job.run_dir, job=job.name)
-        except RuntimeSetupError as exc:
-            message = str(exc)
-        w.store.set(key, message)
-    else:
-        w.store.wait([key], timedelta(seconds=job.config.timeout_s))
-        message = w.store.get(key).decode()
-    if message:
-        raise RuntimeSetupError(message)
-    return lock
 
 
 def write_error(run_dir: str | Path, rank: int, exc: BaseException) -> None:
