@@ -26,7 +26,7 @@ from deepcee.errors import SpecError
 PathKind = Literal["input", "output", "cluster", "trace", ""]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Field:
     dest: str
     """The train option's ``argparse`` destination."""
@@ -35,25 +35,29 @@ class Field:
     working directory; ``cluster``/``trace``: a built-in name, else an input path."""
 
 
+def _f(dest: str, path: PathKind = "") -> Field:
+    return Field(dest=dest, path=path)
+
+
 FIELDS: dict[str, dict[str, Field]] = {
-    "cluster": {"name": Field("cluster", "cluster")},
-    "model": {"name": Field("model")},
-    "plan": {"file": Field("plan", "input"), "global_batch": Field("global_batch"),
-             "schedules": Field("schedules"), "profile": Field("profile", "input")},
-    "training": {"steps": Field("steps"), "seed": Field("seed"), "dtype": Field("dtype"), "mode": Field("mode"),
-                 "cores": Field("cores"), "clip_grad_norm": Field("clip_grad_norm"), "autocast": Field("autocast"),
-                 "cuda": Field("cuda"), "timeout_s": Field("timeout"), "deadline_s": Field("deadline")},
-    "optimizer": {"name": Field("optimizer"), "lr": Field("lr"), "momentum": Field("momentum"),
-                  "weight_decay": Field("weight_decay")},
-    "lr_schedule": {"kind": Field("lr_schedule"), "warmup_steps": Field("warmup_steps"),
-                    "min_lr_ratio": Field("min_lr_ratio"), "decay_steps": Field("decay_steps")},
-    "checkpoint": {"every": Field("checkpoint_every"), "keep": Field("keep_checkpoints"), "resume": Field("resume"),
-                   "dir": Field("checkpoint_dir", "output"), "init_from": Field("init_from", "input")},
-    "eval": {"every": Field("eval_every"), "batches": Field("eval_batches")},
-    "logging": {"every": Field("log_every"), "tensorboard": Field("tensorboard"), "trace": Field("trace")},
-    "run": {"dir": Field("run_dir", "output"), "cluster_node": Field("cluster_node")},
-    "adapter": {"adapt": Field("adapt"), "link_trace": Field("link_trace", "trace"),
-                "trace_time_scale": Field("trace_time_scale")},
+    "cluster": {"name": _f("cluster", "cluster")},
+    "model": {"name": _f("model")},
+    "plan": {"file": _f("plan", "input"), "global_batch": _f("global_batch"),
+             "schedules": _f("schedules"), "profile": _f("profile", "input")},
+    "training": {"steps": _f("steps"), "seed": _f("seed"), "dtype": _f("dtype"), "mode": _f("mode"),
+                 "cores": _f("cores"), "clip_grad_norm": _f("clip_grad_norm"), "autocast": _f("autocast"),
+                 "cuda": _f("cuda"), "timeout_s": _f("timeout"), "deadline_s": _f("deadline")},
+    "optimizer": {"name": _f("optimizer"), "lr": _f("lr"), "momentum": _f("momentum"),
+                  "weight_decay": _f("weight_decay")},
+    "lr_schedule": {"kind": _f("lr_schedule"), "warmup_steps": _f("warmup_steps"),
+                    "min_lr_ratio": _f("min_lr_ratio"), "decay_steps": _f("decay_steps")},
+    "checkpoint": {"every": _f("checkpoint_every"), "keep": _f("keep_checkpoints"), "resume": _f("resume"),
+                   "dir": _f("checkpoint_dir", "output"), "init_from": _f("init_from", "input")},
+    "eval": {"every": _f("eval_every"), "batches": _f("eval_batches")},
+    "logging": {"every": _f("log_every"), "tensorboard": _f("tensorboard"), "trace": _f("trace")},
+    "run": {"dir": _f("run_dir", "output"), "cluster_node": _f("cluster_node")},
+    "adapter": {"adapt": _f("adapt"), "link_trace": _f("link_trace", "trace"),
+                "trace_time_scale": _f("trace_time_scale")},
 }
 """``[section] key`` -> train option. Every train option but ``--config`` and ``--dry-run`` has one."""
 

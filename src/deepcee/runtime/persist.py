@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class _Verdict:
     """Rank 0's answer, broadcast: a checkpoint, nothing, or the error every rank raises."""
 
