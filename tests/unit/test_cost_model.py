@@ -9,6 +9,7 @@ import pytest
 from conftest import measured_model
 
 from deepcee.cluster import Cluster, Device, DeviceKind, Island, LinkEntry, LinkSpec, Node
+from deepcee.comm import allreduce_s
 from deepcee.models import get_model
 from deepcee.plan import Plan, StagePlan, share_overlaps
 from deepcee.planner.cost_model import (
@@ -26,7 +27,6 @@ from deepcee.profile import LayerProfile, ModelProfile
 from deepcee.scenarios import load_scenario
 from deepcee.schedule.builders import build_schedule
 from deepcee.schedule.passes import dry_run
-from deepcee.simulator.collectives import allreduce_s
 from deepcee.simulator.engine import optimizer_step_s
 from deepcee.simulator.memory import device_memory_bytes
 

@@ -25,6 +25,7 @@ from deepcee.cluster import (
     LinkSpec,
     Node,
 )
+from deepcee.comm import allreduce_s
 from deepcee.errors import ScheduleError
 from deepcee.plan import Plan, StagePlan, share_overlaps
 from deepcee.profile import LayerProfile, ModelProfile
@@ -32,7 +33,6 @@ from deepcee.schedule.builders import build_schedule
 from deepcee.schedule.ir import parse_action
 from deepcee.schedule.passes import dry_run
 from deepcee.simulator import engine, optimizer_step_s, simulate, to_estimate
-from deepcee.simulator.collectives import allreduce_s
 from deepcee.simulator.trace import chrome_trace, plot_timeline, write_chrome_trace
 
 UNIT_KIND = DeviceKind(name="unit", peak_flops_per_s=1e12, memory_bytes=1e12, achievable_fraction=1.0,

@@ -25,7 +25,7 @@ The model, per plan (``S`` stages, ``M`` microbatches):
    exact (one device per stage, one link resource per boundary); zero-bubble schedules get
    their bubble filled by ``W`` because their ``W`` actions are in the list.
 4. **Synchronisation.** Conservatively, a stage's gradient all-reduce
-   (:func:`deepcee.simulator.collectives.allreduce_s`) starts only after the stage finished
+   (:func:`deepcee.comm.allreduce_s`) starts only after the stage finished
    its whole list (no bucketed overlap with its own backward, which split ``W`` passes and
    shares would make schedule-dependent); it does overlap with other stages' work, which
    is how 1F1B's early-finishing last stages hide theirs. Then the optimizer step
@@ -55,6 +55,7 @@ from functools import lru_cache
 from typing import Protocol
 
 from deepcee.cluster import Cluster
+from deepcee.comm import allreduce_s
 from deepcee.plan import Estimate, Plan, StagePlan
 from deepcee.planner.ranges import RangeCosts as RangeCosts
 from deepcee.planner.ranges import RangeTables as RangeTables
@@ -64,7 +65,6 @@ from deepcee.profile import ModelProfile
 from deepcee.schedule.builders import build_schedule
 from deepcee.schedule.ir import ActionKind, Schedule, parse_schedule
 from deepcee.schedule.passes import LinkCost, in_flight_per_stage
-from deepcee.simulator.collectives import allreduce_s
 from deepcee.simulator.engine import optimizer_step_s, simulate, to_estimate
 from deepcee.simulator.memory import device_memory_bytes
 from deepcee.units import GIB, fmt_rate

@@ -45,6 +45,7 @@ from torch import nn
 
 from deepcee import nets
 from deepcee.cluster import Cluster
+from deepcee.comm import allreduce_s
 from deepcee.errors import DeepceeError, RuntimeSetupError, SpecError
 from deepcee.plan import Plan, save_json_atomic
 from deepcee.runtime import checkpoint as ckpt
@@ -73,7 +74,6 @@ from deepcee.runtime.records import (
     train_result,
 )
 from deepcee.runtime.stage import StageRunner
-from deepcee.simulator.collectives import allreduce_s
 
 log = logging.getLogger(__name__)
 

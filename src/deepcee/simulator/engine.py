@@ -18,7 +18,7 @@ times are on the same clock, keep advancing across iterations):
   ``latency_s`` after serialisation ends. With one device per stage this is exactly the model
   of :func:`deepcee.schedule.passes.dry_run`.
 - When all devices of a stage finished their lists, the stage's gradient synchronisation
-  runs (:func:`deepcee.simulator.collectives.allreduce_s`, evaluated at its start time; it
+  runs (:func:`deepcee.comm.allreduce_s`, evaluated at its start time; it
   keeps all the stage's devices busy and does not contend with pipeline transfers), then
   every device takes its optimizer step (:func:`optimizer_step_s`). The iteration ends when
   the last optimizer step ends; the next iteration starts then on every device.
@@ -45,14 +45,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
-from deepcee.cluster import BandwidthTrace, Cluster, DeviceKind
+from deepcee.cluster import Cluster, DeviceKind
+from deepcee.comm import allreduce_s, serialise_end_s
 from deepcee.errors import ScheduleError
 from deepcee.plan import Estimate, Plan, share_overlaps
 from deepcee.profile import ModelProfile
 from deepcee.schedule.builders import build_schedule
 from deepcee.schedule.ir import ActionKind, Schedule, parse_schedule
 from deepcee.schedule.passes import in_flight_per_stage, lower, validate
-from deepcee.simulator.collectives import allreduce_s
 from deepcee.simulator.memory import device_memory_bytes
 
 log = logging.getLogger(__name__)
@@ -149,21 +149,6 @@ class SimResult:
             raise ValueError(f"iteration_times_s must be non-empty and >= 0, got {self.iteration_times_s}")
         if not 0.0 <= self.bubble_fraction <= 1.0 + 1e-12:
             raise ValueError(f"bubble_fraction must be in [0, 1], got {self.bubble_fraction}")
-
-
-def serialise_end_s(start_s: float, nbytes: float, bandwidth_bytes_per_s: float,
-                    trace: BandwidthTrace | None) -> float:
-    """When ``nbytes`` started at ``start_s`` finish serialising on a (traced) pipe."""
-    if trace is None:
-        return start_s + nbytes / bandwidth_bytes_per_s
-    t, left = start_s, nbytes
-    while True:
-        rate = trace.bandwidth_at(t, bandwidth_bytes_per_s)
-        change = trace.next_change_after(t)
-        if change is None or t + left / rate <= change:
-            return t + left / rate
-        left -= (change - t) * rate
-        t = change
 
 
 def stage_schedule(plan: Plan) -> Schedule:
