@@ -83,10 +83,10 @@ def train(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     plan, cluster = _load(args)
     if args.dry_run:
-        from deepcee.runtime.executor import schedule_for
         from deepcee.schedule.passes import format_table
+        from deepcee.schedule.program import lowered_schedule
 
-        print(format_table(schedule_for(plan)))
+        print(format_table(lowered_schedule(plan)))
         return 0
     from deepcee.runtime import dist as rdist
 

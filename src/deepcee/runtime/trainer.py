@@ -61,7 +61,7 @@ from deepcee.runtime.emulation import (
     choose_dilation,
     emulation_info,
 )
-from deepcee.runtime.executor import Feeds, StepRecord, run_step, schedule_for
+from deepcee.runtime.executor import Feeds, StepRecord, run_step
 from deepcee.runtime.hooks import FixedPlan, TrainerHooks
 from deepcee.runtime.job import Job
 from deepcee.runtime.p2p import P2P, TensorMeta, exchange_metadata
@@ -74,6 +74,7 @@ from deepcee.runtime.records import (
     train_result,
 )
 from deepcee.runtime.stage import StageRunner
+from deepcee.schedule.program import lowered_schedule
 
 log = logging.getLogger(__name__)
 
@@ -218,7 +219,7 @@ class Trainer:
         self.stage = StageRunner(self.blocks[st.layer_start:st.layer_stop], stage=p.stage, is_first=p.stage == 0,
                                  is_last=last, loss_fn=self.loss_fn, device=self.w.device,
                                  dtype=getattr(torch, self.cfg.dtype))
-        self.schedule = schedule_for(self.plan)
+        self.schedule = lowered_schedule(self.plan)
         self.actions = self.schedule[p.stage]
         self.metas = metas or exchange_metadata(
             self.w.store, self.topo, self.w.rank, job=key, plan_digest=self.digest,
@@ -230,7 +231,7 @@ class Trainer:
         """Same stage, other sample ranges, microbatches or schedule (a re-tune of the plan in
         force): new placement, schedule row and transport; the stage module and optimizer stay."""
         self.placement = self.topo.placement(self.w.rank)
-        self.schedule = schedule_for(self.plan)
+        self.schedule = lowered_schedule(self.plan)
         self.actions = self.schedule[self.placement.stage]
         self.p2p = self.make_p2p()
 
