@@ -167,7 +167,8 @@ class Execution:
         tb, record, ordered = self.tables, self.record, not self.free_run
         rows, stage_of, durations, pieces, expected = tb.rows, tb.stage_of, tb.durations, tb.pieces, tb.expected
         n, m_count = len(stage_of), tb.num_microbatches
-        segs, stamps, busy, res_free, res_last = self.segments, self.stamps, self.busy_s, self.res_free, self.res_last
+        segs, stamps, busy, wait = self.segments, self.stamps, self.busy_s, self.wait_s
+        res_free, res_last = self.res_free, self.res_last
         size = 2 * n * m_count  # receive state per (direction, device, microbatch), flattened
         got, ready, ready_seg = [0] * size, [0.0] * size, [-1] * size
         pcs, cause, list_end = [0] * n, [pred] * n, [t0] * n
@@ -219,7 +220,9 @@ class Execution:
                             waiting[dst] = -1  # the receiver was blocked on this: release it on delivery
                             # (in a free run the receiver may have got there after the delivery)
                             r = ready[key] if ready[key] > wait_from[dst] else wait_from[dst]
-                            self._waited(dst, pcs[dst], wait_from[dst], r, ready_seg[key], cause)
+                            wait[dst] += r - wait_from[dst]
+                            if record:
+                                self._waited(dst, pcs[dst], wait_from[dst], r, ready_seg[key], cause)
                             pcs[dst] += 1
                             push(heap, (r, seq, dst))
                             seq += 1
@@ -238,7 +241,9 @@ class Execution:
                         if record:
                             stamps[d].append((t, t, t))
                         continue
-                    self._waited(d, pc - 1, t, r, ready_seg[key], cause)
+                    wait[d] += r - t
+                    if record:
+                        self._waited(d, pc - 1, t, r, ready_seg[key], cause)
                     if ordered and heap and heap[0][0] <= r:
                         push(heap, (r, seq, d))
                         seq += 1
@@ -252,13 +257,12 @@ class Execution:
         return list_end, cause
 
     def _waited(self, d: int, pc: int, since: float, until: float, seg: int, cause: list[int]) -> None:
-        """Device ``d`` sat in the receive at ``pc`` from ``since`` until ``until``; ``seg`` released it."""
-        self.wait_s[d] += until - since
-        if self.record:
-            row = self.tables.rows[self.tables.stage_of[d]]
-            self.segments.append((WAIT, d, str(row[pc]), since, until, seg, 0.0, None))
-            self.stamps[d].append((since, until, until))
-            cause[d] = seg  # the wait itself is idle time: the path runs through what ended it
+        """Record that device ``d`` sat in the receive at ``pc`` from ``since`` until ``until``
+        and that segment ``seg`` released it."""
+        row = self.tables.rows[self.tables.stage_of[d]]
+        self.segments.append((WAIT, d, str(row[pc]), since, until, seg, 0.0, None))
+        self.stamps[d].append((since, until, until))
+        cause[d] = seg  # the wait itself is idle time: the path runs through what ended it
 
     def _check_finished(self, pcs: list[int], got: list[int]) -> None:
         tb = self.tables

@@ -23,9 +23,11 @@ from dataclasses import dataclass
 
 from deepcee.errors import ScheduleError
 from deepcee.schedule.interpreter import Deadlock, Execution, LinkCost, Tables, stage_tables
-from deepcee.schedule.ir import Action, ActionKind, Schedule
+from deepcee.schedule.ir import COMPUTE_KINDS, Action, ActionKind, Schedule, make_action
 
 K = ActionKind
+_F, _I, _W, _B = K.F, K.I, K.W, K.B
+_SEND_F, _SEND_B, _RECV_F, _RECV_B = K.SEND_F, K.SEND_B, K.RECV_F, K.RECV_B
 
 _WINDOW = 12
 """Columns shown on each side of a marked action in an error table."""
@@ -37,26 +39,32 @@ def lower(schedule: Sequence[Sequence[Action]]) -> Schedule:
     out = []
     for s, row in enumerate(schedule):
         lowered: list[Action] = []
+        add = lowered.append
         for a in row:
-            if not a.kind.is_compute:
+            k, m = a.kind, a.microbatch
+            if k == _F:
+                if s > 0:
+                    add(make_action(s, _RECV_F, m))
+                add(a)
+                if s < last:
+                    add(make_action(s, _SEND_F, m))
+            elif k == _W:
+                add(a)
+            elif k == _I or k == _B:
+                if s < last:
+                    add(make_action(s, _RECV_B, m))
+                add(a)
+                if s > 0:
+                    add(make_action(s, _SEND_B, m))
+            else:
                 raise ScheduleError(f"lower() takes compute actions only, got {a} at stage {s}")
-            backward = a.kind in (K.I, K.B)
-            if a.kind == K.F and s > 0:
-                lowered.append(Action(s, K.RECV_F, a.microbatch))
-            if backward and s < last:
-                lowered.append(Action(s, K.RECV_B, a.microbatch))
-            lowered.append(a)
-            if a.kind == K.F and s < last:
-                lowered.append(Action(s, K.SEND_F, a.microbatch))
-            if backward and s > 0:
-                lowered.append(Action(s, K.SEND_B, a.microbatch))
         out.append(tuple(lowered))
     return tuple(out)
 
 
 def compute_only(schedule: Sequence[Sequence[Action]]) -> Schedule:
     """Drop communication actions (the inverse of :func:`lower` on a valid schedule)."""
-    return tuple(tuple(a for a in row if a.kind.is_compute) for row in schedule)
+    return tuple(tuple(a for a in row if a.kind in COMPUTE_KINDS) for row in schedule)
 
 
 # --------------------------------------------------------------------------- text tables
@@ -206,16 +214,17 @@ def _check_lowering(schedule: Sequence[Sequence[Action]], compute: Schedule) -> 
 
 def _check_stage(schedule: Sequence[Sequence[Action]], s: int, num_microbatches: int) -> None:
     row = schedule[s]
-    seen: dict[tuple[ActionKind, int], int] = {}
+    # step of each compute action, per kind and microbatch (every id is < num_microbatches)
+    steps: dict[ActionKind, list[int | None]] = {k: [None] * num_microbatches for k in COMPUTE_KINDS}
     for i, a in enumerate(row):
-        if not a.kind.is_compute:
+        slots = steps.get(a.kind)
+        if slots is None:
             continue
-        key = (a.kind, a.microbatch)
-        if key in seen:
-            raise _fail(f"stage {s}: {a} appears twice (steps {seen[key]} and {i})", schedule, [(s, seen[key]), (s, i)])
-        seen[key] = i
-    for m in range(num_microbatches):
-        f, b, i_, w = (seen.get((k, m)) for k in (K.F, K.B, K.I, K.W))
+        seen = slots[a.microbatch]
+        if seen is not None:
+            raise _fail(f"stage {s}: {a} appears twice (steps {seen} and {i})", schedule, [(s, seen), (s, i)])
+        slots[a.microbatch] = i
+    for m, f, b, i_, w in zip(range(num_microbatches), steps[_F], steps[_B], steps[_I], steps[_W], strict=True):
         if f is None:
             raise _fail(f"stage {s}: no {s}F{m} (the schedule has {num_microbatches} microbatches, 0..{num_microbatches - 1})",
                         schedule, [])
@@ -248,10 +257,11 @@ def in_flight_per_stage(schedule: Sequence[Sequence[Action]]) -> tuple[int, ...]
     for row in schedule:
         held = peak = 0
         for a in row:
-            if a.kind == K.F:
+            k = a.kind
+            if k == _F:
                 held += 1
-                peak = max(peak, held)
-            elif a.kind in (K.W, K.B):
+                peak = held if held > peak else peak
+            elif k == _W or k == _B:
                 held -= 1
         out.append(peak)
     return tuple(out)
