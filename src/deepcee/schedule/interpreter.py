@@ -43,6 +43,7 @@ delivered)`` (:attr:`Execution.stamps`).
 from __future__ import annotations
 
 import heapq
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -136,11 +137,28 @@ def stage_tables(rows: Schedule, forward_s: Sequence[float], input_grad_s: Seque
                   num_microbatches=num_mb)
 
 
+class _Pass:
+    """The state of one pipeline pass: receive state per (direction, device, microbatch),
+    flattened, and per device its position, what released it, its finish and what it waits for."""
+
+    __slots__ = ("cause", "got", "heap", "list_end", "pcs", "ready", "ready_seg", "tick", "wait_from", "waiting")
+
+    def __init__(self, n: int, num_microbatches: int, t0: float, pred: int) -> None:
+        size = 2 * n * num_microbatches
+        self.got, self.ready, self.ready_seg = [0] * size, [0.0] * size, [-1] * size
+        self.pcs, self.cause, self.list_end = [0] * n, [pred] * n, [t0] * n
+        self.waiting, self.wait_from = [-1] * n, [0.0] * n
+        self.heap = [(t0, d, d) for d in range(n)]
+        self.tick = itertools.count(n).__next__
+        """Sequence numbers that keep the heap's order of equal times first come, first served."""
+
+
 class Execution:
     """Runs :class:`Tables` one pipeline pass at a time; link queues carry over between passes.
 
     Per device, ``busy_s`` sums compute and ``wait_s`` time blocked in receives over all
-    passes; ``compute_s`` is their total compute. With ``record``, ``segments`` and
+    passes; ``compute_s`` is their total compute, summed in the order actions ran (so a free
+    run may differ from a time-ordered one in the last bit). With ``record``, ``segments`` and
     ``stamps`` (per device, ``(start, end, delivered)`` of every action it ran, in order;
     ``delivered`` is a send's last delivery, else ``end``) grow with every pass.
     """
@@ -169,13 +187,10 @@ class Execution:
         n, m_count = len(stage_of), tb.num_microbatches
         segs, stamps, busy, wait = self.segments, self.stamps, self.busy_s, self.wait_s
         res_free, res_last = self.res_free, self.res_last
-        size = 2 * n * m_count  # receive state per (direction, device, microbatch), flattened
-        got, ready, ready_seg = [0] * size, [0.0] * size, [-1] * size
-        pcs, cause, list_end = [0] * n, [pred] * n, [t0] * n
-        waiting, wait_from = [-1] * n, [0.0] * n
-        heap = [(t0, d, d) for d in range(n)]
-        seq, push, pop, code = n, heapq.heappush, heapq.heappop, _CODE
-        compute = 0.0
+        st = _Pass(n, m_count, t0, pred)
+        got, ready, ready_seg, waiting, wait_from = st.got, st.ready, st.ready_seg, st.waiting, st.wait_from
+        pcs, cause, list_end, heap, tick = st.pcs, st.cause, st.list_end, st.heap, st.tick
+        push, pop, code, compute = heapq.heappush, heapq.heappop, _CODE, 0.0
         while heap:
             t, _, d = pop(heap)
             row, pc, dur = rows[stage_of[d]], pcs[d], durations[d]
@@ -194,8 +209,7 @@ class Execution:
                     pc += 1
                     t += x
                     if ordered and heap and heap[0][0] <= t:
-                        push(heap, (t, seq, d))
-                        seq += 1
+                        push(heap, (t, tick(), d))
                         break
                 elif c < 6:  # SEND_F, SEND_B
                     back = c - 4
@@ -217,15 +231,7 @@ class Execution:
                         if arrive >= ready[key]:
                             ready[key], ready_seg[key] = arrive, res_last[res]
                         if waiting[dst] == key and got[key] == expected[dst][back]:
-                            waiting[dst] = -1  # the receiver was blocked on this: release it on delivery
-                            # (in a free run the receiver may have got there after the delivery)
-                            r = ready[key] if ready[key] > wait_from[dst] else wait_from[dst]
-                            wait[dst] += r - wait_from[dst]
-                            if record:
-                                self._waited(dst, pcs[dst], wait_from[dst], r, ready_seg[key], cause)
-                            pcs[dst] += 1
-                            push(heap, (r, seq, dst))
-                            seq += 1
+                            self._release(st, dst, key)
                     if record:
                         stamps[d].append((t, t, last))
                     pc += 1
@@ -245,8 +251,7 @@ class Execution:
                     if record:
                         self._waited(d, pc - 1, t, r, ready_seg[key], cause)
                     if ordered and heap and heap[0][0] <= r:
-                        push(heap, (r, seq, d))
-                        seq += 1
+                        push(heap, (r, tick(), d))
                         break
                     t = r
             pcs[d] = pc
@@ -255,6 +260,18 @@ class Execution:
         self.compute_s += compute
         self._check_finished(pcs, got)
         return list_end, cause
+
+    def _release(self, st: _Pass, d: int, key: int) -> None:
+        """Device ``d`` was blocked in the receive of ``key``, whose last piece was just sent:
+        it continues at the delivery (or where it got to, in a free run, if that was later)."""
+        st.waiting[d] = -1
+        since = st.wait_from[d]
+        until = st.ready[key] if st.ready[key] > since else since
+        self.wait_s[d] += until - since
+        if self.record:
+            self._waited(d, st.pcs[d], since, until, st.ready_seg[key], st.cause)
+        st.pcs[d] += 1
+        heapq.heappush(st.heap, (until, st.tick(), d))
 
     def _waited(self, d: int, pc: int, since: float, until: float, seg: int, cause: list[int]) -> None:
         """Record that device ``d`` sat in the receive at ``pc`` from ``since`` until ``until``
