@@ -190,7 +190,9 @@ class Execution:
         st = _Pass(n, m_count, t0, pred)
         got, ready, ready_seg, waiting, wait_from = st.got, st.ready, st.ready_seg, st.waiting, st.wait_from
         pcs, cause, list_end, heap, tick = st.pcs, st.cause, st.list_end, st.heap, st.tick
-        push, pop, code, compute = heapq.heappush, heapq.heappop, _CODE, 0.0
+        # a free run may take devices in any order: a stack is cheaper than the heap
+        push, pop = (heapq.heappush, heapq.heappop) if ordered else (list.append, list.pop)
+        code, compute = _CODE, 0.0
         while heap:
             t, _, d = pop(heap)
             row, pc, dur = rows[stage_of[d]], pcs[d], durations[d]
@@ -231,7 +233,14 @@ class Execution:
                         if arrive >= ready[key]:
                             ready[key], ready_seg[key] = arrive, res_last[res]
                         if waiting[dst] == key and got[key] == expected[dst][back]:
-                            self._release(st, dst, key)
+                            # release the blocked receiver at the delivery (or where it got to, in a free run)
+                            waiting[dst], since = -1, wait_from[dst]
+                            r = ready[key] if ready[key] > since else since
+                            wait[dst] += r - since
+                            if record:
+                                self._waited(dst, pcs[dst], since, r, ready_seg[key], cause)
+                            pcs[dst] += 1
+                            push(heap, (r, tick(), dst))
                     if record:
                         stamps[d].append((t, t, last))
                     pc += 1
@@ -260,18 +269,6 @@ class Execution:
         self.compute_s += compute
         self._check_finished(pcs, got)
         return list_end, cause
-
-    def _release(self, st: _Pass, d: int, key: int) -> None:
-        """Device ``d`` was blocked in the receive of ``key``, whose last piece was just sent:
-        it continues at the delivery (or where it got to, in a free run, if that was later)."""
-        st.waiting[d] = -1
-        since = st.wait_from[d]
-        until = st.ready[key] if st.ready[key] > since else since
-        self.wait_s[d] += until - since
-        if self.record:
-            self._waited(d, st.pcs[d], since, until, st.ready_seg[key], st.cause)
-        st.pcs[d] += 1
-        heapq.heappush(st.heap, (until, st.tick(), d))
 
     def _waited(self, d: int, pc: int, since: float, until: float, seg: int, cause: list[int]) -> None:
         """Record that device ``d`` sat in the receive at ``pc`` from ``since`` until ``until``
