@@ -43,6 +43,8 @@ def test_validate_accepts_every_builder_over_a_grid(name):
             validate(sched)
             validate(lower(sched))
             assert compute_only(lower(sched)) == sched
+    for stages, microbatches in ((16, 33), (23, 64), (32, 97)):  # the planner's larger shapes
+        validate(build_schedule(name, stages, microbatches))
 
 
 def test_unknown_schedule_and_bad_sizes_raise():

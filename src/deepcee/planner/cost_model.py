@@ -192,12 +192,13 @@ def boundary_cost(cluster: Cluster, src: StagePlan, dst: StagePlan, bytes_per_sa
 
 def pipeline_timing(lowered: Schedule, forward_s: Sequence[float], input_grad_s: Sequence[float],
                     weight_grad_s: Sequence[float], comm_forward: Sequence[LinkCost],
-                    comm_backward: Sequence[LinkCost], backward_s: Sequence[float] | None = None) -> PipelineTiming:
+                    comm_backward: Sequence[LinkCost], backward_s: Sequence[float] | None = None, *,
+                    num_microbatches: int | None = None) -> PipelineTiming:
     """Each stage's finish: the dry run of ``lowered`` (the interpreter on
     :func:`~deepcee.schedule.interpreter.stage_tables`) without recording. ``B`` takes
     ``backward_s`` (default ``I + W``, as in the dry run)."""
     run = Execution(stage_tables(lowered, forward_s, input_grad_s, weight_grad_s, comm_forward, comm_backward,
-                                 backward_s))
+                                 backward_s, num_microbatches=num_microbatches))
     ends, _ = run.pipeline(0.0)
     return PipelineTiming(stage_end_s=tuple(ends), busy_s=tuple(run.busy_s))
 
@@ -225,7 +226,8 @@ class AnalyticCostModel:
         bounds = tuple(boundary_cost(cluster, a, b, model.boundary_bytes(a.layer_stop))
                        for a, b in zip(plan.stages, plan.stages[1:], strict=False))
         lowered, in_flight = lowered_schedule(plan), stage_in_flight(plan)
-        timing = pipeline_timing(lowered, f, i, w, [b.forward for b in bounds], [b.backward for b in bounds], b_)
+        timing = pipeline_timing(lowered, f, i, w, [b.forward for b in bounds], [b.backward for b in bounds], b_,
+                                 num_microbatches=plan.num_microbatches)
         ar, opt, ends = [], [], []
         for s, st in enumerate(plan.stages):
             t = timing.stage_end_s[s]

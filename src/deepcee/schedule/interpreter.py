@@ -114,11 +114,13 @@ class Tables:
 
 def stage_tables(rows: Schedule, forward_s: Sequence[float], input_grad_s: Sequence[float],
                  weight_grad_s: Sequence[float], comm_forward: Sequence[LinkCost],
-                 comm_backward: Sequence[LinkCost], backward_s: Sequence[float] | None = None) -> Tables:
+                 comm_backward: Sequence[LinkCost], backward_s: Sequence[float] | None = None, *,
+                 num_microbatches: int | None = None) -> Tables:
     """Given per-stage costs: device ``s`` is stage ``s``; boundary ``b`` has one resource per direction.
 
     ``B`` takes ``backward_s`` (default ``I + W``). ``rows`` must be lowered
     (:func:`deepcee.schedule.passes.lower`): the interpreter only moves data the list moves.
+    ``num_microbatches`` saves a pass over ``rows`` when the caller knows it.
     """
     n = len(rows)
     if n > 1 and not any(a.kind is K.SEND_F for a in rows[0][:2]):
@@ -131,7 +133,7 @@ def stage_tables(rows: Schedule, forward_s: Sequence[float], input_grad_s: Seque
          ((s - 1, comm_backward[s - 1][1], comm_backward[s - 1][0], 1.0, None, last + s - 1),) if s > 0 else ())
         for s in range(n))
     expected = tuple((int(s > 0), int(s < last)) for s in range(n))
-    num_mb = 1 + max((a.microbatch for row in rows for a in row), default=0)
+    num_mb = num_microbatches or 1 + max((a.microbatch for row in rows for a in row), default=0)
     return Tables(rows=rows, stage_of=tuple(range(n)), durations=durations, pieces=pieces, expected=expected,
                   num_resources=2 * last if n > 1 else 0, names=tuple(f"stage {s}" for s in range(n)),
                   num_microbatches=num_mb)
