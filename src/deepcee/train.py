@@ -114,10 +114,10 @@ def train(args: argparse.Namespace) -> int:
     env = rdist.torchrun_env()
     plan, cluster = _load(args, under_torchrun=env is not None)
     if args.dry_run:
-        from deepcee.runtime.executor import schedule_for
         from deepcee.schedule.passes import format_table
+        from deepcee.schedule.program import lowered_schedule
 
-        print(format_table(schedule_for(plan)))
+        print(format_table(lowered_schedule(plan)))
         return 0
     if (args.adapt or args.link_trace) and env is not None:
         raise DeepceeError("--adapt and --link-trace run on local emulated processes, not under torchrun")

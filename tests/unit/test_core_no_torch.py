@@ -8,7 +8,8 @@ import sys
 CORE = [
     "deepcee.cluster", "deepcee.cluster.parts", "deepcee.cluster.routing", "deepcee.cluster.model",
     "deepcee.cluster.files", "deepcee.profile", "deepcee.plan", "deepcee.schedule", "deepcee.schedule.builders",
-    "deepcee.schedule.passes", "deepcee.simulator", "deepcee.simulator.collectives", "deepcee.simulator.memory",
+    "deepcee.schedule.passes", "deepcee.schedule.program", "deepcee.schedule.interpreter", "deepcee.simulator",
+    "deepcee.comm", "deepcee.simulator.memory",
     "deepcee.scenarios", "deepcee.units", "deepcee.errors", "deepcee.jsonio",
 ]
 OPTIONAL = [

@@ -42,7 +42,8 @@ from deepcee.planner.crossover import slow_link_entries as slow_link_entries
 from deepcee.planner.crossover import with_without as with_without
 from deepcee.profile import ModelProfile
 from deepcee.schedule.ir import ActionKind
-from deepcee.simulator.engine import simulate, stage_schedule, to_estimate
+from deepcee.schedule.program import lowered_schedule
+from deepcee.simulator.engine import simulate, to_estimate
 from deepcee.units import GIB
 
 log = logging.getLogger(__name__)
@@ -194,7 +195,7 @@ def breakdown(plan: Plan, cluster: Cluster, model: ModelProfile) -> dict[str, fl
     """
     result = simulate(plan, cluster, model, record=False)
     it = result.iteration_s
-    sched = stage_schedule(plan)
+    sched = lowered_schedule(plan)
     overhead = 0.0
     for s, st in enumerate(plan.stages):
         for d in st.devices:

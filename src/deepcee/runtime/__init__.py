@@ -8,8 +8,8 @@ Public API:
 - :func:`launch_jobs` / :class:`Job` / :class:`TrainConfig` / :class:`OptimizerConfig`: several
   runs in one set of processes;
 - :func:`run_jobs_on_rank`: what each rank runs (``python -m deepcee.train`` under torchrun);
-- :class:`Topology` (ranks of a plan), :class:`StageRunner` (F/I/W/B of one stage),
-  :func:`schedule_for` (the lowered schedule a plan runs).
+- :class:`Topology` (ranks of a plan), :class:`StageRunner` (F/I/W/B of one stage). The
+  lowered schedule a plan runs comes from :func:`deepcee.schedule.program.lowered_schedule`.
 
 Modules: ``dist`` (process group; the only place that reads the environment), ``partition``
 (topology, sample ranges), ``stage``, ``p2p``, ``executor``, ``emulation``, ``job`` (what every
@@ -37,7 +37,6 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from deepcee.runtime.executor import schedule_for
     from deepcee.runtime.job import Job, OptimizerConfig, TrainConfig
     from deepcee.runtime.launch import launch_jobs, run_training
     from deepcee.runtime.partition import Topology
@@ -46,14 +45,14 @@ if TYPE_CHECKING:
     from deepcee.runtime.trainer import run_jobs_on_rank
 
 _HOME = {
-    "schedule_for": "executor", "TrainResult": "records", "launch_jobs": "launch", "run_training": "launch",
+    "TrainResult": "records", "launch_jobs": "launch", "run_training": "launch",
     "Topology": "partition", "StageRunner": "stage", "Job": "job", "OptimizerConfig": "job",
     "TrainConfig": "job", "run_jobs_on_rank": "trainer",
 }
 
 __all__ = [
     "Job", "OptimizerConfig", "StageRunner", "Topology", "TrainConfig", "TrainResult", "launch_jobs",
-    "run_jobs_on_rank", "run_training", "schedule_for",
+    "run_jobs_on_rank", "run_training",
 ]
 
 

@@ -16,12 +16,12 @@ time. Transfers of several processes on one resource share a :class:`FileLedger`
 ``flock``-ed file per resource), so queueing is global; unit tests use :class:`MemoryLedger`
 and an injected clock. On a link with a bandwidth trace, ``n / bandwidth`` is integrated
 over the trace from ``start`` (after any queueing), in emulated time, exactly as the
-simulator does (:func:`deepcee.simulator.engine.serialise_end_s`): a transfer that straddles
+simulator does (:func:`deepcee.comm.serialise_end_s`): a transfer that straddles
 a bandwidth change pays the old rate before it and the new one after.
 
 Intra-stage gradient all-reduce: the real all-reduce runs, and each rank then waits until
 ``D x`` the simulator's all-reduce time on the emulated links
-(:func:`deepcee.simulator.collectives.allreduce_s`) has passed since it started: a model-based
+(:func:`deepcee.comm.allreduce_s`) has passed since it started: a model-based
 delay rather than per-message shaping; reports say so.
 
 Every figure reported from an emulated run is wall time divided by ``D``.
@@ -47,8 +47,8 @@ from pathlib import Path
 from typing import Literal, Protocol
 
 from deepcee.cluster import Link
+from deepcee.comm import serialise_end_s
 from deepcee.errors import SpecError
-from deepcee.simulator.engine import serialise_end_s
 
 Mode = Literal["emulated", "real", "realnet"]
 MODES: tuple[str, ...] = ("emulated", "real", "realnet")

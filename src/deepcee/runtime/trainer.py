@@ -43,6 +43,7 @@ from torch import nn
 
 from deepcee import nets
 from deepcee.cluster import Cluster
+from deepcee.comm import allreduce_s
 from deepcee.errors import DeepceeError, RuntimeSetupError, SpecError
 from deepcee.plan import Plan, save_json_atomic
 from deepcee.runtime import checkpoint as ckpt
@@ -61,7 +62,7 @@ from deepcee.runtime.emulation import (
     emulation_info,
 )
 from deepcee.runtime.evaluation import eval_source, evaluate
-from deepcee.runtime.executor import Feeds, StepRecord, run_step, schedule_for
+from deepcee.runtime.executor import Feeds, StepRecord, run_step
 from deepcee.runtime.hooks import FixedPlan, TrainerHooks
 from deepcee.runtime.job import Job, plan_digest
 from deepcee.runtime.optstep import OptimizerStep, StepOutcome, norm_owned
@@ -77,7 +78,7 @@ from deepcee.runtime.records import (
     train_result,
 )
 from deepcee.runtime.stage import StageRunner
-from deepcee.simulator.collectives import allreduce_s
+from deepcee.schedule.program import lowered_schedule
 
 log = logging.getLogger(__name__)
 
@@ -241,7 +242,7 @@ class Trainer:
                                  is_last=last, loss_fn=self.loss_fn, device=self.w.device,
                                  dtype=getattr(torch, self.cfg.dtype),
                                  autocast=getattr(torch, self.cfg.autocast) if self.cfg.autocast else None)
-        self.schedule = schedule_for(self.plan)
+        self.schedule = lowered_schedule(self.plan)
         self.actions = self.schedule[p.stage]
         self.metas = metas or exchange_metadata(
             self.w.store, self.topo, self.w.rank, job=key, plan_digest=self.digest,
@@ -253,7 +254,7 @@ class Trainer:
         """Same stage, other sample ranges, microbatches or schedule (a re-tune of the plan in
         force): new placement, schedule row and transport; the stage module and optimizer stay."""
         self.placement = self.topo.placement(self.w.rank)
-        self.schedule = schedule_for(self.plan)
+        self.schedule = lowered_schedule(self.plan)
         self.actions = self.schedule[self.placement.stage]
         self.p2p = self.make_p2p()
 
