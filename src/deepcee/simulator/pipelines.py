@@ -127,6 +127,8 @@ class ReplicaPipeline:
         self._kinds = [cluster.kind_of(d) for d in self.devices]
         self.constant = not self.stragglers and not self._traced()
         self._cached: tuple[list[float], list[float], list[float]] | None = None
+        self._steps: dict[tuple[bool, bool], tuple] = {}
+        """(sync, optimizer) -> a constant replica's first local step, for :meth:`_replay`."""
         self.passes = 0
         self.stage_rounds = 0
         """How many times the stage all-reduces ran (for the bytes they send between islands)."""
@@ -190,6 +192,11 @@ class ReplicaPipeline:
     def local_step(self, t0: float, step: int, *, sync: bool = True, optimizer: bool = True) -> StepTimes:
         """A pass, then (``sync``) each stage's all-reduce among its own devices, then
         (``optimizer``) every device's optimizer step."""
+        reuse = self.constant and not self.record
+        cached = self._steps.get((sync, optimizer)) if reuse else None
+        if cached is not None:
+            return self._replay(cached, t0, sync)
+        before = (list(self.busy_s), list(self.wait_s), list(self.sync_s))
         list_end = self.run_pass(t0, step)
         end = list(list_end)
         if sync:
@@ -197,7 +204,21 @@ class ReplicaPipeline:
         if optimizer:
             for d in range(len(self.devices)):
                 end[d] += self.optimizer_s(d, end[d], step)
+        if reuse:
+            deltas = tuple([x - y for x, y in zip(now, then, strict=True)]
+                           for now, then in zip((self.busy_s, self.wait_s, self.sync_s), before, strict=True))
+            self._steps[(sync, optimizer)] = ([x - t0 for x in list_end], [x - t0 for x in end], deltas)
         return StepTimes(start_s=t0, list_end=list_end, end=end)
+
+    def _replay(self, cached: tuple, t0: float, sync: bool) -> StepTimes:
+        """A constant replica's local step: the first one's times and accounting, shifted."""
+        list_off, end_off, deltas = cached
+        for acc, delta in zip((self.busy_s, self.wait_s, self.sync_s), deltas, strict=True):
+            for d, x in enumerate(delta):
+                acc[d] += x
+        self.passes += 1
+        self.stage_rounds += sync
+        return StepTimes(start_s=t0, list_end=[t0 + x for x in list_off], end=[t0 + x for x in end_off])
 
     def stage_allreduce(self, end: list[float], step: int) -> None:
         """Each stage's all-reduce among its devices once they all finished (``end`` updated)."""

@@ -345,7 +345,12 @@ class AsgdGa:
         self.pulled = {s: [0] * n for s in self.servers}
         self.pushed = {s: [0] * n for s in self.servers}
         self.issued: dict[str, dict[int, float]] = {s: {} for s in self.servers}
-        """Server -> replica -> delivery of its pending push (issued: the replica is not computing)."""
+        """Server -> replica -> delivery of its pending push."""
+        self.computing = [True] * n
+        """Whether a replica computes: from the pull of its last server until its next push. The
+        runtime's servers judge this from the pushes each received; with several servers that
+        can make each server wait for a replica that waits for another server, so the
+        simulator uses the replicas' own state (a server learns it through the store)."""
         self.held: dict[str, dict[int, float]] = {s: {} for s in self.servers}
         self.busy = dict.fromkeys(self.servers, False)
         self.came = [0.0] * n
@@ -376,6 +381,7 @@ class AsgdGa:
     def push(self, r: int, t: float) -> None:
         run, share = self.run, len(self.servers)
         self.came[r], self.hold[r], self.pulls[r] = t, 0.0, []
+        self.computing[r] = False
         for srv in self.servers:
             arrive = t
             for seg in run.segments:
@@ -388,8 +394,7 @@ class AsgdGa:
 
     def allowed(self, srv: str, r: int) -> bool:
         for q in range(len(self.run.pipes)):
-            computing = q != r and q not in self.issued[srv] and self.pushed[srv][q] < self.rounds
-            if computing and self.version[srv] + 1 - self.pulled[srv][q] > self.bound:
+            if q != r and self.computing[q] and self.version[srv] + 1 - self.pulled[srv][q] > self.bound:
                 return False
         return True
 
@@ -438,6 +443,7 @@ class AsgdGa:
     def resumed(self, r: int, t: float) -> None:
         self.run.step_done(r, t)
         if self.count[r] < self.steps:
+            self.computing[r] = True
             self.start(r, t)
 
 
