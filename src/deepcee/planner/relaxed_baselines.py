@@ -66,12 +66,18 @@ _DESCRIPTIONS = {
 }
 
 
+Found = tuple[Plan, PlanFigures, ReplicaSimResult]
+"""A system's plan (with its estimate), its figures and the simulation behind them."""
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RelaxedBaseline:
     """One baseline: the synchronous baselines' record and the plan's figures."""
 
     result: BaselineResult
     figures: PlanFigures | None = None
+    simulation: ReplicaSimResult | None = None
+    """The simulation the figures come from (enough steps for two synchronisations)."""
 
 
 class _Builder:
@@ -106,7 +112,7 @@ class _Builder:
                     excluded_devices=tuple(d for d in self.cluster.device_names if d not in devices))
 
     def best(self, system: str, replicas: Sequence[Plan], strategies: Sequence[Strategy],
-             sync: str = "allreduce-ring") -> tuple[Plan, PlanFigures]:
+             sync: str = "allreduce-ring") -> Found:
         """The setting with the lowest predicted time to target."""
         found: list[tuple[float, int, Plan, ReplicaSimResult, PlanFigures]] = []
         miss = ""
@@ -121,45 +127,45 @@ class _Builder:
         if not found:
             raise _NoFit(miss or "no setting fits")
         _, _, plan, result, fig = min(found, key=lambda x: x[:2])
-        return _with_estimate(plan, result, f"{system}: {plan.strategy.describe()}"), fig
+        return _with_estimate(plan, result, f"{system}: {plan.strategy.describe()}"), fig, result
 
     # -- the systems ------------------------------------------------------------------------------
     def regions_dp(self) -> list[Plan]:
         return [data_parallel(self.cluster, self.model, b, devs, system="region")
                 for devs, b in zip(self.islands, self.batches, strict=True)]
 
-    def cloudless_ma(self) -> tuple[Plan, PlanFigures]:
+    def cloudless_ma(self) -> Found:
         return self.best("cloudless-ps-ma", self.regions_dp(),
                          [Strategy(kind="model-averaging", period=h) for h in MA_PERIODS], sync="ps")
 
-    def cloudless_asgd(self) -> tuple[Plan, PlanFigures]:
+    def cloudless_asgd(self) -> Found:
         n = len(self.islands)
         return self.best("cloudless-ps-asgd", self.regions_dp(),
                          [Strategy(kind="asgd-ga", accumulation_steps=k, staleness_bound=n)
                           for k in ASGD_ACCUMULATIONS], sync="ps")
 
-    def sdpipe(self) -> tuple[Plan, PlanFigures]:
+    def sdpipe(self) -> Found:
         reps = [even_pipeline(self.cluster, self.model, b, devs, schedule="1f1b", system="region")
                 for devs, b in zip(self.islands, self.batches, strict=True)]
         step_s = sum(p.estimate.iteration_s for p in reps) / len(reps)
         return self.best("sdpipe-partial", reps, [Strategy(kind="partial", window_s=0.5 * step_s, min_group=2,
                                                            full_sync_every=p) for p in FULL_SYNCS])
 
-    def heterog(self) -> tuple[Plan, PlanFigures]:
+    def heterog(self) -> Found:
         s_count = min(min(len(d) for d in self.islands), self.model.num_layers)
         reps = [self._even_stages(devs, b, s_count) for devs, b in zip(self.islands, self.batches, strict=True)]
         syncs: list[str] = ["allreduce-ring"] * s_count
-        plan, fig = self.best("heterog", self._with_syncs(reps, syncs), [Strategy()])
+        best = self.best("heterog", self._with_syncs(reps, syncs), [Strategy()])
         for s in range(s_count):
             trial = [*syncs[:s], "ps", *syncs[s + 1:]]
             try:
-                p2, f2 = self.best("heterog", self._with_syncs(reps, trial), [Strategy()])
+                got = self.best("heterog", self._with_syncs(reps, trial), [Strategy()])
             except _NoFit:
                 continue
-            if f2.samples_per_s > fig.samples_per_s:
-                plan, fig, syncs = p2, f2, trial
+            if got[1].samples_per_s > best[1].samples_per_s:
+                best, syncs = got, trial
         what = ", ".join(f"stage {s} {k}" for s, k in enumerate(syncs))
-        return plan.replace(explanation=(f"heterog: {s_count} stages per region, {what}",)), fig
+        return best[0].replace(explanation=(f"heterog: {s_count} stages per region, {what}",)), best[1], best[2]
 
     def _even_stages(self, devs: Sequence[str], batch: int, s_count: int) -> Plan:
         groups = [tuple(devs[s::s_count]) for s in range(s_count)]
@@ -202,15 +208,15 @@ def build_relaxed_baselines(cluster: Cluster, model: ModelProfile, global_batch:
     except _NoFit as exc:
         return [RelaxedBaseline(result=BaselineResult(name=n, plan=None, reason=str(exc), description=_DESCRIPTIONS[n]))
                 for n in RELAXED_BASELINE_NAMES]
-    makers: dict[str, Callable[[], tuple[Plan, PlanFigures]]] = {
+    makers: dict[str, Callable[[], Found]] = {
         "cloudless-ps-ma": builder.cloudless_ma, "cloudless-ps-asgd": builder.cloudless_asgd,
         "sdpipe-partial": builder.sdpipe, "heterog": builder.heterog}
     out = []
     for name in RELAXED_BASELINE_NAMES:
         try:
-            plan, fig = makers[name]()
+            plan, fig, sim = makers[name]()
             out.append(RelaxedBaseline(result=BaselineResult(name=name, plan=plan, description=_DESCRIPTIONS[name]),
-                                       figures=fig))
+                                       figures=fig, simulation=sim))
         except _NoFit as exc:
             out.append(RelaxedBaseline(result=BaselineResult(name=name, plan=None, reason=str(exc),
                                                              description=_DESCRIPTIONS[name])))

@@ -336,7 +336,11 @@ def _explain(search: _Search, best: Scored, exact: Scored, ranked: Sequence[Scor
              *f.lines(),
              f"simulated {best.samples_per_s:.4g} samples/s, {f.wan_fraction:.0%} of the replicas' time in "
              f"cross-replica synchronisation"]
-    if search.budget_usd is not None and (f.usd_per_sync_epoch is None or f.usd_per_sync_epoch > search.budget_usd):
+    if search.objective == "cost" and f.usd_per_epoch is None:
+        why = ("no epoch: state data_* per island in the cluster file, or --dataset-samples" if f.epoch_s is None
+               else "no prices for island(s) " + ", ".join(f.unpriced))
+        lines.append(f"dollars unknown ({why}): ranked by predicted time to target")
+    elif search.budget_usd is not None and f.usd_per_sync_epoch > search.budget_usd:
         lines.append(f"no plan costs ${search.budget_usd:g} or less per sync-equivalent epoch: the cheapest is chosen")
     if best is not exact:
         ratio = f.time_to_target.seconds_per_sync_sample / e.time_to_target.seconds_per_sync_sample
