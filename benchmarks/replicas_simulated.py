@@ -26,23 +26,27 @@ the multiplier. Run (a few minutes on 2 cores)::
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from typing import Any
 
 from deepcee.models import get_model
-from deepcee.plan import save_json_atomic
+from deepcee.plan import Strategy, save_json_atomic
 from deepcee.planner.efficiency import DefaultEfficiency
 from deepcee.planner.relaxed_baselines import build_relaxed_baselines
 from deepcee.planner.replicas import RelaxedOptions, Scored, plan_replicas
 from deepcee.planner.search import plan_training
 from deepcee.scenarios import load_scenario
+from deepcee.simulator.replicas import simulate_replicas
 
 SCENARIO = "cee-testbed"
 CASES = (("resnet50", 128), ("bert-small", 128), ("gpt2", 64))
 OPTIONS = RelaxedOptions(periods=(1, 10, 50, 200), accumulations=(1, 4, 16), staleness_bounds=(3,),
                          full_syncs=(1, 4, 16), max_local_steps=400)
 SOURCE = "simulated, analytic profile, datasheet speeds"
+NEVER = 10**9
+"""A model-averaging period no run reaches: the replicas never synchronise (the layout's compute alone)."""
 
 
 def _order(s: Scored) -> tuple:
@@ -57,7 +61,9 @@ def _settings(s: Scored) -> str:
 
 def _settings_of(p: Any) -> str:
     st = p.strategy
-    return {"exact": f"exact {p.sync}", "model-averaging": f"MA H={st.period} {st.outer_optimizer}",
+    per_stage = [st_.sync for rep in p.replicas[:1] for st_ in rep.stages if st_.sync]
+    sync = "per stage " + ",".join(per_stage) if per_stage else p.sync
+    return {"exact": f"exact {sync}", "model-averaging": f"MA H={st.period} {st.outer_optimizer}",
             "asgd-ga": f"ASGD-GA k={st.accumulation_steps} s<={st.staleness_bound}",
             "partial": f"partial P={st.full_sync_every}"}[st.kind]
 
@@ -65,7 +71,7 @@ def _settings_of(p: Any) -> str:
 def _row(name: str, s: Any, sync_sps: float, sync_tt: float) -> dict[str, Any]:
     f, r = s.figures, s.result
     return {"strategy": name, "semantics": f.semantics, "devices": len(s.plan.devices),
-            "replicas": s.plan.num_replicas, "samples_per_s": f.samples_per_s, "x_sync": f.samples_per_s / sync_sps,
+            "replicas": s.plan.num_replicas, "samples_per_s": r.samples_per_s, "x_sync": r.samples_per_s / sync_sps,
             "wan_fraction": r.wan_fraction, "wait_fraction": r.wait_fraction,
             "multiplier": f.time_to_target.multiplier, "multiplier_source": f.time_to_target.source,
             "time_to_target_vs_sync": f.time_to_target.seconds_per_sync_sample / sync_tt,
@@ -84,6 +90,11 @@ def run_case(model_name: str, batch: int) -> dict[str, Any]:
     layout.sort(key=_order)
     rows = [_row("sync: deepcee plan (exact search)", sync, sync_sps, sync_tt)]
     rows += [_row(_settings(s), s, sync_sps, sync_tt) for s in layout]
+    alone = every.plan.replace(strategy=Strategy(kind="model-averaging", period=NEVER))
+    rows.append(_row("no sync (replicas alone: this layout's compute)", Scored(
+        plan=alone, result=simulate_replicas(alone, cluster, model, steps=4), figures=every.figures,
+        layout=every.layout), sync_sps, sync_tt) | {"semantics": "none", "multiplier": math.nan,
+                                                    "time_to_target_vs_sync": math.nan})
     for b in build_relaxed_baselines(cluster, model, batch, efficiency=DefaultEfficiency()):
         if b.result.plan is None:
             rows.append({"strategy": b.result.name, "reason": b.result.reason})

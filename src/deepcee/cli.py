@@ -197,29 +197,14 @@ def _simulate_replicas(args: argparse.Namespace, plan, cluster, model) -> int:
     """Plans with several replicas, or with stragglers: every strategy over time."""
     from deepcee.cluster.stragglers import Straggler
     from deepcee.simulator.replica_trace import replica_chrome_trace
-    from deepcee.simulator.replicas import simulate_replicas
+    from deepcee.simulator.replicas import describe_result, simulate_replicas
 
     stragglers = [Straggler.parse(text, cluster.device_names) for text in args.straggler]
     result = simulate_replicas(plan, cluster, model, steps=args.iterations, stragglers=stragglers,
                                record=bool(args.timeline))
-    print(f"plan {args.plan}: {plan.system}, {plan.num_replicas} replica(s), semantics {plan.semantics}: "
-          f"{plan.strategy.describe()}")
-    for r, rep in enumerate(plan.replicas):
-        times = result.step_times_s[r]
-        print(f"replica {r}: {len(rep.devices)} devices, {rep.num_stages} stages, batch {rep.batch}, "
-              f"{len(times)} local steps, mean {sum(times) / len(times) * 1e3:.2f} ms; "
-              f"{result.wan_s[r] / result.spans_s[r]:.1%} in cross-replica sync, "
-              f"{result.wait_s[r] / result.spans_s[r]:.1%} waiting for others")
-    print(f"simulated: {result.samples_per_s:.2f} samples/s (the runtime's window measure: "
-          f"{result.window_samples_per_s:.2f}); {result.wan_fraction:.1%} of the replicas' time in cross-replica "
-          f"synchronisation, {result.wait_fraction:.1%} waiting for others")
-    if plan.semantics == "relaxed":
-        print("relaxed semantics: samples/s are not comparable with exact plans' without the steps-to-target "
-              "multiplier (deepcee plan --sync relaxed predicts time to target)")
-    if stragglers:
-        print("stragglers: " + ", ".join(f"{s.device} x{s.factor:g} from {s.start_s:g} s to {s.stop_s:g} s"
-                                         for s in stragglers))
-    print("peak memory (GiB): " + ", ".join(f"{d} {b / 2**30:.2f}" for d, b in result.peak_memory_bytes.items()))
+    print(f"plan {args.plan}: {plan.system}")
+    for line in describe_result(result, plan, stragglers):
+        print(line)
     source = "emulated cluster" if cluster.emulation else "datasheet device speeds, analytic cost model"
     print(f"all figures simulated ({source})")
     if args.timeline:

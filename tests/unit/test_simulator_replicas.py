@@ -137,6 +137,8 @@ def test_sync_none_with_several_holders_is_refused() -> None:
     p = plan([replica([["n0:0"]]), replica([["n1:0"]])], sync="none")
     with pytest.raises(PlanError, match="drift apart"):
         check_syncs(p)
+    with pytest.raises(PlanError, match="drift apart"):
+        simulate_replicas(p, cluster([1, 1]), model(1))
 
 
 # -- model averaging ----------------------------------------------------------------------------

@@ -260,6 +260,7 @@ def simulate_replicas(plan: Plan, cluster: Cluster, model: ModelProfile, *, step
         return _one_pipeline(plan, cluster, model, steps, stragglers, start_s, record)
     from deepcee.simulator import strategies
 
+    check_syncs(plan)
     run = Run(plan, cluster, model, stragglers=stragglers, record=record, start_s=start_s)
     runner = {"exact": strategies.run_exact, "model-averaging": strategies.run_model_averaging,
               "asgd-ga": strategies.run_asgd_ga, "partial": strategies.run_partial}[plan.strategy.kind]
@@ -320,6 +321,28 @@ def _slowed(cluster: Cluster, stragglers: Sequence[Straggler], t_s: float) -> Cl
     return replace(cluster, devices=devices)
 
 
+def describe_result(result: ReplicaSimResult, plan: Plan, stragglers: Sequence[Straggler] = ()) -> list[str]:
+    """The result in lines for reports: semantics, each replica, the rates, memory."""
+    out = [f"{plan.num_replicas} replica(s), semantics {plan.semantics}: {plan.strategy.describe()}"]
+    for r, rep in enumerate(plan.replicas):
+        times, span = result.step_times_s[r], result.spans_s[r] or 1.0
+        out.append(f"replica {r}: {len(rep.devices)} devices, {rep.num_stages} stages, batch {rep.batch}, "
+                   f"{len(times)} local steps, mean {sum(times) / len(times) * 1e3:.2f} ms; "
+                   f"{result.wan_s[r] / span:.1%} in cross-replica sync, {result.wait_s[r] / span:.1%} waiting "
+                   "for others")
+    out.append(f"simulated: {result.samples_per_s:.2f} samples/s (the runtime's window measure: "
+               f"{result.window_samples_per_s:.2f}); {result.wan_fraction:.1%} of the replicas' time in "
+               f"cross-replica synchronisation, {result.wait_fraction:.1%} waiting for others")
+    if plan.semantics == "relaxed":
+        out.append("relaxed semantics: samples/s are not comparable with exact plans' without the steps-to-target "
+                   "multiplier (deepcee plan --sync relaxed predicts time to target)")
+    if stragglers:
+        out.append("stragglers: " + ", ".join(f"{s.device} x{s.factor:g} from {s.start_s:g} s to {s.stop_s:g} s"
+                                              for s in stragglers))
+    out.append("peak memory (GiB): " + ", ".join(f"{d} {b / 2**30:.2f}" for d, b in result.peak_memory_bytes.items()))
+    return out
+
+
 def check_syncs(plan: Plan) -> None:
     """Refuse what no runtime can run: ``none`` on layers with several holders."""
     if plan.strategy.kind != "exact":
@@ -330,5 +353,5 @@ def check_syncs(plan: Plan) -> None:
                             "whose copies would drift apart", field="sync")
 
 
-__all__ = ["GroupRecord", "PushRecord", "ReplicaSimResult", "Run", "check_syncs", "simulate_replicas",
+__all__ = ["GroupRecord", "PushRecord", "ReplicaSimResult", "Run", "check_syncs", "describe_result", "simulate_replicas",
            "window_rate"]
