@@ -10,7 +10,7 @@ Torch-free. Entry point: :func:`plan_replicas` (``plan_training(..., sync="relax
    one. Each block gets the best pipeline on its devices by the existing search (lighter
    effort), at a given batch, cached.
 3. Layouts: every partition into two or more blocks of every set of two or more islands,
-   one replica per block. Replica batches: first in proportion to each block's FLOP/s,
+   one replica per block (above ``exhaustive_islands``: one replica per island of each set). Replica batches: first in proportion to each block's FLOP/s,
    then, re-planned, in proportion to each block's planned samples/s (so replicas finish
    their local steps together); replicas fastest first (the averaging root sits in replica 0).
 4. Strategies on every layout: ``exact`` with ring, hierarchical or parameter-server sync
@@ -248,10 +248,12 @@ def _layout_name(names: Sequence[str], blocks: Sequence[tuple[int, ...]]) -> str
 def _relaxed_candidates(search: _Search, islands: Sequence[tuple[str, ...]], names: Sequence[str],
                         system: str) -> None:
     seen: set[tuple] = set()
-    for subset in blocks_of(islands, search.options.exhaustive_islands):
+    exhaustive = search.options.exhaustive_islands
+    for subset in blocks_of(islands, exhaustive):
         if len(subset) < 2:
             continue
-        for layout in partitions(list(subset)):
+        layouts = partitions(list(subset)) if len(subset) <= exhaustive else iter([[(i,) for i in subset]])
+        for layout in layouts:
             if len(layout) < 2:
                 continue
             reps = search.replicas([tuple(d for i in b for d in islands[i]) for b in layout])

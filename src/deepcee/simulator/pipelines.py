@@ -31,7 +31,7 @@ from dataclasses import dataclass, replace
 
 from deepcee.cluster import Cluster
 from deepcee.cluster.stragglers import Straggler, slowdown_at
-from deepcee.comm import allreduce_s
+from deepcee.comm import allreduce_s, ring_order
 from deepcee.errors import PlanError
 from deepcee.plan import Plan
 from deepcee.profile import ModelProfile
@@ -136,8 +136,15 @@ class ReplicaPipeline:
         """Island -> bytes one pass sends out of it (pipeline transfers between islands)."""
 
     def _traced(self) -> bool:
-        devs = self.devices
-        return any(self.cluster.link(a, b).trace is not None for a in devs for b in devs if a != b)
+        """Whether a link the replica uses (pipeline transfers, its stage all-reduces) has a trace."""
+        if any(piece[4] is not None for sends in self.sim.tables.pieces for side in sends for piece in side):
+            return True
+        for st in self.rep.stages:
+            ring = ring_order(self.cluster, st.devices)
+            if any(self.cluster.link(a, b).trace is not None for a, b in zip(ring, ring[1:] + ring[:1], strict=True)
+                   if a != b):
+                return True
+        return False
 
     def _pass_egress(self) -> dict[str, float]:
         out: dict[str, float] = {}
