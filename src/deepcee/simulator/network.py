@@ -31,7 +31,9 @@ the collective instead), and then sends its messages (``sends``: ``(node, bytes)
 a control message). A device's successive synchronisations are chained by control messages,
 which is how a rank that holds several segments does them one after another, in layer
 order, as the runtime does. A graph is done when every node has fired; ``fired_s`` holds
-when each did.
+when each did. A node may be ready before the graph starts (a replica that reached a model
+average early sends its copy when it got there, as the runtime's delegates do); the loop
+then runs it first, and its messages queue behind whatever the pipes already carry.
 """
 
 from __future__ import annotations
