@@ -9,7 +9,10 @@ CORE = [
     "deepcee.cluster", "deepcee.cluster.parts", "deepcee.cluster.routing", "deepcee.cluster.model",
     "deepcee.cluster.files", "deepcee.profile", "deepcee.plan", "deepcee.schedule", "deepcee.schedule.builders",
     "deepcee.schedule.passes", "deepcee.schedule.program", "deepcee.schedule.interpreter", "deepcee.simulator",
-    "deepcee.comm", "deepcee.simulator.memory",
+    "deepcee.comm", "deepcee.simulator.memory", "deepcee.cluster.stragglers", "deepcee.simulator.network",
+    "deepcee.simulator.pipelines", "deepcee.simulator.replicas", "deepcee.simulator.strategies",
+    "deepcee.simulator.replica_trace", "deepcee.planner.efficiency", "deepcee.planner.objective",
+    "deepcee.planner.replicas", "deepcee.planner.relaxed_baselines",
     "deepcee.scenarios", "deepcee.units", "deepcee.errors", "deepcee.jsonio",
 ]
 OPTIONAL = [
