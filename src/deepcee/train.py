@@ -100,6 +100,9 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
                    help="stretch the trace's times by this factor (emulated seconds)")
     p.add_argument("--adapt", action="store_true",
                    help="watch link speed from the runtime's own transfers and re-tune or re-plan when it changes")
+    p.add_argument("--straggler", action="append", default=[], metavar="DEVICE:FACTOR[:START[:STOP]]",
+                   help="emulated modes: slow DEVICE down FACTOR times from START to STOP (emulated seconds "
+                        "since training started; default the whole run); repeatable")
     p.add_argument("--profile", help="measured profile.json for planning and the adapter's predictions "
                    "(default: analytic)")
 
@@ -114,10 +117,14 @@ def train(args: argparse.Namespace) -> int:
     env = rdist.torchrun_env()
     plan, cluster = _load(args, under_torchrun=env is not None)
     if args.dry_run:
+        from deepcee.runtime.partition import replica_plan
         from deepcee.schedule.passes import format_table
         from deepcee.schedule.program import lowered_schedule
 
-        print(format_table(lowered_schedule(plan)))
+        for r in range(plan.num_replicas):
+            if plan.num_replicas > 1:
+                print(f"replica {r}:")
+            print(format_table(lowered_schedule(replica_plan(plan, r))))
         return 0
     if (args.adapt or args.link_trace) and env is not None:
         raise DeepceeError("--adapt and --link-trace run on local emulated processes, not under torchrun")
@@ -198,11 +205,14 @@ def _plan_now(args: argparse.Namespace, cluster: Cluster, cluster_ref: str, *, u
     return plan
 
 
-def _config(args: argparse.Namespace) -> TrainConfig:
+def _config(args: argparse.Namespace, cluster: Cluster | None = None) -> TrainConfig:
+    """The training config of ``args`` (``--straggler`` names devices of ``cluster``)."""
+    from deepcee.runtime.emulation import Straggler
     from deepcee.runtime.job import OptimizerConfig, TrainConfig
     from deepcee.runtime.lr import LRSchedule
 
     return TrainConfig(
+        stragglers=tuple(Straggler.parse(text, cluster.device_names if cluster else ()) for text in args.straggler),
         steps=args.steps, seed=args.seed, dtype=args.dtype, mode=args.mode, cores=args.cores,
         optimizer=OptimizerConfig(name=args.optimizer, lr=args.lr, momentum=args.momentum,
                                   weight_decay=args.weight_decay),
@@ -225,12 +235,13 @@ def _job(args: argparse.Namespace, plan: Plan, cluster: Cluster, *, run_id: str 
     if not (args.adapt or args.link_trace):
         from deepcee.runtime.job import Job
 
-        return Job(name=name, plan=plan, cluster=cluster, model=model, config=_config(args), run_dir=args.run_dir,
+        return Job(name=name, plan=plan, cluster=cluster, model=model, config=_config(args, cluster),
+                   run_dir=args.run_dir,
                    checkpoint_dir=args.checkpoint_dir)
     from deepcee.adapter.controller import adaptive_job
     from deepcee.profile import load_profile
 
-    return adaptive_job(plan, cluster, config=_config(args), run_dir=args.run_dir, model=model, name=name,
+    return adaptive_job(plan, cluster, config=_config(args, cluster), run_dir=args.run_dir, model=model, name=name,
                         adapt=args.adapt, link_trace=args.link_trace, trace_time_scale=args.trace_time_scale,
                         profile=load_profile(args.profile) if args.profile else None)
 
@@ -240,6 +251,9 @@ def _summary(result: TrainResult, args: argparse.Namespace) -> None:
     note = (f" ({result.mode}, time dilation {result.dilation:.2f}; times divided by it)"
             if result.mode in ("emulated", "realnet") else "")
     print(f"steps {len(losses)}  loss {losses[0]:.4f} -> {losses[-1]:.4f}  {result.samples_per_s:.1f} samples/s{note}")
+    print(f"semantics {result.semantics}: {result.strategy}")
+    if result.replicas is not None:
+        print("local steps per replica: " + " ".join(map(str, result.replicas.local_steps)))
     print(f"metrics: {Path(args.run_dir) / 'metrics.jsonl'}")
     if result.adapter is None:
         return

@@ -77,7 +77,7 @@ def evaluate(t: Trainer) -> float:
         if not batches:
             raise RuntimeSetupError("eval_every is set but the dataset has no held-out batches "
                                     "(it needs eval_batches(batch_size); see docs/running.md)")
-        row = forward_schedule(t.plan.num_stages, t.plan.num_microbatches, t.placement.stage)
+        row = forward_schedule(t.pipeline.num_stages, t.pipeline.num_microbatches, t.placement.stage)
         t.stage.module.eval()
         try:
             with torch.no_grad():

@@ -25,8 +25,9 @@ from typing import TYPE_CHECKING, Any, Literal
 from deepcee.cluster import Cluster
 from deepcee.errors import SpecError
 from deepcee.plan import Plan
-from deepcee.runtime.emulation import DEFAULT_CORES, MODES, PACED_MODES, Mode
+from deepcee.runtime.emulation import DEFAULT_CORES, MODES, PACED_MODES, Mode, Straggler
 from deepcee.runtime.lr import LRSchedule
+from deepcee.runtime.partition import rank_devices
 
 if TYPE_CHECKING:
     import torch
@@ -111,6 +112,11 @@ class TrainConfig:
     init_from: str | None = None
     """Start from these weights: a state-dict file (``.pt``/``.safetensors``, the model's own names)
     or a checkpoint folder (model only; the optimizer starts fresh). Ignored when resuming."""
+    stragglers: tuple[Straggler, ...] = ()
+    """Devices slowed down for a stretch of the run (emulated modes; see :class:`Straggler`)."""
+    fixed_arrival_order: bool = False
+    """``asgd-ga``: servers take pushes from the replicas in turn instead of as they arrive
+    (reproducible bit for bit; [Note: asgd-ga] in :mod:`deepcee.runtime.ps`)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.steps, int) or self.steps < 1:
@@ -123,6 +129,11 @@ class TrainConfig:
             raise SpecError(f"timeout_s and cores must be > 0, got {self.timeout_s!r}, {self.cores!r}")
         if self.dilation is not None and self.dilation < 1:
             raise SpecError(f"must be >= 1, got {self.dilation!r}", field="dilation")
+        if any(not isinstance(s, Straggler) for s in self.stragglers):
+            raise SpecError(f"must be Straggler records, got {self.stragglers!r}", field="stragglers")
+        if self.stragglers and self.mode not in PACED_MODES:
+            raise SpecError(f"stragglers are emulated device slowdowns; mode {self.mode!r} does not pace devices",
+                            field="stragglers")
         if self.mode in PACED_MODES and self.use_cuda:
             raise SpecError(f"mode {self.mode!r} paces CPU workers as emulated devices; use mode 'real' with CUDA",
                             field="mode")
@@ -190,8 +201,9 @@ class Job:
         return params.reduce_job(self)  # a user model must not reach the ranks as shared memory
 
     def rank_devices(self) -> tuple[str, ...]:
-        """The device of each rank: the hooks' fixed devices, else the plan's devices in rank order."""
-        return self.plan.devices if self.hooks is None else tuple(self.hooks.rank_devices(self))
+        """The device of each rank: the hooks' fixed devices, else the plan's devices in rank order
+        followed by its parameter servers ([Note: server ranks] in :mod:`deepcee.runtime.partition`)."""
+        return rank_devices(self.plan) if self.hooks is None else tuple(self.hooks.rank_devices(self))
 
 
 def plan_digest(plan: Plan) -> str:

@@ -152,7 +152,7 @@ def owned_parameters(stage_params: Sequence[nn.Parameter], *, index: int, replic
 def norm_owned(t: Trainer) -> list[nn.Parameter]:
     """What trainer ``t``'s rank counts in the global norm ([Note: global gradient norm])."""
     p = t.placement
-    stage_of = stage_of_blocks(t.plan)
+    stage_of = stage_of_blocks(t.pipeline)  # this replica's stages
     ties = []
     for tie in t.ties:
         stages = {stage_of[b] for b in tie.blocks}

@@ -63,14 +63,16 @@ def _fail_together(t: Trainer, error: str | None) -> None:
 
 
 def _stage_span(t: Trainer) -> tuple[int, int]:
-    st = t.plan.stages[t.placement.stage]
+    if not t.active:  # a parameter server: holds no stage, takes part in the collectives
+        return 0, 0
+    st = t.pipeline.stages[t.placement.stage]
     return st.layer_start, st.layer_stop
 
 
 def _writes(t: Trainer) -> bool:
     """Whether this rank writes its stage's state: device 0 of the stage (the others hold the
     same tensors after the gradient all-reduce) of the first replica."""
-    return t.placement.index == 0 and getattr(t.placement, "replica", 0) == 0
+    return t.active and t.placement.index == 0 and t.placement.replica == 0
 
 
 def _owned(t: Trainer, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -125,6 +127,7 @@ def _load_stage(t: Trainer, choice: ckpt.Choice, *, optimizer: bool, every_block
         f"{choice.folder}: no {missing[0]} (and {len(missing) - 1} more) in this checkpoint of "
         f"{choice.manifest.model!r}; this run trains {model_label(t.job.model)!r}"))
     template: dict[str, Any] = {rstate.MODEL_PREFIX + k: v for k, v in model.items()}
+    optimizer = optimizer and t.active
     pnames = rstate.param_names(t.blocks, t.state_names, start, stop, t.stage.params) if optimizer else []
     if optimizer:
         wanted = {rstate.OPTIM_PREFIX + n + "/" for n in pnames}
