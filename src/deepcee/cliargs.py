@@ -89,7 +89,7 @@ def number(limit: Limit) -> Callable[[str], int | float]:
             kind = "an integer" if limit.integer else "a number"
             raise argparse.ArgumentTypeError(f"expected {kind} in {limit.describe()}, got {show(text)}") from None
         try:
-            return limit.check(value, shown=show(text))
+            return limit.check(value, shown=text.strip()[:40])  # it parsed as a number: quote it as typed
         except ValueError as exc:
             raise argparse.ArgumentTypeError(str(exc)) from None
 
@@ -97,15 +97,14 @@ def number(limit: Limit) -> Callable[[str], int | float]:
     return parse
 
 
-def name_list(choices: tuple[str, ...]) -> Callable[[str], tuple[str, ...]]:
-    """An argparse ``type``: comma-separated names, each one of ``choices``, at least one."""
-    def parse(text: str) -> tuple[str, ...]:
-        names = tuple(text.split(","))
-        bad = [n for n in names if n not in choices]
+def name_list(choices: tuple[str, ...]) -> Callable[[str], str]:
+    """An argparse ``type``: comma-separated names, each one of ``choices``; returns the text."""
+    def parse(text: str) -> str:
+        bad = [n for n in text.split(",") if n not in choices]
         if bad:
             raise argparse.ArgumentTypeError(f"expected comma-separated names from {', '.join(choices)}; got "
                                              f"{show(bad[0])} in {show(text)}")
-        return names
+        return text
 
     parse.__name__ = "names"
     return parse

@@ -124,7 +124,7 @@ def deep_json(depth: int) -> str:
 JUNK: dict[str, tuple[bytes, str]] = {
     "binary": (bytes(range(256)) * 4, "binary file"),
     "latin-1": ("name = 'caf\u00e9'\n".encode("latin-1"), "not UTF-8"),
-    "utf-16": ("{}".encode("utf-16"), "UTF-16 text"),
+    "utf-16": ("{}".encode("utf-16"), "not UTF-8 text but UTF-16"),
     "empty": (b"", ""),
     "whitespace": (b"  \n\n ", ""),
 }
@@ -548,6 +548,40 @@ def _cli(argv: list[str], needles: tuple[str, ...]):
     return build
 
 
+def job_config_cases() -> Iterator[Case]:
+    """``deepcee train --config job.toml``: mutations of the shipped example, refused before any process."""
+    fam = "job-config"
+    for section, key, value, needle in [
+        ("[training]", "steps", '"ten"', "training.steps"), ("[training]", "steps", "-3", "training.steps"),
+        ("[training]", "steps", "nan", "training.steps"), ("[training]", "cores", "inf", "training.cores"),
+        ("[training]", "clip_grad_norm", "0", "training.clip_grad_norm"),
+        ("[optimizer]", "lr", "1e308", "optimizer.lr"), ("[optimizer]", "weight_decay", "-1", "optimizer.weight_decay"),
+        ("[lr_schedule]", "min_lr_ratio", "1.5", "lr_schedule.min_lr_ratio"),
+        ("[lr_schedule]", "warmup_steps", "-5", "lr_schedule.warmup_steps"),
+        ("[checkpoint]", "every", "-1", "checkpoint.every"), ("[eval]", "batches", "0", "eval.batches"),
+        ("[plan]", "global_batch", "1000000000000", "plan.global_batch"),
+        ("[plan]", "schedules", '["gpipe", "warp"]', "plan.schedules"), ("[plan]", "schedules", "[1, 2]", "plan.schedules"),
+        ("[model]", "name", "3", "model.name"), ("[training]", "stepz", "3", "training.stepz"),
+        ("[training]", "timeout_s", "-1", "training.timeout_s"),
+    ]:
+        yield Case(fam, f"{section}{key}={value}", _job_text(lambda t, a=section, k=key, v=value: toml_set(t, a, k, v),
+                                                            needle))
+    yield Case(fam, "unknown-section", _job_text(lambda t: t + "\n[trainin]\nsteps = 3\n", "[trainin]"))
+    yield Case(fam, "deep-nesting", _job_text(lambda t: "x = " + "[" * 3000 + "]" * 3000 + "\n" + t, "nested"))
+    for junk, (data, needle) in JUNK.items():
+        if junk not in ("empty", "whitespace"):  # an empty job config is valid: every option at its default
+            yield Case(fam, junk, lambda ctx, d=data, n=needle: ("cli", ["train", "--config", ctx.write("job.toml", d),
+                                                                         "--run-dir", str(ctx.tmp / "run")],
+                                                                 (str(ctx.tmp / "job.toml"), n)))
+
+
+def _job_text(edit: Callable[[str], str], needle: str):
+    def build(ctx: Ctx):
+        path = ctx.write("job.toml", edit((HERE.parents[1] / "examples" / "job.toml").read_text()))
+        return "cli", ["train", "--config", path, "--run-dir", str(ctx.tmp / "run")], (path, needle)
+    return build
+
+
 def subprocess_cases() -> Iterator[Case]:
     fam = "subprocess"
     yield Case(fam, "binary cluster", lambda ctx: ("subprocess", ["group", ctx.write("c.toml", bytes(range(256)))],
@@ -573,7 +607,7 @@ def all_cases() -> list[Case]:
     rng = random.Random(SEED)
     out = [*cluster_toml_cases(), *cluster_json_cases(bases, rng), *plan_cases(bases, rng),
            *profile_cases(bases, rng), *trace_cases(bases), *model_spec_cases(), *cli_number_cases(),
-           *subprocess_cases()]
+           *job_config_cases(), *subprocess_cases()]
     ids = Counter(c.id for c in out)
     dup = [i for i, n in ids.items() if n > 1]
     assert not dup, dup

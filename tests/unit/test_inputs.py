@@ -53,7 +53,7 @@ def test_limit_checks_type_finiteness_and_range() -> None:
 
 @pytest.mark.parametrize(("content", "words"), [
     (b"\x00\x01binary", "binary file (a NUL byte at offset 0)"),
-    ("{}".encode("utf-16"), "UTF-16 text"),
+    ("{}".encode("utf-16"), "not UTF-8 text but UTF-16"),
     (b'{"name": "caf\xe9"}', "not UTF-8 text: byte 0xe9 at offset 13"),
     (b"", "empty, expected a JSON object"),
     (b"[1, 2]", "expected a JSON object at the top level, got list [1, 2]"),
@@ -188,6 +188,6 @@ def test_cli_number_types_and_one_line_usage_errors(capsys: pytest.CaptureFixtur
     assert math.isclose(number(LATENCY)("0.5"), 0.5)
     assert cli.main(["simulate", "p.json", "--iterations", "0"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["deepcee simulate: error: argument --iterations: must be in [1, 1,000,000], got '0' "
+    assert err == ["deepcee simulate: error: argument --iterations: must be in [1, 1,000,000], got 0 "
                    "(see deepcee simulate --help)"]
     assert cli.main(["schedule", "show", "--help"]) == 0

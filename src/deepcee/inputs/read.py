@@ -46,7 +46,7 @@ def decode_text(data: bytes, error: type[SpecError], *, file: str | None) -> str
     for bom, name in ((b"\xff\xfe\0\0", "UTF-32"), (b"\0\0\xfe\xff", "UTF-32"), (b"\xff\xfe", "UTF-16"),
                       (b"\xfe\xff", "UTF-16")):
         if data.startswith(bom):
-            raise error(f"{name} text (byte-order mark {bom.hex()}); not UTF-8: save it as UTF-8", file=file)
+            raise error(f"not UTF-8 text but {name} (byte-order mark {bom.hex()}): save it as UTF-8", file=file)
     nul = data.find(b"\0")
     if nul >= 0:
         raise error(f"binary file (a NUL byte at offset {nul}), expected UTF-8 text", file=file)
