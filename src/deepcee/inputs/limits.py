@@ -113,9 +113,9 @@ PLANNER_MEMORY_BYTES = 8 * GIB
 """Most memory a planning run may need: a third of the project machine's 24 GiB."""
 MAX_SIMULATION_WORK = 1_000_000
 """Simulator work of one ``deepcee simulate`` (iterations x devices x compute actions of each
-device's stage): about 9 CPU us and 500 bytes each, so 10 s and 0.5 GiB."""
+device's stage): about 17 CPU us and 800 bytes each, so 17 s and 0.8 GiB."""
 MAX_SCHEDULE_CELLS = 50_000
-"""Stages x microbatches of one ``deepcee schedule show``: 0.2 CPU ms each, so 10 s."""
+"""Stages x microbatches of one ``deepcee schedule show``: 0.1 CPU ms each, so 5 s."""
 MAX_TOML_BYTES = 4 * 2**20
 """Size of a hand-written TOML file: tomllib reads about 1 MB/s (a 16,384-device cluster is 0.26 MB)."""
 MAX_JSON_BYTES = 32 * 2**20

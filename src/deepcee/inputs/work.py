@@ -51,14 +51,14 @@ def check_simulation(plan: Plan, iterations: int, *, runs: int = 1, field: str =
         raise WorkLimitError(
             f"{runs} x {iterations:,} iteration(s) of a plan with {per // runs:,} device compute actions each is "
             f"{work:,} units of simulator work, above the limit of {MAX_SIMULATION_WORK:,} "
-            f"(MAX_SIMULATION_WORK, about 10 s); use {hint}", field=field)
+            f"(MAX_SIMULATION_WORK, about 17 s); use {hint}", field=field)
 
 
 def check_schedule(stages: int, microbatches: int, *, field: str = "--microbatches") -> None:
     """Refuse a schedule of more than :data:`MAX_SCHEDULE_CELLS` stages x microbatches."""
     if stages * microbatches > MAX_SCHEDULE_CELLS:
         raise WorkLimitError(f"{stages} stages x {microbatches:,} microbatches = {stages * microbatches:,}, above "
-                             f"the limit of {MAX_SCHEDULE_CELLS:,} (MAX_SCHEDULE_CELLS, about 10 s)", field=field)
+                             f"the limit of {MAX_SCHEDULE_CELLS:,} (MAX_SCHEDULE_CELLS, about 5 s)", field=field)
 
 
 def planner_memory_bytes(num_devices: int, num_layers: int) -> int:
