@@ -74,7 +74,7 @@ def _read(d: Any, file: str) -> Plan:
         shape: dict[str, Any] = _pipeline(f)
     else:
         shape = dict(replicas=tuple(_replica_from(r) for r in f.records("replicas", max_len=MAX_DEVICES, min_len=1)),
-                     strategy=_strategy(f.record_of("strategy")) if f.has("strategy") else Strategy(),
+                     strategy=strategy_from_fields(f.record_of("strategy")) if f.has("strategy") else Strategy(),
                      servers=f.names("servers", (), max_len=MAX_DEVICES))
     f.done()
     plan = Plan(**common, **shape)
@@ -142,15 +142,21 @@ def _actions(f: Fields, num_stages: int, num_microbatches: int) -> tuple[tuple[s
     return tuple(out)
 
 
-def _strategy(f: Fields) -> Strategy:
+def strategy_from_fields(f: Fields) -> Strategy:
+    """A plan's ``strategy`` object (also the strategies of a calibration file), every field checked."""
     count = {name: f.integer(name, COUNT, default) for name, default in (
         ("accumulation_steps", 1), ("staleness_bound", 0), ("period", 1), ("min_group", 2), ("max_group", 0),
         ("full_sync_every", 1))}
-    strategy = Strategy(kind=f.choice("kind", STRATEGIES, "exact"), **count,
-                        outer_optimizer=f.choice("outer_optimizer", OUTER_OPTIMIZERS, "average"),
-                        outer_lr=f.number("outer_lr", OUTER_LR, 1.0),
-                        outer_momentum=f.number("outer_momentum", OUTER_MOMENTUM, 0.0),
-                        window_s=f.number("window_s", DURATION, 0.0))
+    values = dict(kind=f.choice("kind", STRATEGIES, "exact"), **count,
+                  outer_optimizer=f.choice("outer_optimizer", OUTER_OPTIMIZERS, "average"),
+                  outer_lr=f.number("outer_lr", OUTER_LR, 1.0), outer_momentum=f.number("outer_momentum", OUTER_MOMENTUM, 0.0),
+                  window_s=f.number("window_s", DURATION, 0.0))
+    try:
+        strategy = Strategy(**values)
+    except PlanError as exc:  # a rule between fields (staleness for asgd-ga, ...): name it under this record
+        key = (exc.field or "").removeprefix("strategy.")
+        msg = str(exc).removeprefix(f"{exc.field}: ") if exc.field else str(exc)
+        raise (f.err(key, msg) if key else f.whole(msg)) from None
     f.done()
     return strategy
 

@@ -148,6 +148,9 @@ def cluster_toml_cases() -> Iterator[Case]:
         ("[[nodes]]", "devices", ("0", "-1", "100000", "2000", "1.5", '"4"', "true")),
         ("[[nodes]]#1", "slowdown", ("[1.0]", '["a", 1.0]', "[1.0, nan]", "0", "-2", "inf", '"slow"')),
         ("[[links]]", "latency_ms", ("nan", "-5", "1e308")),
+        ("[islands.edge]", "data_gb", ("-1", "nan", "1e308", '"lots"')),
+        ("[islands.edge]", "price_usd_per_device_hour", ("-1", "inf", '"cheap"')),
+        ("[islands.edge]", "egress_usd_per_gb", ("-0.1", "1e308")),
         ("[[links]]#2", "bandwidth_mbit_per_s", ("0", "inf", '"100 Mbit"', "1e-300")),
     ]
     fields = {"[kinds.cpu-worker]": "kinds.cpu-worker", "[islands.cloud]": "islands.cloud",
@@ -525,6 +528,11 @@ def cli_number_cases() -> Iterator[Case]:
                                                "gpt2", "--global-batch", "8"], ("--cluster", "--scenario")))
     cases.append(("schedule show foo", ["schedule", "show", "foo"], ("foo",)))
     cases.append(("group --scenario nowhere", ["group", "--scenario", "nowhere"], ("--scenario", "nowhere")))
+    for v in ("ghost:2", "cloud0:0:abc", "cloud0:0:1e308", "cloud0:0:0", "cloud0:0:2:nan", "cloud0:0:2:5:1"):
+        cases.append((f"simulate --straggler {v}", ["simulate", "@plan", "--straggler", v], ("--straggler",)))
+    for flag, v in (("--budget", "-5"), ("--budget", "nan"), ("--epochs", "0"), ("--dataset-samples", "inf"),
+                    ("--sync", "loose"), ("--objective", "fame")):
+        cases.append((f"plan {flag} {v}", ["plan", "--model", "gpt2", "--global-batch", "8", flag, v], (flag,)))
     for command in ("profile", "validate", "demo"):
         cases.append((f"{command} --model foo", [command, "--model", "foo"], ("--model", "'foo'")))
     cases.append(("unknown flag", ["plan", "--model", "gpt2", "--global-batch", "8", "--colour", "red"],
@@ -546,6 +554,33 @@ def _cli(argv: list[str], needles: tuple[str, ...]):
             return "train", args[1:], needles
         return "cli", args, needles
     return build
+
+
+CALIBRATION = {"format": "deepcee.efficiency", "schema_version": 1, "model": "gpt2", "target_loss": 3.0,
+               "source": "fuzz base", "reference": {"global_batch": 8, "steps_to_target": 500},
+               "entries": [{"strategy": {"kind": "model-averaging", "period": 4}, "multiplier": 1.2, "replicas": 2}]}
+
+
+def efficiency_cases() -> Iterator[Case]:
+    """``deepcee plan --sync relaxed --efficiency e.json``: a calibration file, refused before planning."""
+    fam = "efficiency"
+
+    def argv(ctx: Ctx, p: str) -> list[str]:
+        return ["plan", "--scenario", "local-small", "--model", "gpt2", "--global-batch", "8", "--sync", "relaxed",
+                "--efficiency", p, "-o", str(ctx.tmp / "out.json")]
+
+    e0 = ("entries", 0)
+    for path, value, needle in [
+        ((*e0, "multiplier"), -1, None), ((*e0, "multiplier"), 0, None), ((*e0, "multiplier"), float("nan"), None),
+        ((*e0, "multiplier"), "x", None), ((*e0, "strategy", "kind"), "gossip", None),
+        ((*e0, "strategy", "period"), 0, None), ((*e0, "strategy", "colour"), 1, None), ((*e0, "replicas"), -2, None),
+        (("reference", "steps_to_target"), -5, None), (("reference", "global_batch"), 0, None),
+        (("target_loss",), "low", None), (("entries",), {"a": 1}, None), (("format",), "x", "schema_version"),
+        (("colour",), 1, None),
+    ]:
+        yield json_case(fam, f"{dotted(path)}={value if value is not MISSING else 'missing'}", "efficiency", path,
+                        value, needle, argv=argv)
+    yield from common_json_junk(fam, argv)
 
 
 def job_config_cases() -> Iterator[Case]:
@@ -607,7 +642,7 @@ def all_cases() -> list[Case]:
     rng = random.Random(SEED)
     out = [*cluster_toml_cases(), *cluster_json_cases(bases, rng), *plan_cases(bases, rng),
            *profile_cases(bases, rng), *trace_cases(bases), *model_spec_cases(), *cli_number_cases(),
-           *job_config_cases(), *subprocess_cases()]
+           *job_config_cases(), *efficiency_cases(), *subprocess_cases()]
     ids = Counter(c.id for c in out)
     dup = [i for i, n in ids.items() if n > 1]
     assert not dup, dup
@@ -631,6 +666,7 @@ def load_static_bases() -> dict[str, Any]:
         "profile": json.loads((HERE / "golden" / "local-small-measured-gpt-tiny.json").read_text()),
         "trace": json.loads((SRC / "traces" / "drop-5x.json").read_text()),
         "probe": probe_record(),
+        "efficiency": CALIBRATION,
     }
 
 

@@ -114,6 +114,6 @@ def test_enough_cases_in_every_family() -> None:
     by_family = Counter(c.family.removesuffix("-random") for c in CASES if not c.accept)
     assert sum(by_family.values()) >= 300
     for family in ("cluster-toml", "cluster-json", "plan", "profile", "probe", "trace", "model-spec", "cli-numbers",
-                   "job-config", "subprocess"):
+                   "job-config", "efficiency", "subprocess"):
         assert by_family[family] >= 6, by_family
     assert sum(c.accept for c in CASES) >= 10
