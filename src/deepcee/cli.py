@@ -32,6 +32,7 @@ from deepcee.cliargs import (
     name_list,
     name_pair,
     number,
+    straggler_flag,
 )
 from deepcee.errors import DeepceeError, SpecError
 from deepcee.plan import SCHEDULES
@@ -221,11 +222,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 def _simulate_replicas(args: argparse.Namespace, plan, cluster, model) -> int:
     """Plans with several replicas, or with stragglers: every strategy over time."""
-    from deepcee.cluster.stragglers import Straggler
     from deepcee.simulator.replica_trace import replica_chrome_trace
     from deepcee.simulator.replicas import describe_result, simulate_replicas
 
-    stragglers = [_straggler(Straggler, text, cluster) for text in args.straggler]
+    stragglers = [straggler_flag(text, cluster.device_names) for text in args.straggler]
     result = simulate_replicas(plan, cluster, model, steps=args.iterations, stragglers=stragglers,
                                record=bool(args.timeline))
     print(f"plan {args.plan}: {plan.system}")
@@ -239,24 +239,6 @@ def _simulate_replicas(args: argparse.Namespace, plan, cluster, model) -> int:
     if args.plot:
         print("note: --plot draws one pipeline; use --timeline for plans with replicas or stragglers")
     return 0
-
-
-def _straggler(straggler_type, text: str, cluster):
-    """One ``--straggler DEVICE:FACTOR[:START[:STOP]]``: a device of ``cluster``, a factor in the
-    slowdown range, a window in the trace-time range (errors name the flag and the value)."""
-    from deepcee.errors import ClusterSpecError
-    from deepcee.inputs.limits import SLOWDOWN, TRACE_TIME
-
-    try:
-        s = straggler_type.parse(text, cluster.device_names)
-        SLOWDOWN.check(s.factor)
-        TRACE_TIME.check(s.start_s)
-        if s.stop_s != float("inf"):
-            TRACE_TIME.check(s.stop_s)
-    except (ClusterSpecError, ValueError) as exc:
-        msg = str(exc).removeprefix(f"{getattr(exc, 'field', '')}: ") if getattr(exc, "field", None) else str(exc)
-        raise SpecError(f"{text!r}: {msg}"[:300], field="--straggler") from None
-    return s
 
 
 def _apply_trace(cluster, trace_ref: str, between: tuple[str, str] | None):

@@ -14,8 +14,8 @@ below (:data:`CLI_LIMITS`, listed in ``docs/file-formats.md``).
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
-from typing import NoReturn
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn
 
 from deepcee.inputs.limits import (
     GLOBAL_BATCH,
@@ -31,7 +31,7 @@ __all__ = [
     "BUDGET", "DATASET_SAMPLES", "EPOCHS", "CLIP_NORM", "CLI_LIMITS", "CORES", "DEADLINE", "EVAL_BATCHES", "EVERY", "GLOBAL_BATCH", "IMAGE_SIZE", "ITERATIONS",
     "KEEP", "LR", "MICROBATCHES", "MIN_LR_RATIO", "MOMENTUM", "PLANS", "RATIO", "SCALE", "SEED", "SEQ_LEN", "STAGES",
     "STEPS", "THRESHOLD_MS", "TIMEOUT", "WEIGHT_DECAY",
-    "OneLineParser", "name_list", "name_pair", "number",
+    "OneLineParser", "name_list", "name_pair", "number", "straggler_flag",
 ]
 
 STEPS = Limit(name="training steps", lo=1, hi=10**9, integer=True, fields="--steps, --decay-steps",
@@ -116,6 +116,31 @@ def name_pair(text: str) -> tuple[str, str]:
     if not comma or not a or not b or "," in b or a == b:
         raise argparse.ArgumentTypeError(f"expected two different names as a,b, got {show(text)}")
     return a, b
+
+
+def straggler_flag(text: str, devices: Sequence[str], parse: Callable[[str, Sequence[str]], Any] | None = None) -> Any:
+    """One ``--straggler DEVICE:FACTOR[:START[:STOP]]``: ``DEVICE`` one of ``devices``, the factor in
+    the slowdown range, the window in the trace-time range; errors name the flag and the value.
+    ``parse`` makes the record (default :meth:`deepcee.cluster.stragglers.Straggler.parse`; the
+    runtime passes its own). Not an argparse ``type``: the devices are known once the cluster is loaded."""
+    from deepcee.errors import SpecError
+    from deepcee.inputs.limits import SLOWDOWN, TRACE_TIME
+
+    if parse is None:
+        from deepcee.cluster.stragglers import Straggler
+
+        parse = Straggler.parse
+    try:
+        s = parse(text, devices)
+        SLOWDOWN.check(s.factor)
+        TRACE_TIME.check(s.start_s)
+        if s.stop_s != float("inf"):
+            TRACE_TIME.check(s.stop_s)
+    except (SpecError, ValueError) as exc:
+        field = getattr(exc, "field", None)
+        msg = str(exc).removeprefix(f"{field}: ") if field else str(exc)
+        raise SpecError(f"{text!r}: {msg}"[:300], field="--straggler") from None
+    return s
 
 
 class OneLineParser(argparse.ArgumentParser):

@@ -52,6 +52,7 @@ from deepcee.cliargs import (
     OneLineParser,
     name_list,
     number,
+    straggler_flag,
 )
 from deepcee.errors import DeepceeError, SpecError
 from deepcee.plan import SCHEDULES
@@ -241,7 +242,8 @@ def _config(args: argparse.Namespace, cluster: Cluster | None = None) -> TrainCo
     from deepcee.runtime.lr import LRSchedule
 
     return TrainConfig(
-        stragglers=tuple(Straggler.parse(text, cluster.device_names if cluster else ()) for text in args.straggler),
+        stragglers=tuple(straggler_flag(text, cluster.device_names if cluster else (), Straggler.parse)
+                         for text in args.straggler),
         steps=args.steps, seed=args.seed, dtype=args.dtype, mode=args.mode, cores=args.cores,
         optimizer=OptimizerConfig(name=args.optimizer, lr=args.lr, momentum=args.momentum,
                                   weight_decay=args.weight_decay),
@@ -284,15 +286,15 @@ def _check_inputs(args: argparse.Namespace, plan: Plan, cluster: Cluster, model:
     from deepcee import nets
 
     plan.check_against(num_layers=plan.num_layers, device_names=cluster.device_names, file=args.plan)
-    num_layers = plan.num_layers
-    if ":" not in model:  # a built-in net (an import path is the user's model)
-        try:
-            num_layers = len(nets.block_names(model))
-        except SpecError as exc:
-            msg = str(exc).removeprefix("model: ")
-            where = {"field": "--model"} if args.model else {"file": args.plan, "field": "model"}
-            raise SpecError(msg, **where) from None
-    plan.check_against(num_layers=num_layers, device_names=cluster.device_names, file=args.plan)
+    if ":" in model:  # an import path: the user's model, checked where it is built
+        return
+    where = {"field": "--model"} if args.model else {"file": args.plan, "field": "model"}
+    try:
+        num_layers = len(nets.block_names(model))
+    except SpecError as exc:
+        raise SpecError(str(exc).removeprefix("model: "), **where) from None
+    if num_layers != plan.num_layers:
+        raise SpecError(f"net {model!r} has {num_layers} blocks, the plan covers {plan.num_layers} layers", **where)
 
 
 def _summary(result: TrainResult, args: argparse.Namespace) -> None:

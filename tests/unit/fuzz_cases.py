@@ -366,7 +366,7 @@ def plan_cases(bases: dict[str, Any], rng: random.Random) -> Iterator[Case]:
                     "replicas[0].stages[0].devices[0]", argv=lambda ctx, p: ["train", "--plan", p, "--steps", "1"])
     yield Case(fam, "train-unknown-net", lambda ctx: ("cli", ["train", "--plan", ctx.bases["plan_path"], "--model",
                                                               "ghost-net", "--steps", "1"], ("--model", "ghost-net")))
-    yield json_case(fam, "train-net-layers", "plan", ("model",), "resnet-tiny", "stages",
+    yield json_case(fam, "train-net-layers", "plan", ("model",), "resnet-tiny", "model",
                     argv=lambda ctx, p: ["train", "--plan", p, "--steps", "1"])
     yield from random_leaf_cases(fam, "plan", b, argv, rng=rng,
                                  skip=lambda p: p[-1] in ("bottleneck",) or p[:1] == ("explanation",))
@@ -530,6 +530,8 @@ def cli_number_cases() -> Iterator[Case]:
     cases.append(("group --scenario nowhere", ["group", "--scenario", "nowhere"], ("--scenario", "nowhere")))
     for v in ("ghost:2", "cloud0:0:abc", "cloud0:0:1e308", "cloud0:0:0", "cloud0:0:2:nan", "cloud0:0:2:5:1"):
         cases.append((f"simulate --straggler {v}", ["simulate", "@plan", "--straggler", v], ("--straggler",)))
+    for v in ("ghost:2", "cloud0:0:1e308"):
+        cases.append((f"train --straggler {v}", ["train", "--plan", "@tinyplan", "--straggler", v], ("--straggler",)))
     for flag, v in (("--budget", "-5"), ("--budget", "nan"), ("--epochs", "0"), ("--dataset-samples", "inf"),
                     ("--sync", "loose"), ("--objective", "fame")):
         cases.append((f"plan {flag} {v}", ["plan", "--model", "gpt2", "--global-batch", "8", flag, v], (flag,)))
@@ -549,7 +551,8 @@ def cli_number_cases() -> Iterator[Case]:
 
 def _cli(argv: list[str], needles: tuple[str, ...]):
     def build(ctx: Ctx):
-        args = [ctx.bases["plan_path"] if a == "@plan" else a for a in argv]
+        paths = {"@plan": ctx.bases["plan_path"], "@tinyplan": ctx.bases["tiny_plan_path"]}
+        args = [paths.get(a, a) for a in argv]
         if args and args[0] == "@train":
             return "train", args[1:], needles
         return "cli", args, needles
@@ -667,7 +670,18 @@ def load_static_bases() -> dict[str, Any]:
         "trace": json.loads((SRC / "traces" / "drop-5x.json").read_text()),
         "probe": probe_record(),
         "efficiency": CALIBRATION,
+        "tiny_plan": tiny_plan(),
     }
+
+
+def tiny_plan() -> dict[str, Any]:
+    """A two-stage ``gpt-tiny`` plan on ``local-small`` (a net the runtime builds)."""
+    from deepcee.plan import Plan, StagePlan
+
+    return Plan(system="fuzz", cluster="local-small", model="gpt-tiny", global_batch=4, microbatch_size=2,
+                num_microbatches=2, schedule="1f1b",
+                stages=(StagePlan(layer_start=0, layer_stop=3, devices=("cloud0:0",), shares=(2,)),
+                        StagePlan(layer_start=3, layer_stop=6, devices=("edge0:0",), shares=(2,)))).to_dict()
 
 
 def probe_record() -> dict[str, Any]:

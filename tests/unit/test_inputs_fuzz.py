@@ -44,6 +44,9 @@ def bases(tmp_path_factory: pytest.TempPathFactory) -> dict:
     plan = tmp_path_factory.mktemp("fuzz-bases") / "plan.json"
     plan.write_text(json.dumps(out["plan"]))
     out["plan_path"] = str(plan)
+    tiny = plan.with_name("tiny-plan.json")
+    tiny.write_text(json.dumps(out["tiny_plan"]))
+    out["tiny_plan_path"] = str(tiny)
     return out
 
 
