@@ -8,20 +8,44 @@ after the work succeeded).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from deepcee.cliargs import (
+    BUDGET,
+    DATASET_SAMPLES,
+    DEADLINE,
+    DEMO_STEPS,
+    EPOCHS,
+    GLOBAL_BATCH,
+    IMAGE_SIZE,
+    ITERATIONS,
+    MICROBATCHES,
+    PLANS,
+    RATIO,
+    SEQ_LEN,
+    STAGES,
+    THRESHOLD_MS,
+    OneLineParser,
+    name_list,
+    name_pair,
+    number,
+    straggler_flag,
+)
 from deepcee.errors import DeepceeError, SpecError
+from deepcee.plan import SCHEDULES
 
 # ---------------------------------------------------------------------------------------
 # loading helpers (the CLI is the one place that maps names and paths to objects)
 # ---------------------------------------------------------------------------------------
 
 
-def _load_cluster(ref: str | None, scenario: str | None, fallback: str | None = None):
+def _load_cluster(ref: str | None, scenario: str | None, fallback: str | None = None, *,
+                  plan_file: str | None = None):
+    """A cluster from ``--cluster``, ``--scenario`` or (``fallback``) the plan's ``cluster`` field,
+    whose errors then name the plan file and that field."""
     from deepcee.cluster import load_cluster
     from deepcee.scenarios import DEFAULT_SCENARIO, load_scenario, scenario_names
 
@@ -32,36 +56,37 @@ def _load_cluster(ref: str | None, scenario: str | None, fallback: str | None = 
         return load_scenario(name), name
     if Path(name).exists():
         return load_cluster(name), name
-    raise SpecError(f"unknown scenario or cluster file {name!r} (scenarios: {', '.join(scenario_names())})",
-                    field="--scenario")
+    known = f"scenarios: {', '.join(scenario_names())}"
+    if scenario is None and fallback is not None:
+        raise SpecError(f"unknown scenario or cluster file {name!r} ({known}; or give --cluster)", file=plan_file,
+                        field="cluster")
+    raise SpecError(f"unknown scenario or cluster file {name!r} ({known})", field="--scenario")
 
 
-def parse_model_ref(ref: str) -> tuple[str, dict[str, Any]]:
-    """``gpt2`` or ``gpt2:seq_len=512,dtype=fp32`` -> (name, keyword arguments)."""
-    name, _, rest = ref.partition(":")
-    kwargs: dict[str, Any] = {}
-    for item in filter(None, rest.split(",")):
-        key, eq, value = item.partition("=")
-        if not eq:
-            raise SpecError(f"expected key=value in model reference {ref!r}, got {item!r}", field="--model")
-        kwargs[key] = int(value) if value.lstrip("-").isdigit() else value
-    return name, kwargs
-
-
-def _load_model(ref: str, profile: str | None = None, **shape: Any):
-    """A model profile: measured JSON if given, else a built-in analytic profile."""
+def _load_model(ref: str | None, profile: str | None = None, *, plan_file: str | None = None, **shape: Any):
+    """A model profile: measured JSON if given, else a built-in analytic profile. With
+    ``plan_file``, ``ref`` is that plan's ``model`` field and errors name it."""
+    from deepcee.errors import ProfileError
     from deepcee.profile import load_profile
 
     if profile:
         return load_profile(profile), profile
+    if not ref:
+        raise SpecError("give a model (a built-in name, see `deepcee models`) or a measured --profile",
+                        field="--model")
     if ref.endswith(".json"):
         return load_profile(ref), ref
-    from deepcee.models import get_model
+    from deepcee.models import get_model, parse_model_ref
 
-    name, kwargs = parse_model_ref(ref)
-    kwargs.update({k: v for k, v in shape.items() if v is not None})
-    full = name + (":" + ",".join(f"{k}={v}" for k, v in kwargs.items()) if kwargs else "")
-    return get_model(name, **kwargs), full
+    field = "model" if plan_file else "--model"
+    try:
+        name, kwargs = parse_model_ref(ref, field=field)
+        kwargs.update({k: v for k, v in shape.items() if v is not None})
+        full = name + (":" + ",".join(f"{k}={v}" for k, v in kwargs.items()) if kwargs else "")
+        return get_model(name, **kwargs), full
+    except ProfileError as exc:  # name where the reference came from, and the reference
+        message = str(exc).removeprefix(f"{exc.field}: ") if exc.field else str(exc)
+        raise ProfileError(f"{ref!r}: {message}", file=plan_file, field=field) from None
 
 
 def _write_json(path: str | Path, data: dict[str, Any]) -> None:
@@ -159,16 +184,18 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
+    from deepcee.inputs.work import check_simulation
     from deepcee.plan import load_plan
     from deepcee.simulator.engine import simulate
     from deepcee.simulator.trace import chrome_trace, plot_timeline
 
     plan = load_plan(args.plan)
-    cluster, _ = _load_cluster(args.cluster, None, fallback=plan.cluster)
-    model, _ = _load_model(plan.model, args.profile)
+    cluster, _ = _load_cluster(args.cluster, None, fallback=plan.cluster, plan_file=args.plan)
+    model, _ = _load_model(plan.model, args.profile, plan_file=args.plan)
     plan.check_against(num_layers=model.num_layers, device_names=cluster.device_names, file=args.plan)
     if args.adapt:
         return _simulate_adaptive(args, plan, cluster, model)
+    check_simulation(plan, args.iterations)
     if args.link_trace:
         cluster = _apply_trace(cluster, args.link_trace, args.trace_links)
     if plan.num_replicas > 1 or args.straggler:
@@ -195,11 +222,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 def _simulate_replicas(args: argparse.Namespace, plan, cluster, model) -> int:
     """Plans with several replicas, or with stragglers: every strategy over time."""
-    from deepcee.cluster.stragglers import Straggler
     from deepcee.simulator.replica_trace import replica_chrome_trace
     from deepcee.simulator.replicas import describe_result, simulate_replicas
 
-    stragglers = [Straggler.parse(text, cluster.device_names) for text in args.straggler]
+    stragglers = [straggler_flag(text, cluster.device_names) for text in args.straggler]
     result = simulate_replicas(plan, cluster, model, steps=args.iterations, stragglers=stragglers,
                                record=bool(args.timeline))
     print(f"plan {args.plan}: {plan.system}")
@@ -215,16 +241,24 @@ def _simulate_replicas(args: argparse.Namespace, plan, cluster, model) -> int:
     return 0
 
 
-def _apply_trace(cluster, trace_ref: str, between: str | None):
+def _apply_trace(cluster, trace_ref: str, between: tuple[str, str] | None):
     """Put a bandwidth trace (built-in name or file) on the wide-area links, rescaled to each
     link's nominal speed (or only on the ``--trace-links a,b`` island pair)."""
     from deepcee.traces import load_named_trace, with_trace
 
-    pairs = None
-    if between:
-        a, _, b = between.partition(",")
-        pairs = [(a, b)]
-    return with_trace(cluster, load_named_trace(trace_ref), between=pairs)
+    return with_trace(cluster, load_named_trace(trace_ref, field="--link-trace"), between=_trace_links(cluster, between))
+
+
+def _trace_links(cluster, between: tuple[str, str] | None) -> list[tuple[str, str]] | None:
+    """``--trace-links a,b`` as one pair of island, node or device names of ``cluster``."""
+    if between is None:
+        return None
+    names = {d.name for d in cluster.devices} | {n.name for n in cluster.nodes} | {i.name for i in cluster.islands}
+    for name in between:
+        if name not in names:
+            raise SpecError(f"no island, node or device called {name!r} in cluster {cluster.name!r} (islands: "
+                            f"{', '.join(i.name for i in cluster.islands)})", field="--trace-links")
+    return [between]
 
 
 def _simulate_adaptive(args: argparse.Namespace, plan, cluster, model) -> int:
@@ -233,9 +267,12 @@ def _simulate_adaptive(args: argparse.Namespace, plan, cluster, model) -> int:
 
     if not args.link_trace:
         raise SpecError("--adapt needs --link-trace (a built-in trace name or a trace file)", field="--adapt")
-    trace = load_named_trace(args.link_trace)
-    between = [tuple(args.trace_links.split(",", 1))] if args.trace_links else None
+    from deepcee.inputs.work import check_simulation
+
+    trace = load_named_trace(args.link_trace, field="--link-trace")
+    between = _trace_links(cluster, args.trace_links)
     iterations = max(args.iterations, 2)
+    check_simulation(plan, iterations, runs=2)  # with and without the adapter
     with _progress(f"simulating {iterations} iterations with and without the adapter"):
         cmp = compare_adaptation(plan, cluster, model, trace, iterations=iterations, between=between)
     for run in (cmp.static, cmp.adaptive):
@@ -274,9 +311,11 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def cmd_schedule_show(args: argparse.Namespace) -> int:
+    from deepcee.inputs.work import check_schedule
     from deepcee.schedule.builders import build_schedule
     from deepcee.schedule.passes import dry_run, format_table, in_flight_per_stage, validate
 
+    check_schedule(args.stages, args.microbatches)
     sched = build_schedule(args.name, args.stages, args.microbatches)
     validate(sched)
     print(format_table(sched))
@@ -288,10 +327,20 @@ def cmd_schedule_show(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_net(name: str) -> None:
+    """``--model`` of the commands that run a net for real: a built-in one (checked before any
+    worker starts; these commands import torch anyway)."""
+    from deepcee.nets import NET_NAMES
+
+    if name not in NET_NAMES:
+        raise SpecError(f"unknown net {name!r} (known: {', '.join(NET_NAMES)})", field="--model")
+
+
 def cmd_profile(args: argparse.Namespace) -> int:
     import logging
 
     cluster, _ = _load_cluster(args.cluster, args.scenario)
+    _check_net(args.model)
     from deepcee.profiler.run import profile_cluster
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -317,6 +366,7 @@ def cmd_group(args: argparse.Namespace) -> int:
 
 def cmd_validate(args: argparse.Namespace) -> int:
     cluster, _ = _load_cluster(args.cluster, args.scenario)
+    _check_net(args.model)
     from deepcee.profiler.fidelity import validate_cluster
 
     validate_cluster(cluster, args.model, num_plans=args.plans, steps=args.steps, out_dir=args.output,
@@ -346,6 +396,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from deepcee.demo import DemoConfig, format_report, run_demo
 
+    _check_net(args.model)
     cfg = DemoConfig(scenario=args.scenario, model=args.model, global_batch=args.global_batch, steps=args.steps,
                      out_dir=args.out, quick_profile=not args.full_profile)
     report = run_demo(cfg)
@@ -357,16 +408,18 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _add_model_args(p: argparse.ArgumentParser, default: str | None = None) -> None:
-    p.add_argument("--model", default=default, required=default is None,
-                   help="built-in model name (see `deepcee models`), optionally name:key=value,...")
+    p.add_argument("--model", default=default,
+                   help="built-in model name (see `deepcee models`), optionally name:key=value,...; "
+                   "needed unless --profile is given")
     p.add_argument("--profile", help="measured profile JSON (from `deepcee profile`) instead of the analytic one")
-    p.add_argument("--seq-len", type=int, help="sequence length for transformer models")
-    p.add_argument("--image-size", type=int, help="image side for convolutional models")
+    p.add_argument("--seq-len", type=number(SEQ_LEN), help="sequence length for transformer models")
+    p.add_argument("--image-size", type=number(IMAGE_SIZE), help="image side for convolutional models")
 
 
 def _add_cluster_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--scenario", help="built-in cluster name (see `deepcee scenarios`)")
-    p.add_argument("--cluster", help="cluster file (TOML, or JSON written by `deepcee profile`)")
+    one = p.add_mutually_exclusive_group()
+    one.add_argument("--scenario", help="built-in cluster name (see `deepcee scenarios`)")
+    one.add_argument("--cluster", help="cluster file (TOML, or JSON written by `deepcee profile`)")
 
 
 def _subparser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
@@ -383,7 +436,7 @@ def _add_sync_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="deepcee",
         description="deepcee: plan, simulate and run training across cloud, edge and end devices over slow links.",
         epilog="Start with `deepcee demo` (the main job) or `deepcee scenarios`.",
@@ -394,8 +447,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "(deepcee vs DDP vs 1F1B)")
     p.add_argument("--scenario", default="local-small")
     p.add_argument("--model", default="gpt-tiny", help="gpt-tiny or resnet-tiny")
-    p.add_argument("--global-batch", type=int, default=32)
-    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--global-batch", type=number(GLOBAL_BATCH), default=32)
+    p.add_argument("--steps", type=number(DEMO_STEPS), default=20)
     p.add_argument("--out", default="reports/demo", help="report folder")
     p.add_argument("--full-profile", action="store_true", help="probe every device pair with the full budget")
     p.set_defaults(func=cmd_demo)
@@ -419,15 +472,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", default="measured", help="output folder (cluster.json, profile.json, ...)")
     p.add_argument("--real", action="store_true", help="measure the real transport instead of emulated links "
                    "and devices")
-    p.add_argument("--deadline", type=float, default=900.0, help="hard limit for the whole profile, seconds")
+    p.add_argument("--deadline", type=number(DEADLINE), default=900.0, help="hard limit for the whole profile, seconds")
     p.set_defaults(func=cmd_profile)
 
     p = sub.add_parser("group", help="print the two-level groups (islands by network, groups by speed)")
     p.add_argument("cluster_file", nargs="?", help="cluster file (TOML, or cluster.json from `deepcee profile`)")
     p.add_argument("--scenario", help="built-in cluster instead of a file")
-    p.add_argument("--island-threshold-ms", type=float, default=10.0,
+    p.add_argument("--island-threshold-ms", type=number(THRESHOLD_MS), default=10.0,
                    help="devices whose 1 MB transfer takes longer than this are in different islands")
-    p.add_argument("--speed-ratio", type=float, default=1.5,
+    p.add_argument("--speed-ratio", type=number(RATIO), default=1.5,
                    help="a speed gap above this ratio separates groups inside an island")
     p.set_defaults(func=cmd_group)
 
@@ -435,8 +488,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "with the simulator")
     _add_cluster_args(p)
     p.add_argument("--model", default="gpt-tiny", help="gpt-tiny or resnet-tiny")
-    p.add_argument("--plans", type=int, default=8, help="number of different plans to run")
-    p.add_argument("--steps", type=int, default=6, help="steps per plan (the first is warm-up)")
+    p.add_argument("--plans", type=number(PLANS), default=8, help="number of different plans to run")
+    p.add_argument("--steps", type=number(DEMO_STEPS), default=6, help="steps per plan (the first is warm-up)")
     p.add_argument("--profile-dir", help="reuse cluster.json/profile.json from `deepcee profile` instead of "
                    "profiling first")
     p.add_argument("-o", "--output", default="reports/validate")
@@ -450,17 +503,18 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="plan training of a model on a cluster")
     _add_cluster_args(p)
     _add_model_args(p)
-    p.add_argument("--global-batch", type=int, required=True)
-    p.add_argument("--schedules", help="comma-separated schedules the planner may use (default: all)")
+    p.add_argument("--global-batch", type=number(GLOBAL_BATCH), required=True)
+    p.add_argument("--schedules", type=name_list(SCHEDULES),
+                   help="comma-separated schedules the planner may use (default: all)")
     _add_sync_args(p)
     p.add_argument("--objective", choices=("time", "cost"), default="time",
                    help="time: fastest predicted time to target; cost: fewest dollars per sync-equivalent epoch "
                         "(needs prices in the cluster file)")
-    p.add_argument("--budget", type=float, help="with --objective cost: the fastest plan within this many dollars "
-                   "per sync-equivalent epoch")
-    p.add_argument("--dataset-samples", type=float, help="samples per epoch (default: the data the cluster file "
-                   "states over the model's input bytes per sample)")
-    p.add_argument("--epochs", type=int, default=1, help="epochs the one-time data movement is spread over")
+    p.add_argument("--budget", type=number(BUDGET), help="with --objective cost: the fastest plan within this many "
+                   "dollars per sync-equivalent epoch")
+    p.add_argument("--dataset-samples", type=number(DATASET_SAMPLES), help="samples per epoch (default: the data the "
+                   "cluster file states over the model's input bytes per sample)")
+    p.add_argument("--epochs", type=number(EPOCHS), default=1, help="epochs the one-time data movement is spread over")
     p.add_argument("-o", "--output", default="plan.json")
     p.set_defaults(func=cmd_plan)
 
@@ -468,13 +522,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("plan")
     p.add_argument("--cluster", help="cluster file (default: the plan's scenario)")
     p.add_argument("--profile", help="measured profile JSON (default: the plan's model)")
-    p.add_argument("--iterations", type=int, default=1)
+    p.add_argument("--iterations", type=number(ITERATIONS), default=1)
     p.add_argument("--link-trace", help="bandwidth trace (built-in name such as drop-5x, or a JSON file) "
                    "applied to the inter-island links")
     p.add_argument("--adapt", action="store_true",
                    help="simulate iteration by iteration with and without the adapter (needs --link-trace)")
     p.add_argument("--json", help="with --adapt: write the per-iteration results as JSON")
-    p.add_argument("--trace-links", help="apply the trace only between these two islands: a,b")
+    p.add_argument("--trace-links", type=name_pair, help="apply the trace only between these two islands: a,b")
     p.add_argument("--timeline", help="write a Chrome-trace JSON timeline")
     p.add_argument("--plot", help="write a PNG timeline")
     p.add_argument("--straggler", action="append", default=[], metavar="DEVICE:FACTOR[:START[:STOP]]",
@@ -485,7 +539,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("compare", help="deepcee vs baselines vs the upper bound on one cluster")
     _add_cluster_args(p)
     _add_model_args(p)
-    p.add_argument("--global-batch", type=int, required=True)
+    p.add_argument("--global-batch", type=number(GLOBAL_BATCH), required=True)
     p.add_argument("--json", default="compare.json")
     p.add_argument("--plot", default="crossover.png", help="crossover PNG (written when leaving devices out wins)")
     _add_sync_args(p)
@@ -497,15 +551,19 @@ def build_parser() -> argparse.ArgumentParser:
     ssub = p.add_subparsers(dest="schedule_command", required=True)
     q = ssub.add_parser("show", help="print a schedule as a step-by-stage table")
     q.add_argument("name", help="gpipe, 1f1b, zb-h1 or zb-h2")
-    q.add_argument("--stages", type=int, default=4)
-    q.add_argument("--microbatches", type=int, default=8)
+    q.add_argument("--stages", type=number(STAGES), default=4)
+    q.add_argument("--microbatches", type=number(MICROBATCHES), default=8)
     q.set_defaults(func=cmd_schedule_show)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``deepcee`` with ``argv``; returns the exit code (2 for any bad input, one line on stderr)."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help (0) or a usage error, already printed in one line (2)
+        return exc.code if isinstance(exc.code, int) else 2
     func: Callable[[argparse.Namespace], int] = args.func
     try:
         if getattr(args, "config", None):  # a job config: its values become defaults, flags override them
@@ -513,8 +571,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             args = parse_with_config(parser, argv, train_parser=_subparser(parser, args.command))
         return func(args)
+    except SystemExit as exc:  # a usage error on the second parse (with a job config's defaults)
+        return exc.code if isinstance(exc.code, int) else 2
     except DeepceeError as exc:
-        print(f"deepcee {args.command}: error: {exc}", file=sys.stderr)
+        print(f"deepcee {args.command}: error: {one_line(exc)}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # output piped into `head` and closed early
         sys.stderr.close()
@@ -522,9 +582,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"deepcee {args.command}: interrupted", file=sys.stderr)
         return 130
-    except json.JSONDecodeError as exc:
-        print(f"deepcee {args.command}: error: invalid JSON: {exc}", file=sys.stderr)
-        return 2
+
+
+def one_line(exc: BaseException) -> str:
+    """An error's message on one line (messages quote values with repr; this is the last guard)."""
+    return " ".join(str(exc).split())
 
 
 if __name__ == "__main__":

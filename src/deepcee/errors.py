@@ -36,6 +36,15 @@ class PlanError(SpecError):
     """A plan file is malformed or inconsistent with its cluster or model."""
 
 
+class RunFileError(SpecError):
+    """A file a run wrote and deepcee reads back (result, metrics, records) is missing or malformed."""
+
+
+class WorkLimitError(SpecError):
+    """Every value is in range, but together they ask for more time or memory than the limits in
+    :mod:`deepcee.inputs.limits` allow (refused before the work starts; the message names the limit)."""
+
+
 class ScheduleError(DeepceeError):
     """A schedule is invalid (missing action, broken dependency, deadlock)."""
 

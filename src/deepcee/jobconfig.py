@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import argparse
 import math
-import tomllib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 from deepcee.errors import SpecError
+from deepcee.inputs import read_toml as inputs_read_toml
 
 PathKind = Literal["input", "output", "cluster", "trace", ""]
 
@@ -66,18 +66,9 @@ NOT_IN_FILE = ("config", "dry_run", "help")
 
 
 def read_toml(path: str | Path) -> dict[str, Any]:
-    """The parsed TOML file (the one place job configs are read; errors name the file)."""
-    p = Path(path)
-    try:
-        text = p.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise SpecError(f"cannot read: {exc.strerror}", file=str(p)) from None
-    except UnicodeDecodeError:
-        raise SpecError("not UTF-8 text", file=str(p)) from None
-    try:
-        return tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        raise SpecError(f"invalid TOML: {exc}", file=str(p)) from None
+    """The parsed TOML file, read by the input layer (:func:`deepcee.inputs.read_toml`: size,
+    encoding, nesting, finite numbers; errors name the file)."""
+    return inputs_read_toml(path, SpecError)
 
 
 def _actions(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:

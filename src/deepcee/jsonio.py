@@ -1,8 +1,8 @@
-"""Reading and writing the machine-written JSON files (torch-free).
+"""Writing the machine-written JSON files atomically (torch-free); reading is :mod:`deepcee.inputs`.
 
-Reads turn I/O and syntax problems into the caller's :class:`~deepcee.errors.SpecError`
-subclass naming the file; writes are atomic (temp file + rename), so a reader never sees a
-half-written file and a failed command leaves no partial output behind.
+Writes are atomic (temp file + rename), so a reader never sees a half-written file and a failed
+command leaves no partial output behind. :func:`read_json` is the input layer's reader
+(:func:`deepcee.inputs.read_json`), re-exported here for existing callers.
 """
 
 from __future__ import annotations
@@ -12,18 +12,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from deepcee.errors import SpecError
+from deepcee.inputs import read_json
 
-
-def read_json(path: str | Path, error: type[SpecError]) -> Any:
-    """The parsed content of ``path``; unreadable or invalid files raise ``error`` naming it."""
-    p = Path(path)
-    try:
-        return json.loads(p.read_text())
-    except OSError as exc:
-        raise error(f"cannot read: {exc.strerror}", file=str(p)) from None
-    except json.JSONDecodeError as exc:
-        raise error(f"invalid JSON: {exc}", file=str(p)) from None
+__all__ = ["read_json", "save_json_atomic"]
 
 
 def save_json_atomic(path: str | Path, data: Mapping[str, Any]) -> None:

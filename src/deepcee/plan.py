@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any, Literal, get_args
 
 from deepcee.errors import PlanError
-from deepcee.jsonio import read_json, save_json_atomic
+from deepcee.jsonio import save_json_atomic
 
 SCHEMA_VERSION = 2
 READABLE_SCHEMAS = (1, 2)
@@ -490,10 +490,15 @@ class Plan:
                 file=file, field="stages" if len(self.replicas) == 1 else "replicas",
             )
         known = set(device_names)
-        unknown = [d for d in (*self.devices, *self.servers) if d not in known]
-        if unknown:
-            where = "servers" if unknown[0] in self.servers and unknown[0] not in self.devices else "stages.devices"
-            raise PlanError(f"device {unknown[0]!r} is not in cluster {self.cluster!r}", file=file, field=where)
+        for r, rep in enumerate(self.replicas):
+            for s, st in enumerate(rep.stages):
+                for i, d in enumerate(st.devices):
+                    if d not in known:
+                        raise PlanError(f"device {d!r} is not in cluster {self.cluster!r}", file=file,
+                                        field=f"replicas[{r}].stages[{s}].devices[{i}]")
+        for i, d in enumerate(self.servers):
+            if d not in known:
+                raise PlanError(f"device {d!r} is not in cluster {self.cluster!r}", file=file, field=f"servers[{i}]")
 
     def replace(self, **changes: Any) -> Plan:
         """A copy with ``changes``; one pipeline's fields (``stages``, ``schedule``, ...) change
@@ -549,48 +554,20 @@ def _replica(stages: Sequence[StagePlan], microbatch_size: int, num_microbatches
                         field=where + (exc.field or "")) from None
 
 
-def _stage(s: Mapping[str, Any]) -> StagePlan:
-    return StagePlan(layer_start=s["layer_start"], layer_stop=s["layer_stop"], devices=tuple(s["devices"]),
-                     shares=tuple(s["shares"]), recompute=s.get("recompute", False), sync=s.get("sync"))
+def plan_from_dict(d: Any, *, file: str = "<plan.json>") -> Plan:
+    """A plan from its JSON form; schema 1 (one pipeline) and 2 (replicas) both load.
 
+    The reader is :func:`deepcee.planfile.plan_from_dict` (every field checked by the input layer)."""
+    from deepcee.planfile import plan_from_dict as read  # planfile builds Plans: import it here
 
-def _replica_from_dict(r: Mapping[str, Any], where: str) -> ReplicaPlan:
-    return _replica([_stage(s) for s in r["stages"]], r["microbatch_size"], r["num_microbatches"], r["schedule"],
-                    r.get("actions", []), where=where)
-
-
-def plan_from_dict(d: dict[str, Any], *, file: str = "<plan.json>") -> Plan:
-    """A plan from its JSON form; schema 1 (one pipeline) and 2 (replicas) both load."""
-    if not isinstance(d, dict):
-        raise PlanError(f"expected a JSON object, got {type(d).__name__}", file=file)
-    version = d.get("schema_version")
-    if d.get("format") != "deepcee.plan" or version not in READABLE_SCHEMAS:
-        raise PlanError(
-            f"expected format 'deepcee.plan' schema_version {' or '.join(map(str, READABLE_SCHEMAS))}, got "
-            f"{d.get('format')!r} {version!r}", file=file, field="schema_version",
-        )
-    try:
-        est = d.get("estimate")
-        common = dict(system=d["system"], cluster=d["cluster"], model=d["model"], global_batch=d["global_batch"],
-                      sync=d.get("sync", "allreduce-ring"), excluded_devices=tuple(d.get("excluded_devices", [])),
-                      estimate=Estimate(**est) if est else None, explanation=tuple(d.get("explanation", [])))
-        if version == 1:
-            return Plan(**common, stages=tuple(_stage(s) for s in d["stages"]), microbatch_size=d["microbatch_size"],
-                        num_microbatches=d["num_microbatches"], schedule=d["schedule"],
-                        actions=tuple(tuple(a) for a in d.get("actions", [])))
-        replicas = tuple(_replica_from_dict(r, f"replicas[{i}].") for i, r in enumerate(d["replicas"]))
-        return Plan(**common, replicas=replicas, strategy=Strategy(**d.get("strategy", {})),
-                    servers=tuple(d.get("servers", [])))
-    except KeyError as exc:
-        raise PlanError(f"missing key {exc.args[0]!r}", file=file) from None
-    except PlanError as exc:
-        raise PlanError(str(exc), file=file) from None
-    except (TypeError, AttributeError) as exc:
-        raise PlanError(str(exc), file=file) from None
+    return read(d, file=file)
 
 
 def load_plan(path: str | Path) -> Plan:
-    return plan_from_dict(read_json(path, PlanError), file=str(path))
+    """The plan in the JSON file at ``path``; see :func:`plan_from_dict`."""
+    from deepcee.planfile import load_plan as load
+
+    return load(path)
 
 
 __all__ = ["ESTIMATE_SOURCES", "EXACT", "OUTER_OPTIMIZERS", "SCHEDULES", "STRATEGIES", "SYNCS", "Estimate",

@@ -17,6 +17,7 @@ flight: ``parameter_count x state_bytes_per_parameter + k x n x sum(activation_b
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +25,18 @@ from typing import Any, Literal, get_args
 
 from deepcee.cluster import DeviceKind
 from deepcee.errors import ProfileError
-from deepcee.jsonio import read_json
+from deepcee.inputs import Fields, read_json
+from deepcee.inputs.fields import check_format
+from deepcee.inputs.limits import (
+    BYTES,
+    BYTES_PER_PARAMETER,
+    FLOPS,
+    MAX_DEVICES,
+    MAX_LAYERS,
+    MAX_TEXT_CHARS,
+    MEASURED_TIME,
+    PARAMETERS,
+)
 
 SCHEMA_VERSION = 1
 Pass = Literal["F", "I", "W", "B"]
@@ -36,8 +48,8 @@ OPTIMIZERS: tuple[OptimizerName, ...] = get_args(OptimizerName)
 
 def _check_nonneg(owner: str, **values: float) -> None:
     for k, v in values.items():
-        if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0:
-            raise ProfileError(f"{owner}: {k} must be a number >= 0, got {v!r}")
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v < 0:
+            raise ProfileError(f"{owner}: {k} must be a finite number >= 0, got {v!r}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -90,6 +102,15 @@ class LayerTiming:
     weight_grad: tuple[float, float]
     backward: tuple[float, float] | None = None
     first_stage: LayerTiming | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("forward", "input_grad", "weight_grad", "backward"):
+            line = getattr(self, name)
+            if line is None and name == "backward":
+                continue
+            if not isinstance(line, tuple) or len(line) != 2:
+                raise ProfileError(f"measured {name}: expected (fixed_s, per_sample_s), got {line!r}")
+            _check_nonneg(f"measured {name}", fixed_s=line[0], per_sample_s=line[1])
 
     def time_s(self, pass_: Pass, samples: float) -> float:
         if pass_ == "B" and self.backward is None:
@@ -267,36 +288,76 @@ class ModelProfile:
         }
 
 
-def profile_from_dict(d: dict[str, Any], *, file: str = "<profile.json>") -> ModelProfile:
-    if d.get("schema_version") != SCHEMA_VERSION or d.get("format") != "deepcee.profile":
-        raise ProfileError(
-            f"expected format 'deepcee.profile' schema_version {SCHEMA_VERSION}, got "
-            f"{d.get('format')!r} {d.get('schema_version')!r}", file=file, field="schema_version",
-        )
+def profile_from_dict(d: Any, *, file: str = "<profile.json>") -> ModelProfile:
+    """A profile from its ``deepcee.profile`` JSON form (:meth:`ModelProfile.to_dict`): every
+    field checked by the input layer (:mod:`deepcee.inputs`), errors name file, field and value."""
+    f = Fields(d, file=file, error=ProfileError)
+    check_format(f, "deepcee.profile", (SCHEMA_VERSION,))
+    layers = tuple(_layer(x) for x in f.records("layers", max_len=MAX_LAYERS, min_len=1))
+    measured = {kind: tuple(_timing(Fields(t, f"measured.{kind}[{i}]", file=file, error=ProfileError))
+                            for i, t in enumerate(_rows(f, kind, rows, len(layers))))
+                for kind, rows in f.mapping("measured", {}, max_len=MAX_DEVICES).items()}
+    overhead = {kind: _timing(Fields(t, f"measured_call_overhead.{kind}", file=file, error=ProfileError))
+                for kind, t in f.mapping("measured_call_overhead", {}, max_len=MAX_DEVICES).items()}
+    values = dict(
+        name=f.name("name"), source=f.text("source", file), dtype=f.name("dtype", "fp16"),
+        input_bytes=f.number("input_bytes", BYTES),
+        gradient_bytes_per_parameter=f.number("gradient_bytes_per_parameter", BYTES_PER_PARAMETER),
+        state_bytes_per_parameter=f.number("state_bytes_per_parameter", BYTES_PER_PARAMETER),
+        optimizer=f.choice("optimizer", OPTIMIZERS, "adam"), hyper=_hyper(f), layers=layers, measured=measured,
+        measured_call_overhead=overhead,
+    )
+    f.done()
     try:
-        return ModelProfile(
-            name=d["name"],
-            source=d.get("source", file),
-            dtype=d.get("dtype", "fp16"),
-            input_bytes=d["input_bytes"],
-            gradient_bytes_per_parameter=d["gradient_bytes_per_parameter"],
-            state_bytes_per_parameter=d["state_bytes_per_parameter"],
-            optimizer=d.get("optimizer", "adam"),
-            hyper=d.get("hyper", {}),
-            layers=tuple(LayerProfile(**la) for la in d["layers"]),
-            measured={
-                kind: tuple(LayerTiming.from_dict(t) for t in timings)
-                for kind, timings in d.get("measured", {}).items()
-            },
-            measured_call_overhead={
-                kind: LayerTiming.from_dict(t) for kind, t in d.get("measured_call_overhead", {}).items()
-            },
-        )
-    except KeyError as exc:
-        raise ProfileError(f"missing key {exc.args[0]!r}", file=file) from None
-    except (TypeError, ProfileError) as exc:
+        return ModelProfile(**values)
+    except ProfileError as exc:
         raise ProfileError(str(exc), file=file) from None
 
 
+def _layer(f: Fields) -> LayerProfile:
+    layer = LayerProfile(name=f.name("name"), forward_flops=f.number("forward_flops", FLOPS),
+                         input_grad_flops=f.number("input_grad_flops", FLOPS),
+                         weight_grad_flops=f.number("weight_grad_flops", FLOPS),
+                         parameter_count=f.integer("parameter_count", PARAMETERS),
+                         activation_bytes=f.number("activation_bytes", BYTES),
+                         output_bytes=f.number("output_bytes", BYTES))
+    f.done()
+    return layer
+
+
+def _rows(f: Fields, kind: str, rows: Any, num_layers: int) -> list[Any]:
+    if not isinstance(rows, list) or len(rows) != num_layers:
+        got = f"{len(rows)} entries" if isinstance(rows, list) else repr(rows)[:40]
+        raise f.err(f"measured.{kind}", f"needs one timing per layer ({num_layers}), got {got}")
+    return rows
+
+
+def _timing(f: Fields, *, nested: bool = False) -> LayerTiming:
+    """One layer's measured lines: ``[fixed_s, per_sample_s]`` per pass, never negative."""
+    def line(key: str, default: Any = ...) -> Any:
+        if default is not ... and f.raw(key, None) is None:
+            return default
+        return f.numbers(key, MEASURED_TIME, max_len=2, min_len=2)
+
+    first = None if nested else f.record_of("first_stage", None) if f.raw("first_stage", None) is not None else None
+    timing = LayerTiming(forward=line("forward"), input_grad=line("input_grad"), weight_grad=line("weight_grad"),
+                         backward=line("backward", None),
+                         first_stage=None if first is None else _timing(first, nested=True))
+    f.done()
+    return timing
+
+
+def _hyper(f: Fields) -> dict[str, Any]:
+    """Shape parameters for reports: names to scalars (strings, numbers, true/false, null)."""
+    hyper = f.mapping("hyper", {}, max_len=256)
+    for key, v in hyper.items():
+        if v is not None and not isinstance(v, (str, int, float, bool)):
+            raise f.err(f"hyper.{key}", f"expected a string, number, true/false or null, got {str(v)[:40]!r}")
+        if isinstance(v, str) and len(v) > MAX_TEXT_CHARS:
+            raise f.err(f"hyper.{key}", f"at most {MAX_TEXT_CHARS:,} characters, got {len(v):,}")
+    return dict(hyper)
+
+
 def load_profile(path: str | Path) -> ModelProfile:
+    """The profile in the JSON file at ``path``; see :func:`profile_from_dict`."""
     return profile_from_dict(read_json(path, ProfileError), file=str(path))

@@ -33,7 +33,29 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from deepcee.cliargs import (
+    CLIP_NORM,
+    CORES,
+    DEADLINE,
+    EVAL_BATCHES,
+    EVERY,
+    GLOBAL_BATCH,
+    KEEP,
+    LR,
+    MIN_LR_RATIO,
+    MOMENTUM,
+    SCALE,
+    SEED,
+    STEPS,
+    TIMEOUT,
+    WEIGHT_DECAY,
+    OneLineParser,
+    name_list,
+    number,
+    straggler_flag,
+)
 from deepcee.errors import DeepceeError, SpecError
+from deepcee.plan import SCHEDULES
 
 if TYPE_CHECKING:
     from deepcee.cluster import Cluster
@@ -54,9 +76,11 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plan", help="plan.json written by `deepcee plan` (without it: --global-batch plans one)")
     p.add_argument("--cluster", help="cluster file or scenario name (default: the plan's cluster scenario)")
     p.add_argument("--model", help="built-in net (default: the plan's model): gpt-tiny, resnet-tiny")
-    p.add_argument("--global-batch", type=int, help="no --plan: plan for this global batch first (local launch only)")
-    p.add_argument("--schedules", help="no --plan: comma-separated schedules the planner may use")
-    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--global-batch", type=number(GLOBAL_BATCH),
+                   help="no --plan: plan for this global batch first (local launch only)")
+    p.add_argument("--schedules", type=name_list(SCHEDULES), help="no --plan: comma-separated schedules the planner "
+                   "may use")
+    p.add_argument("--steps", type=number(STEPS), default=20)
     p.add_argument("--mode", choices=("emulated", "real", "realnet"), default="emulated",
                    help="emulated: devices and links emulated in-process; realnet: devices emulated, each in its "
                    "own network namespace, links shaped by a user-space relay carrying real TCP (needs root and "
@@ -64,31 +88,31 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=("float32", "float64"), default="float32")
     p.add_argument("--autocast", choices=("bfloat16", "float16"), help="mixed precision on CUDA (needs --cuda)")
     p.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--momentum", type=float, default=0.0)
-    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--lr", type=number(LR), default=1e-3)
+    p.add_argument("--momentum", type=number(MOMENTUM), default=0.0)
+    p.add_argument("--weight-decay", type=number(WEIGHT_DECAY), default=0.0)
     p.add_argument("--lr-schedule", choices=("constant", "linear", "cosine"), default="constant",
                    help="the learning rate after the warm-up")
-    p.add_argument("--warmup-steps", type=int, default=0, help="linear warm-up from lr/W to lr over W steps")
-    p.add_argument("--min-lr-ratio", type=float, default=0.0, help="floor of linear and cosine decay, x lr")
-    p.add_argument("--decay-steps", type=int, help="steps of the decay (default: the rest of the run)")
-    p.add_argument("--clip-grad-norm", type=float, help="clip the gradient to this global norm (over every stage)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--cores", type=float, default=1.2, help="CPU cores the emulated devices may use together")
+    p.add_argument("--warmup-steps", type=number(EVERY), default=0, help="linear warm-up from lr/W to lr over W steps")
+    p.add_argument("--min-lr-ratio", type=number(MIN_LR_RATIO), default=0.0, help="floor of linear and cosine decay, x lr")
+    p.add_argument("--decay-steps", type=number(STEPS), help="steps of the decay (default: the rest of the run)")
+    p.add_argument("--clip-grad-norm", type=number(CLIP_NORM), help="clip the gradient to this global norm (over every stage)")
+    p.add_argument("--seed", type=number(SEED), default=0)
+    p.add_argument("--cores", type=number(CORES), default=1.2, help="CPU cores the emulated devices may use together")
     p.add_argument("--run-dir", default="runs/train")
-    p.add_argument("--checkpoint-every", type=int, default=0, help="checkpoint every N steps (and after the last)")
-    p.add_argument("--keep-checkpoints", type=int, default=2, help="intact checkpoints kept (0: all)")
+    p.add_argument("--checkpoint-every", type=number(EVERY), default=0, help="checkpoint every N steps (and after the last)")
+    p.add_argument("--keep-checkpoints", type=number(KEEP), default=2, help="intact checkpoints kept (0: all)")
     p.add_argument("--checkpoint-dir", help="checkpoint folder (default: <run-dir>/checkpoints)")
     p.add_argument("--resume", action="store_true",
                    help="continue from the newest intact checkpoint, under this run's plan (any split)")
     p.add_argument("--init-from", help="start from these weights: a state_dict file (.pt, .safetensors) with the "
                    "model's own names, or a checkpoint folder")
-    p.add_argument("--eval-every", type=int, default=0, help="held-out loss every N steps (0: never)")
-    p.add_argument("--eval-batches", type=int, default=4, help="held-out global batches per evaluation")
-    p.add_argument("--log-every", type=int, default=10, help="a progress line every N steps (0: none)")
+    p.add_argument("--eval-every", type=number(EVERY), default=0, help="held-out loss every N steps (0: never)")
+    p.add_argument("--eval-batches", type=number(EVAL_BATCHES), default=4, help="held-out global batches per evaluation")
+    p.add_argument("--log-every", type=number(EVERY), default=10, help="a progress line every N steps (0: none)")
     p.add_argument("--tensorboard", action="store_true", help="TensorBoard scalars in <run-dir>/tensorboard")
-    p.add_argument("--timeout", type=float, default=120.0, help="seconds any receive or collective may wait")
-    p.add_argument("--deadline", type=float, default=3600.0, help="local launch: hard limit for the whole run")
+    p.add_argument("--timeout", type=number(TIMEOUT), default=120.0, help="seconds any receive or collective may wait")
+    p.add_argument("--deadline", type=number(DEADLINE), default=3600.0, help="local launch: hard limit for the whole run")
     p.add_argument("--cuda", action="store_true", help="use CUDA + NCCL (mode real); an error without CUDA")
     p.add_argument("--cluster-node", help="torchrun: the cluster node(s) this machine runs, NAME[,NAME] (default: by the "
                    "cluster file's host or node_rank)")
@@ -96,7 +120,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dry-run", action="store_true", help="print each stage's lowered schedule and exit")
     p.add_argument("--link-trace", help="bandwidth trace on the emulated wide-area links: a built-in name "
                    "(drop-5x, drop-recover, periodic, ramp, noisy-stationary) or a trace file")
-    p.add_argument("--trace-time-scale", type=float, default=1.0,
+    p.add_argument("--trace-time-scale", type=number(SCALE), default=1.0,
                    help="stretch the trace's times by this factor (emulated seconds)")
     p.add_argument("--adapt", action="store_true",
                    help="watch link speed from the runtime's own transfers and re-tune or re-plan when it changes")
@@ -176,7 +200,13 @@ def _load(args: argparse.Namespace, *, under_torchrun: bool = False) -> tuple[Pl
         plan = None
     else:
         raise SpecError("give --plan (a plan file), or --global-batch to plan first", field="--plan")
-    cluster = load_cluster(ref) if Path(ref).exists() or ref not in scenario_names() else load_scenario(ref)
+    if Path(ref).exists() or (args.cluster and ref not in scenario_names()):
+        cluster = load_cluster(ref)
+    elif ref in scenario_names():
+        cluster = load_scenario(ref)
+    else:  # the plan's own cluster reference
+        raise SpecError(f"unknown scenario or cluster file {ref!r} (scenarios: {', '.join(scenario_names())}; "
+                        "or give --cluster)", file=args.plan, field="cluster")
     if plan is None:
         plan = _plan_now(args, cluster, ref, under_torchrun=under_torchrun)
     return plan, cluster
@@ -212,7 +242,8 @@ def _config(args: argparse.Namespace, cluster: Cluster | None = None) -> TrainCo
     from deepcee.runtime.lr import LRSchedule
 
     return TrainConfig(
-        stragglers=tuple(Straggler.parse(text, cluster.device_names if cluster else ()) for text in args.straggler),
+        stragglers=tuple(straggler_flag(text, cluster.device_names if cluster else (), Straggler.parse)
+                         for text in args.straggler),
         steps=args.steps, seed=args.seed, dtype=args.dtype, mode=args.mode, cores=args.cores,
         optimizer=OptimizerConfig(name=args.optimizer, lr=args.lr, momentum=args.momentum,
                                   weight_decay=args.weight_decay),
@@ -232,6 +263,7 @@ def _job(args: argparse.Namespace, plan: Plan, cluster: Cluster, *, run_id: str 
 
     model = args.model or plan.model
     name = job_name(plan, model, run_id=run_id)
+    _check_inputs(args, plan, cluster, model)
     if not (args.adapt or args.link_trace):
         from deepcee.runtime.job import Job
 
@@ -240,10 +272,29 @@ def _job(args: argparse.Namespace, plan: Plan, cluster: Cluster, *, run_id: str 
                    checkpoint_dir=args.checkpoint_dir)
     from deepcee.adapter.controller import adaptive_job
     from deepcee.profile import load_profile
+    from deepcee.traces import load_named_trace
 
+    trace = load_named_trace(args.link_trace, field="--link-trace") if args.link_trace else None
     return adaptive_job(plan, cluster, config=_config(args, cluster), run_dir=args.run_dir, model=model, name=name,
-                        adapt=args.adapt, link_trace=args.link_trace, trace_time_scale=args.trace_time_scale,
+                        adapt=args.adapt, link_trace=trace, trace_time_scale=args.trace_time_scale,
                         profile=load_profile(args.profile) if args.profile else None)
+
+
+def _check_inputs(args: argparse.Namespace, plan: Plan, cluster: Cluster, model: str) -> None:
+    """Refuse, before any worker starts, a plan whose devices are not in the cluster, or a
+    built-in net that does not exist or has another layer count than the plan."""
+    from deepcee import nets
+
+    plan.check_against(num_layers=plan.num_layers, device_names=cluster.device_names, file=args.plan)
+    if ":" in model:  # an import path: the user's model, checked where it is built
+        return
+    where = {"field": "--model"} if args.model else {"file": args.plan, "field": "model"}
+    try:
+        num_layers = len(nets.block_names(model))
+    except SpecError as exc:
+        raise SpecError(str(exc).removeprefix("model: "), **where) from None
+    if num_layers != plan.num_layers:
+        raise SpecError(f"net {model!r} has {num_layers} blocks, the plan covers {plan.num_layers} layers", **where)
 
 
 def _summary(result: TrainResult, args: argparse.Namespace) -> None:
@@ -270,13 +321,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     """``python -m deepcee.train``: the same options as ``deepcee train``; the entry torchrun runs."""
     from deepcee.jobconfig import parse_with_config
 
-    parser = argparse.ArgumentParser(prog="python -m deepcee.train", description=DESCRIPTION)
+    parser = OneLineParser(prog="python -m deepcee.train", description=DESCRIPTION)
     add_train_arguments(parser)
     try:
         args = parse_with_config(parser, argv)
         return train(args)
+    except SystemExit as exc:  # --help (0) or a usage error, already printed in one line (2)
+        return exc.code if isinstance(exc.code, int) else 2
     except DeepceeError as exc:
-        print(f"deepcee.train: error: {exc}", file=sys.stderr)
+        print(f"deepcee.train: error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
 
 

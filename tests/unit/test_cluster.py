@@ -66,12 +66,12 @@ def test_good_cluster_resolves_links(tmp_path: Path) -> None:
     ("old", "new", "needle"),
     [
         ("devices = 2", "devices = 2\ncolour = 3", "nodes[0].colour: unknown key"),
-        ("peak_tflops = 10", "peak_tflops = -10", "kinds.k.peak_tflops: must be > 0, got -10"),
+        ("peak_tflops = 10", "peak_tflops = -10", "kinds.k.peak_tflops: must be in (0, 1,000,000] TFLOP/s, got -10"),
         ("latency_ms = 20", "", "links[0].latency_*: missing required value"),
-        ('kind = "k"\ndevices = 1', 'kind = "zz"\ndevices = 1', "nodes[1].kind: unknown kind 'zz'"),
-        ("bandwidth_mbit_per_s = 100", "bandwidth_mbit_per_s = 0", "bandwidth_mbit_per_s: must be > 0, got 0"),
+        ('kind = "k"\ndevices = 1', 'kind = "zz"\ndevices = 1', "nodes[1].kind: unknown name 'zz' (known: k)"),
+        ("bandwidth_mbit_per_s = 100", "bandwidth_mbit_per_s = 0", "bandwidth_mbit_per_s: must be in [0.001, 1,000,000,000] Mbit/s, got 0"),
         ("slowdown = 2.0", "slowdown = [1.0, 2.0]", "slowdown: needs 1 values"),
-        ('between = ["a", "b"]', 'between = ["a", "c"]', "unknown island, node or device 'c'"),
+        ('between = ["a", "b"]', 'between = ["a", "c"]', "links[0].between: link end 'c' names no island, node or device"),
     ],
 )
 def test_bad_cluster_names_field_and_value(tmp_path: Path, old: str, new: str, needle: str) -> None:

@@ -13,7 +13,8 @@ CORE = [
     "deepcee.simulator.pipelines", "deepcee.simulator.replicas", "deepcee.simulator.strategies",
     "deepcee.simulator.replica_trace", "deepcee.planner.efficiency", "deepcee.planner.objective",
     "deepcee.planner.replicas", "deepcee.planner.relaxed_baselines",
-    "deepcee.scenarios", "deepcee.units", "deepcee.errors", "deepcee.jsonio",
+    "deepcee.scenarios", "deepcee.units", "deepcee.errors", "deepcee.jsonio", "deepcee.inputs",
+    "deepcee.inputs.work", "deepcee.planfile", "deepcee.cliargs",
 ]
 OPTIONAL = [
     "deepcee.models", "deepcee.schedule.compact", "deepcee.simulator.engine", "deepcee.simulator.trace",

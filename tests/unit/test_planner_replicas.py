@@ -152,10 +152,10 @@ def test_islands_state_data_and_prices_and_round_trip_through_json() -> None:
 
 
 @pytest.mark.parametrize(("extra", "message"), [
-    ({"data_gb": -1}, "islands.a.data_gb: must be >= 0, got -1"),
+    ({"data_gb": -1}, "islands.a.data_gb: must be in [0, 1e+12] GB, got -1"),
     ({"data_pb": 1}, "islands.a.data_pb: unknown unit"),
-    ({"price_usd_per_device_hour": "x"}, "islands.a.price_usd_per_device_hour: expected float"),
-    ({"egress_usd_per_gb": math.inf}, "islands.a.egress_usd_per_gb: must be a finite number, got inf"),
+    ({"price_usd_per_device_hour": "x"}, "islands.a.price_usd_per_device_hour: expected a number, got 'x'"),
+    ({"egress_usd_per_gb": math.inf}, "islands.a.egress_usd_per_gb: must be a finite number in [0, 1,000,000] USD/GB, got inf"),
 ])
 def test_bad_island_fields_name_file_field_and_value(extra: dict, message: str) -> None:
     base = {"name": "x", "kinds": {"k": {"peak_tflops": 1.0, "memory_gib": 1.0}},

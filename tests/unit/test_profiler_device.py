@@ -131,7 +131,7 @@ def test_compute_score_and_probe_json_round_trip():
     assert "estimate from tensor sizes" in probe.memory_method
     back = probe_from_dict(probe_to_dict(probe))
     assert back == probe and len(back.ranges) == 2
-    with pytest.raises(ProfileError, match="malformed"):
+    with pytest.raises(ProfileError, match="layers: missing required value"):
         probe_from_dict({"device": "x"})
 
 

@@ -121,8 +121,8 @@ def test_cluster_file_host_and_node_rank_round_trip_and_are_checked():
     assert back.node("cloud0") == c.node("cloud0") and back.node("edge0") == c.node("edge0")
     top = {"name": "x", "kinds": {"k": {"peak_tflops": 1, "memory_gib": 1}},
            "islands": {"cloud": {"latency_us": 10, "bandwidth_gbit_per_s": 10}}}
-    for bad, message in (({"node_rank": -1}, "x.toml: nodes[0].node_rank: must be >= 0, got -1"),
-                         ({"host": 5}, "x.toml: nodes[0].host: expected str, got 5")):
+    for bad, message in (({"node_rank": -1}, "x.toml: nodes[0].node_rank: must be in [0, 2,047], got -1"),
+                         ({"host": 5}, "x.toml: nodes[0].host: expected a string, got 5")):
         node = {"name": "n", "island": "cloud", "kind": "k", "devices": 1, **bad}
         with pytest.raises(ClusterSpecError, match=re.escape(message)):
             cluster_from_toml_dict({**top, "nodes": [node]}, file="x.toml")

@@ -16,10 +16,13 @@ from deepcee.errors import ClusterSpecError
 
 
 def _positive(value: float, what: str, *, allow_zero: bool = False) -> None:
-    ok = value >= 0 if allow_zero else value > 0
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not ok:
+    """A finite number > 0 (>= 0 with ``allow_zero``). File readers check tighter ranges
+    (:mod:`deepcee.inputs.limits`); this keeps NaN and infinity out of clusters built in code."""
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    ok = number and math.isfinite(value) and (value >= 0 if allow_zero else value > 0)
+    if not ok:
         bound = ">= 0" if allow_zero else "> 0"
-        raise ClusterSpecError(f"{what} must be a number {bound}, got {value!r}")
+        raise ClusterSpecError(f"{what} must be a finite number {bound}, got {value!r}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -69,6 +72,9 @@ class BandwidthTrace:
                 f"trace {self.name!r}: times_s and bandwidth_bytes_per_s need the same non-zero length, "
                 f"got {len(self.times_s)} and {len(self.bandwidth_bytes_per_s)}"
             )
+        for t in self.times_s:
+            if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t):
+                raise ClusterSpecError(f"trace {self.name!r}: times_s must be finite numbers, got {t!r}")
         if any(b <= a for a, b in zip(self.times_s, self.times_s[1:], strict=False)):
             raise ClusterSpecError(f"trace {self.name!r}: times_s must increase, got {self.times_s}")
         for bw in self.bandwidth_bytes_per_s:

@@ -75,6 +75,11 @@ def build_index(*, kinds: Mapping[str, DeviceKind], islands: Sequence[Island], n
             raise err(f"duplicate device name {d.name!r}", "devices")
         if d.node not in node_by_name:
             raise err(f"device {d.name!r} names unknown node {d.node!r}", "devices.node")
+        if d.island != node_by_name[d.node].island:
+            raise err(f"device {d.name!r} names island {d.island!r}, its node {d.node!r} is in island "
+                      f"{node_by_name[d.node].island!r}", "devices.island")
+        if d.kind not in kinds:
+            raise err(f"device {d.name!r} names unknown kind {d.kind!r}", "devices.kind")
         dev_by_name[d.name] = d
     named = set(island_by_name) | set(node_by_name) | set(dev_by_name)
     explicit: dict[tuple[str, str], LinkSpec] = {}

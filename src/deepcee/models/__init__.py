@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from deepcee.errors import ProfileError
+from deepcee.inputs.limits import IMAGE_SIZE, MAX_LAYERS, SEQ_LEN, VOCAB, WIDTH, Limit
 from deepcee.models.cnn import cnn_layers
 from deepcee.models.transformer import (
     LLAMA_OVERRIDES,
@@ -39,7 +40,7 @@ from deepcee.models.transformer import (
 )
 from deepcee.profile import ModelProfile
 
-__all__ = ["DTYPE_BYTES", "STATE_BYTES_PER_PARAMETER", "get_model", "model_names"]
+__all__ = ["DTYPE_BYTES", "MODEL_OPTIONS", "STATE_BYTES_PER_PARAMETER", "get_model", "model_names", "parse_model_ref"]
 
 logger = logging.getLogger(__name__)
 
@@ -130,6 +131,65 @@ def _published(name: str, unchanged: bool) -> dict[str, Any]:
     return {"published_parameter_count": count, "published_parameter_count_source": source}
 
 
+MODEL_OPTIONS: dict[str, Limit | tuple[str, ...]] = {
+    "seq_len": SEQ_LEN,
+    "image_size": IMAGE_SIZE,
+    "dtype": tuple(DTYPE_BYTES),
+    "optimizer": ("adam", "sgd"),
+    "hidden_size": WIDTH,
+    "num_layers": Limit(name="transformer blocks", lo=1, hi=MAX_LAYERS - 2, integer=True),
+    "num_heads": WIDTH,
+    "num_kv_heads": WIDTH,
+    "ffn_size": WIDTH,
+    "vocab_size": VOCAB,
+}
+"""Options of a model reference (``llama:hidden_size=1024,num_layers=8``) and their ranges
+(:mod:`deepcee.inputs.limits`); which model takes which is checked by :func:`get_model`."""
+
+
+def parse_model_ref(ref: str, *, field: str = "--model") -> tuple[str, dict[str, Any]]:
+    """``gpt2`` or ``gpt2:seq_len=512,dtype=fp32`` -> ``(name, keyword arguments)`` for
+    :func:`get_model`; each option's value checked (one-line :class:`ProfileError` naming ``field``)."""
+    name, _, rest = ref.partition(":")
+    if not name:
+        raise ProfileError(f"expected a model name before ':' in {ref!r}", field=field)
+    kwargs: dict[str, Any] = {}
+    for item in rest.split(",") if rest else ():
+        key, eq, value = item.partition("=")
+        if not eq or not key:
+            raise ProfileError(f"expected key=value after {name}:, got {item!r}", field=field)
+        if key in kwargs:
+            raise ProfileError(f"{key} given twice in {ref!r}", field=field)
+        kwargs[key] = _option(key, value, field)
+    return name, kwargs
+
+
+def _option(key: str, text: str, field: str) -> Any:
+    rule = MODEL_OPTIONS.get(key)
+    if rule is None:
+        raise ProfileError(f"unknown option {key!r} (known: {', '.join(MODEL_OPTIONS)})", field=field)
+    if isinstance(rule, tuple):
+        if text not in rule:
+            raise ProfileError(f"{key}: expected one of {', '.join(rule)}; got {text!r}", field=field)
+        return text
+    try:
+        return rule.check(int(text) if text.isascii() and text.lstrip("-").isdigit() else text)
+    except ValueError as exc:
+        raise ProfileError(f"{key}: {exc}", field=field) from None
+
+
+def _check_options(values: dict[str, Any]) -> None:
+    """The options :func:`get_model` was called with, against :data:`MODEL_OPTIONS`."""
+    for key, value in values.items():
+        rule = MODEL_OPTIONS.get(key)
+        if value is None or rule is None or isinstance(rule, tuple):
+            continue
+        try:
+            rule.check(value)
+        except ValueError as exc:
+            raise ProfileError(f"{key}: {exc}", field=key) from None
+
+
 def get_model(
     name: str,
     *,
@@ -149,6 +209,7 @@ def get_model(
     """
     if name not in PRESETS and name not in _CNNS:
         raise ProfileError(f"unknown model {name!r}; known: {', '.join(model_names())}")
+    _check_options({"seq_len": seq_len, "image_size": image_size, **overrides})
     dtype, nbytes, state_bytes = _resolve_dtype(name, dtype, optimizer)
     if name in PRESETS:
         if image_size is not None:

@@ -27,6 +27,7 @@ from typing import Any
 
 from deepcee.cluster import Cluster
 from deepcee.errors import DeepceeError, InfeasiblePlanError
+from deepcee.inputs.work import check_planning
 from deepcee.plan import Plan
 from deepcee.planner.baselines import BaselineResult, build_baselines
 from deepcee.planner.bound import Bound, upper_bound
@@ -283,6 +284,7 @@ def compare(cluster: Cluster, model: ModelProfile, global_batch: int, *, crossov
     ``deepcee-relaxed``.
     """
     t0 = time.perf_counter()
+    check_planning(cluster, model, global_batch)  # before the baselines, which plan too
     try:
         plan, planning_s = _deepcee(cluster, model, global_batch)
         reason = ""

@@ -35,14 +35,16 @@ predicted time to target.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 from deepcee.errors import SpecError
-from deepcee.jsonio import read_json
-from deepcee.plan import STRATEGIES, Plan, Strategy
+from deepcee.inputs import Fields, read_json
+from deepcee.inputs.fields import check_format
+from deepcee.inputs.limits import COUNT, GLOBAL_BATCH, MAX_NAME_CHARS, Limit
+from deepcee.plan import Plan, Strategy
+from deepcee.planfile import strategy_from_fields
 
 FORMAT = "deepcee.efficiency"
 SCHEMA_VERSION = 1
@@ -189,36 +191,39 @@ class CalibratedEfficiency:
         return self.reference_steps * self.reference_global_batch
 
 
-def efficiency_from_dict(d: Mapping[str, Any], *, file: str = "<efficiency.json>") -> CalibratedEfficiency:
-    """A calibration from its ``deepcee.efficiency`` JSON form."""
-    if not isinstance(d, Mapping) or d.get("format") != FORMAT or d.get("schema_version") != SCHEMA_VERSION:
-        got = (d.get("format"), d.get("schema_version")) if isinstance(d, Mapping) else type(d).__name__
-        raise SpecError(f"expected format {FORMAT!r} schema_version {SCHEMA_VERSION}, got {got!r}", file=file,
-                        field="schema_version")
-    entries: list[Measured] = []
-    raw = d.get("entries", [])
-    if not isinstance(raw, Sequence) or isinstance(raw, str):
-        raise SpecError(f"must be a list, got {raw!r}", file=file, field="entries")
-    for i, e in enumerate(raw):
-        try:
-            st = e["strategy"]
-            if not isinstance(st, Mapping) or st.get("kind") not in STRATEGIES:
-                raise SpecError(f"needs a strategy with a kind in {STRATEGIES}, got {st!r}")
-            entries.append(Measured(strategy=Strategy(**st), multiplier=e["multiplier"],
-                                    replicas=int(e.get("replicas", 0))))
-        except KeyError as exc:
-            raise SpecError(f"missing key {exc.args[0]!r}", file=file, field=f"entries[{i}]") from None
-        except (SpecError, TypeError, ValueError) as exc:
-            raise SpecError(str(exc), file=file, field=f"entries[{i}]") from None
-    ref = d.get("reference") or {}
-    try:
-        return CalibratedEfficiency(
-            model=str(d.get("model", "")), entries=tuple(entries), file=file,
-            target_loss=None if d.get("target_loss") is None else float(d["target_loss"]),
-            reference_global_batch=None if ref.get("global_batch") is None else int(ref["global_batch"]),
-            reference_steps=None if ref.get("steps_to_target") is None else float(ref["steps_to_target"]))
-    except (TypeError, ValueError, AttributeError) as exc:
-        raise SpecError(f"bad reference or target: {exc}", file=file, field="reference") from None
+def efficiency_from_dict(d: Any, *, file: str = "<efficiency.json>") -> CalibratedEfficiency:
+    """A calibration from its ``deepcee.efficiency`` JSON form; every field checked by the input
+    layer's validator (:class:`deepcee.inputs.Fields`), errors name the file and the field."""
+    f = Fields(d, file=file, error=SpecError)
+    check_format(f, FORMAT, (SCHEMA_VERSION,))
+    entries = [_measured(e) for e in f.records("entries", [], max_len=MAX_ENTRIES)]
+    ref = f.record_of("reference", None) if f.raw("reference", None) is not None else None
+    target = f.number("target_loss", LOSS, None)
+    model = f.text("model", "", max_chars=MAX_NAME_CHARS)
+    f.text("source", "")
+    ref_batch = None if ref is None else ref.integer("global_batch", GLOBAL_BATCH, None)
+    ref_steps = None if ref is None else ref.number("steps_to_target", STEPS_TO_TARGET, None)
+    if ref is not None:
+        ref.done()
+    f.done()
+    return CalibratedEfficiency(model=model, entries=tuple(entries), file=file, target_loss=target,
+                                reference_global_batch=ref_batch, reference_steps=ref_steps)
+
+
+MAX_ENTRIES = 10_000
+"""Measured settings in one calibration file."""
+MULTIPLIER = Limit(name="efficiency multiplier", lo=0, lo_open=True, hi=1e6, fields="entries[].multiplier",
+                   why="samples to target over exact training's; positive and finite")
+LOSS = Limit(name="target loss", lo=-1e12, hi=1e12, fields="target_loss", why="a finite loss")
+STEPS_TO_TARGET = Limit(name="steps to target", lo=0, lo_open=True, hi=1e12, fields="reference.steps_to_target",
+                        why="a positive count")
+
+
+def _measured(f: Fields) -> Measured:
+    m = Measured(strategy=strategy_from_fields(f.record_of("strategy")), multiplier=f.number("multiplier", MULTIPLIER),
+                 replicas=f.integer("replicas", COUNT, 0))
+    f.done()
+    return m
 
 
 def load_efficiency(path: str | Path) -> CalibratedEfficiency:

@@ -61,6 +61,7 @@ import numpy as np
 
 from deepcee.cluster import Cluster
 from deepcee.errors import InfeasiblePlanError, PlanError
+from deepcee.inputs.work import check_planning
 from deepcee.plan import SCHEDULES, Plan
 from deepcee.planner.cost_model import AnalyticCostModel, CostModel, SimulatorCostModel
 from deepcee.planner.explain import explain
@@ -254,6 +255,7 @@ def plan_training(cluster: Cluster, model: ModelProfile, global_batch: int, *,
     options = options or PlannerOptions()
     if not isinstance(global_batch, int) or global_batch < 1:
         raise PlanError(f"global batch must be an integer >= 1, got {global_batch!r}", field="global_batch")
+    check_planning(cluster, model, global_batch)
     grouping = group_devices(cluster, island_threshold_s=options.island_threshold_s, speed_ratio=options.speed_ratio)
     max_stages = min(model.num_layers, options.max_stages or model.num_layers)
     search = SearchState(cluster=cluster, model=model, global_batch=global_batch, options=options, grouping=grouping,

@@ -14,12 +14,26 @@ from __future__ import annotations
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal, get_args
 
 import numpy as np
 from scipy.optimize import nnls
 
 from deepcee.errors import ProfileError, SpecError
+from deepcee.inputs import Fields, read_json
+from deepcee.inputs.limits import (
+    BYTES,
+    COUNT,
+    DURATION,
+    GLOBAL_BATCH,
+    LAYER_INDEX,
+    MAX_LAYERS,
+    MEASURED_RATIO,
+    MEASURED_TIME,
+    PEAK_FLOPS,
+    SLOWDOWN,
+)
 from deepcee.profile import LayerTiming, Pass
 
 CpuTimer = Literal["thread", "wall"]
@@ -219,28 +233,63 @@ def _passes_to_dict(passes: dict[Pass, PassFit]) -> dict[str, Any]:
             for k, f in passes.items()}
 
 
-def _passes_from_dict(d: dict[str, Any]) -> dict[Pass, PassFit]:
-    return {k: PassFit(median_s=tuple(f["median_s"]), iqr_s=tuple(f["iqr_s"]), fixed_s=f["fixed_s"],
-                       per_sample_s=f["per_sample_s"], max_residual_fraction=f["max_residual_fraction"])
-            for k, f in d.items()}
+def _pass_fit(f: Fields, sizes: int) -> PassFit:
+    fit = PassFit(median_s=f.numbers("median_s", MEASURED_TIME, max_len=sizes, min_len=sizes),
+                  iqr_s=f.numbers("iqr_s", MEASURED_TIME, max_len=sizes, min_len=sizes),
+                  fixed_s=f.number("fixed_s", MEASURED_TIME), per_sample_s=f.number("per_sample_s", MEASURED_TIME),
+                  max_residual_fraction=f.number("max_residual_fraction", MEASURED_RATIO))
+    f.done()
+    return fit
 
 
-def probe_from_dict(d: dict[str, Any]) -> DeviceProbe:
-    try:
-        layers = tuple(
-            LayerProbe(name=la["name"], microbatch_sizes=tuple(la["microbatch_sizes"]), rounds=la["rounds"],
-                       peak_memory_bytes=la["peak_memory_bytes"],
-                       activation_bytes_per_sample=la["activation_bytes_per_sample"], pacing_ratio=la["pacing_ratio"],
-                       passes=_passes_from_dict(la["passes"]),
-                       first_stage=None if la.get("first_stage") is None else _passes_from_dict(la["first_stage"]))
-            for la in d["layers"]
-        )
-        ranges = tuple(RangeProbe(start=r["start"], stop=r["stop"], rounds=r["rounds"], pacing_ratio=r["pacing_ratio"],
-                                  passes=_passes_from_dict(r["passes"])) for r in d.get("ranges", ()))
-        return DeviceProbe(device=d["device"], torch_device=d["torch_device"], kind=d["kind"], timer=d["timer"],
-                           memory_method=d["memory_method"], slowdown=d["slowdown"], dilation=d["dilation"],
-                           emulated=d["emulated"], layers=layers, ranges=ranges, wall_s=d["wall_s"],
-                           score=ComputeScore(flops_per_s=d["score"]["flops_per_s"],
-                                              benchmarks=dict(d["score"]["benchmarks"])))
-    except (KeyError, TypeError) as exc:
-        raise ProfileError(f"malformed device probe record: {exc!r}") from None
+def _passes_from(f: Fields | None, sizes: int) -> dict[Pass, PassFit] | None:
+    if f is None:
+        return None
+    passes = {p: _pass_fit(f.record_of(p), sizes) for p in PASSES if f.has(p)}
+    f.done()
+    return passes
+
+
+def _layer_probe(f: Fields) -> LayerProbe:
+    sizes = f.numbers("microbatch_sizes", GLOBAL_BATCH, max_len=64, min_len=2)
+    first = f.record_of("first_stage", None) if f.raw("first_stage", None) is not None else None
+    probe = LayerProbe(name=f.name("name"), microbatch_sizes=sizes, rounds=f.integer("rounds", COUNT),
+                       peak_memory_bytes=f.number("peak_memory_bytes", BYTES),
+                       activation_bytes_per_sample=f.number("activation_bytes_per_sample", BYTES),
+                       pacing_ratio=f.number("pacing_ratio", MEASURED_RATIO, None),
+                       passes=_passes_from(f.record_of("passes"), len(sizes)),
+                       first_stage=_passes_from(first, len(sizes)))
+    f.done()
+    return probe
+
+
+def _range_probe(f: Fields, sizes: int) -> RangeProbe:
+    probe = RangeProbe(start=f.integer("start", LAYER_INDEX), stop=f.integer("stop", LAYER_INDEX),
+                       rounds=f.integer("rounds", COUNT), pacing_ratio=f.number("pacing_ratio", MEASURED_RATIO, None),
+                       passes=_passes_from(f.record_of("passes"), sizes))
+    f.done()
+    return probe
+
+
+def probe_from_dict(d: Any, *, file: str = "<device probe>") -> DeviceProbe:
+    """A device probe record (:func:`probe_to_dict`), every field checked by the input layer."""
+    f = Fields(d, file=file, error=ProfileError)
+    layers = tuple(_layer_probe(x) for x in f.records("layers", max_len=MAX_LAYERS, min_len=1))
+    sizes = len(layers[0].microbatch_sizes)
+    score = f.record_of("score")
+    benchmarks = {k: score.check(f"benchmarks.{k}", PEAK_FLOPS, v)
+                  for k, v in score.mapping("benchmarks", max_len=64).items()}
+    probe = DeviceProbe(device=f.name("device"), torch_device=f.name("torch_device"), kind=f.name("kind"),
+                        timer=f.choice("timer", get_args(TimerName)), memory_method=f.text("memory_method"),
+                        slowdown=f.number("slowdown", SLOWDOWN), dilation=f.number("dilation", MEASURED_RATIO),
+                        emulated=f.flag("emulated"), layers=layers, wall_s=f.number("wall_s", DURATION),
+                        ranges=tuple(_range_probe(x, sizes) for x in f.records("ranges", [], max_len=MAX_LAYERS)),
+                        score=ComputeScore(flops_per_s=score.number("flops_per_s", PEAK_FLOPS), benchmarks=benchmarks))
+    score.done()
+    f.done()
+    return probe
+
+
+def load_probe(path: str | Path) -> DeviceProbe:
+    """The device probe record a profiler rank wrote to ``path``."""
+    return probe_from_dict(read_json(path, ProfileError), file=str(path))

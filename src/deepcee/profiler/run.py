@@ -33,7 +33,6 @@ are GPUs: it measures host-to-host paths, not NVLink/PCIe peer copies.
 
 from __future__ import annotations
 
-import json
 import logging
 import tempfile
 import time
@@ -49,6 +48,8 @@ from torch import nn
 
 from deepcee.cluster import Cluster, Device, DeviceKind, Node
 from deepcee.errors import ProfileError
+from deepcee.inputs import Fields, read_json
+from deepcee.inputs.limits import MAX_DEVICES
 from deepcee.plan import save_json_atomic
 from deepcee.planner.grouping import (
     DEFAULT_ISLAND_THRESHOLD_S,
@@ -67,7 +68,7 @@ from deepcee.profiler.model import (
     measured_slowdowns,
 )
 from deepcee.profiler.network import LinkFit, NetworkBudget, PairMode, link_entries, probe_network
-from deepcee.profiler.probes import DeviceProbe, ProbeConfig, probe_from_dict, probe_to_dict
+from deepcee.profiler.probes import DeviceProbe, ProbeConfig, load_probe, probe_to_dict
 from deepcee.runtime import dist as rdist
 from deepcee.runtime.emulation import (
     DEFAULT_CORES,
@@ -190,14 +191,16 @@ def measured_cluster(cluster: Cluster, probes: Sequence[DeviceProbe], fits: Sequ
 def _read_raw(raw: Path, world: int, *, devices: bool = True) -> tuple[list[DeviceProbe], list[LinkFit], PairMode]:
     probes, fits, modes = [], [], set()
     for r in range(world):
-        try:
-            if devices:
-                probes.append(probe_from_dict(json.loads((raw / f"device-{r}.json").read_text())))
-            d = json.loads((raw / f"links-{r}.json").read_text())
-        except OSError as exc:
-            raise ProfileError(f"rank {r} left no result: {exc.strerror}", file=str(raw)) from None
-        modes.add(d["mode"])
-        fits += [LinkFit.from_dict(f) for f in d["fits"]]
+        for name in ([f"device-{r}.json"] if devices else []) + [f"links-{r}.json"]:
+            if not (raw / name).exists():
+                raise ProfileError(f"rank {r} left no result ({name})", file=str(raw))
+        if devices:
+            probes.append(load_probe(raw / f"device-{r}.json"))
+        links = Fields(read_json(raw / f"links-{r}.json", ProfileError), file=str(raw / f"links-{r}.json"),
+                       error=ProfileError)
+        modes.add(links.text("mode"))
+        fits += [LinkFit.from_dict(f) for f in links.items("fits", max_len=MAX_DEVICES**2)]
+        links.done()
     if len(modes) != 1:
         raise ProfileError(f"ranks disagree on the pair mode: {sorted(modes)}")
     return probes, fits, modes.pop()

@@ -15,13 +15,14 @@ Torch-free.
 
 from __future__ import annotations
 
-import json
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from deepcee.errors import RunFileError
+from deepcee.inputs import read_json, read_json_lines
 from deepcee.plan import EXACT, Plan, Semantics, Strategy, plan_from_dict
 from deepcee.runtime.emulation import EmulationInfo
 from deepcee.runtime.replica_records import StrategyRun
@@ -502,10 +503,13 @@ class TrainResult:
     def from_run_dir(run_dir: str | Path) -> TrainResult:
         """The result a run left in ``run_dir`` (``result.json`` and its lines of ``metrics.jsonl``)."""
         path = Path(run_dir) / "result.json"
-        d = json.loads(path.read_text())
+        d = read_json(path, RunFileError)
         lines = read_step_metrics(Path(run_dir) / "metrics.jsonl")
-        n = len(d["losses"])
-        res = TrainResult.from_dict(d, metrics=lines[len(lines) - n:] if n else (), file=str(path))
+        try:
+            n = len(d["losses"])
+            res = TrainResult.from_dict(d, metrics=lines[len(lines) - n:] if n else (), file=str(path))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise RunFileError(f"malformed run result: {exc!r}"[:200], file=str(path)) from None
         return replace(res, run_dir=str(run_dir))
 
 
@@ -530,5 +534,11 @@ def train_result(records: Sequence[StepMetrics], *, job: str, plan: Plan, plan_d
 
 
 def read_step_metrics(path: str | Path) -> list[StepMetrics]:
-    """Every line of a ``metrics.jsonl``."""
-    return [StepMetrics.from_dict(json.loads(line)) for line in Path(path).read_text().splitlines() if line.strip()]
+    """Every line of a ``metrics.jsonl`` (read by the input layer; a malformed line is named)."""
+    out = []
+    for n, d in enumerate(read_json_lines(path, RunFileError), 1):
+        try:
+            out.append(StepMetrics.from_dict(d))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise RunFileError(f"malformed step record: {exc!r}"[:200], file=str(path), field=f"line {n}") from None
+    return out

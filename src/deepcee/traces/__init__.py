@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from deepcee.cluster import BandwidthTrace, Cluster, LinkEntry, LinkSpec, load_trace
+from deepcee.cluster.files import read_trace_file
 from deepcee.errors import ClusterSpecError
 
 TRACE_SCHEMA_VERSION = 1
@@ -102,25 +103,27 @@ def trace_names() -> list[str]:
     return sorted(Path(f.name).stem for f in files if f.name.endswith(".json"))
 
 
-def trace_path(name: str) -> Path:
-    path = Path(str(resources.files(__package__).joinpath(f"{name}.json")))
-    if not path.exists():
-        raise ClusterSpecError(f"unknown trace {name!r} (known: {', '.join(trace_names())})", field="trace")
-    return path
+def trace_path(name: str, *, field: str = "trace") -> Path:
+    """The shipped file of built-in trace ``name``; ``field`` names where the name came from."""
+    if name not in trace_names():
+        raise ClusterSpecError(f"unknown trace {name!r} (known: {', '.join(trace_names())}; or a trace file path)",
+                               field=field)
+    return Path(str(resources.files(__package__).joinpath(f"{name}.json")))
 
 
-def trace_description(name_or_path: str | Path) -> str:
+def _trace_file(name_or_path: str | Path, field: str) -> Path:
     p = Path(name_or_path)
-    path = p if p.suffix == ".json" and p.exists() else trace_path(str(name_or_path))
-    return str(json.loads(path.read_text()).get("description", ""))
+    return p if p.suffix == ".json" or p.exists() else trace_path(str(name_or_path), field=field)
 
 
-def load_named_trace(name_or_path: str | Path) -> BandwidthTrace:
-    """A built-in trace by name (``drop-5x``) or a trace file by path."""
-    p = Path(name_or_path)
-    if p.suffix == ".json" or p.exists():
-        return load_trace(p)
-    return load_trace(trace_path(str(name_or_path)))
+def trace_description(name_or_path: str | Path, *, field: str = "trace") -> str:
+    return read_trace_file(_trace_file(name_or_path, field))[1]
+
+
+def load_named_trace(name_or_path: str | Path, *, field: str = "trace") -> BandwidthTrace:
+    """A built-in trace by name (``drop-5x``) or a trace file by path (read by
+    :func:`deepcee.cluster.load_trace`); ``field`` names the option or key it came from."""
+    return load_trace(_trace_file(name_or_path, field))
 
 
 # ---------------------------------------------------------------------------------------
