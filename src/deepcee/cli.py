@@ -48,20 +48,41 @@ def parse_model_ref(ref: str) -> tuple[str, dict[str, Any]]:
     return name, kwargs
 
 
-def _load_model(ref: str, profile: str | None = None, **shape: Any):
-    """A model profile: measured JSON if given, else a built-in analytic profile."""
+def _load_model(ref: str, profile: str | None = None, args: argparse.Namespace | None = None, **shape: Any):
+    """A model profile: measured JSON if given, a user's model (``package.module:name``) counted
+    from its blocks on ``--data``, else a built-in analytic profile."""
     from deepcee.profile import load_profile
 
     if profile:
         return load_profile(profile), profile
     if ref.endswith(".json"):
         return load_profile(ref), ref
+    from deepcee.nets.split import is_import_path
+
+    if is_import_path(ref):
+        return _counted_profile(ref, args), ref
     from deepcee.models import get_model
 
     name, kwargs = parse_model_ref(ref)
     kwargs.update({k: v for k, v in shape.items() if v is not None})
     full = name + (":" + ",".join(f"{k}={v}" for k, v in kwargs.items()) if kwargs else "")
     return get_model(name, **kwargs), full
+
+
+def _counted_profile(ref: str, args: argparse.Namespace | None):
+    """The profile of a user's model counted from its blocks (:func:`deepcee.api.profile`)."""
+    data = getattr(args, "data", None)
+    if not data:
+        raise SpecError(f"a model of your own ({ref}) needs --data to count its profile on (or give --profile)",
+                        field="--data")
+    from deepcee import api
+    from deepcee.nets.split import import_object
+    from deepcee.runtime.datafiles import load_data
+
+    loss = import_object(args.loss, what="--loss") if getattr(args, "loss", None) else None
+    points = tuple(p for p in (getattr(args, "split_at", None) or "").split(",") if p)
+    with _progress(f"counting the profile of {ref}"):
+        return api.profile(ref, load_data(data, seq_len=getattr(args, "seq_len", None)), loss_fn=loss, points=points)
 
 
 def _write_json(path: str | Path, data: dict[str, Any]) -> None:
@@ -115,7 +136,7 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     cluster, cluster_ref = _load_cluster(args.cluster, args.scenario)
-    model, model_ref = _load_model(args.model, args.profile, seq_len=args.seq_len, image_size=args.image_size)
+    model, model_ref = _load_model(args.model, args.profile, args, seq_len=args.seq_len, image_size=args.image_size)
     from deepcee.planner.search import PlannerOptions, plan_training
 
     options = PlannerOptions(**({"schedules": tuple(args.schedules.split(","))} if args.schedules else {}))
@@ -141,7 +162,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
     plan = load_plan(args.plan)
     cluster, _ = _load_cluster(args.cluster, None, fallback=plan.cluster)
-    model, _ = _load_model(plan.model, args.profile)
+    model, _ = _load_model(plan.model, args.profile, args)
     plan.check_against(num_layers=model.num_layers, device_names=cluster.device_names, file=args.plan)
     if args.adapt:
         return _simulate_adaptive(args, plan, cluster, model)
@@ -210,7 +231,7 @@ def _simulate_adaptive(args: argparse.Namespace, plan, cluster, model) -> int:
 
 def cmd_compare(args: argparse.Namespace) -> int:
     cluster, _ = _load_cluster(args.cluster, args.scenario)
-    model, _ = _load_model(args.model, args.profile, seq_len=args.seq_len, image_size=args.image_size)
+    model, _ = _load_model(args.model, args.profile, args, seq_len=args.seq_len, image_size=args.image_size)
     from deepcee.planner.compare import compare, format_table, plot_crossover
 
     with _progress(f"planning deepcee and baselines for {model.name} on {cluster.name}"):
@@ -245,10 +266,14 @@ def cmd_profile(args: argparse.Namespace) -> int:
     cluster, _ = _load_cluster(args.cluster, args.scenario)
     from deepcee.profiler.run import profile_cluster
 
+    from deepcee.train import model_and_data
+
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     mode = "real devices and network" if args.real else f"emulated ({cluster.emulation or 'declared speeds'})"
     print(f"profiling {len(cluster.devices)} devices of {cluster.name} for {args.model}: {mode}")
-    result = profile_cluster(cluster, args.model, args.output, emulated=not args.real, deadline_s=args.deadline)
+    fields = model_and_data(args, args.model)
+    result = profile_cluster(cluster, fields["model"], args.output, emulated=not args.real, deadline_s=args.deadline,
+                             loss_fn=fields["loss_fn"], dataset=fields["dataset"], name=args.model)
     print(result.grouping.describe(), end="")
     for name, path in result.files.items():
         print(f"wrote {path} ({name})")
@@ -297,10 +322,15 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def _add_model_args(p: argparse.ArgumentParser, default: str | None = None) -> None:
     p.add_argument("--model", default=default, required=default is None,
-                   help="built-in model name (see `deepcee models`), optionally name:key=value,...")
+                   help="built-in model name (see `deepcee models`), optionally name:key=value,..., or your own "
+                   "model as package.module:name (with --data)")
     p.add_argument("--profile", help="measured profile JSON (from `deepcee profile`) instead of the analytic one")
     p.add_argument("--seq-len", type=int, help="sequence length for transformer models")
     p.add_argument("--image-size", type=int, help="image side for convolutional models")
+    p.add_argument("--data", help="with a model of your own (package.module:name): data to count its profile on "
+                   "(a file or package.module:name, as for `deepcee train`)")
+    p.add_argument("--loss", help="with a model of your own: its loss function, package.module:name")
+    p.add_argument("--split-at", help="with a model of your own: comma-separated split points")
 
 
 def _add_cluster_args(p: argparse.ArgumentParser) -> None:
@@ -335,7 +365,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("profile", help="measure every device (per-layer F/I/W) and link of a cluster")
     _add_cluster_args(p)
-    p.add_argument("--model", default="gpt-tiny", help="net to time per layer: gpt-tiny or resnet-tiny")
+    from deepcee.train import add_model_data_arguments
+
+    add_model_data_arguments(p, model_help="net to time per layer: gpt-tiny, resnet-tiny (default), or your own "
+                             "(package.module:name, with --data)")
+    p.set_defaults(model="gpt-tiny", seed=0)
     p.add_argument("-o", "--output", default="measured", help="output folder (cluster.json, profile.json, ...)")
     p.add_argument("--real", action="store_true", help="measure the real transport instead of emulated links "
                    "and devices")

@@ -300,3 +300,8 @@ def profile_from_dict(d: dict[str, Any], *, file: str = "<profile.json>") -> Mod
 
 def load_profile(path: str | Path) -> ModelProfile:
     return profile_from_dict(read_json(path, ProfileError), file=str(path))
+
+
+from deepcee._callable import make_callable  # noqa: E402  [Note: callable modules]
+
+make_callable(__name__)

@@ -30,7 +30,7 @@ import logging
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from deepcee.errors import DeepceeError
 
@@ -47,7 +47,6 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``deepcee train`` and ``python -m deepcee.train`` (one definition for both)."""
     p.add_argument("--plan", required=True, help="plan.json written by `deepcee plan`")
     p.add_argument("--cluster", help="cluster file or scenario name (default: the plan's cluster scenario)")
-    p.add_argument("--model", help="built-in net (default: the plan's model): gpt-tiny, resnet-tiny")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--mode", choices=("emulated", "real", "realnet"), default="emulated",
                    help="emulated: devices and links emulated in-process; realnet: devices emulated, each in its "
@@ -74,6 +73,22 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--adapt", action="store_true",
                    help="watch link speed from the runtime's own transfers and re-tune or re-plan when it changes")
     p.add_argument("--profile", help="measured profile.json for the adapter's predictions (default: analytic)")
+    add_model_data_arguments(p)
+
+
+def add_model_data_arguments(p: argparse.ArgumentParser, *, model_help: str | None = None) -> None:
+    """The model and data options (``deepcee train``, ``python -m deepcee.train``, ``deepcee profile``)."""
+    p.add_argument("--model", help=model_help or "a built-in net (gpt-tiny, resnet-tiny; default: the plan's model) "
+                   "or your own: package.module:name, a module, a list of blocks or a callable returning one (or "
+                   "(model, loss_fn)); HuggingFace GPT-2, Llama and BERT models split by themselves")
+    p.add_argument("--data", help="training data: package.module:name (a Dataset, IterableDataset, DataLoader or a "
+                   "callable returning one) or a file: .pt/.npy/.npz (inputs and targets, or token ids), or text")
+    p.add_argument("--eval-data", help="evaluation data: a fraction (0.1) or a count of samples held out of --data, "
+                   "or a dataset as for --data")
+    p.add_argument("--seq-len", type=int, help="tokens per sample when --data is a token stream or text (default 64)")
+    p.add_argument("--loss", help="loss function package.module:name (default: the model's, e.g. a HuggingFace LM's)")
+    p.add_argument("--split-at", help="comma-separated submodule names where a new block begins (split points)")
+    p.add_argument("--no-shuffle", action="store_true", help="read a map-style dataset in order every epoch")
 
 
 def train(args: argparse.Namespace) -> int:
@@ -130,20 +145,59 @@ def _config(args: argparse.Namespace) -> TrainConfig:
     )
 
 
+def model_and_data(args: argparse.Namespace, default_model: str) -> dict[str, Any]:
+    """The job's ``model``, ``loss_fn`` and ``dataset`` from ``--model``, ``--data``, ``--eval-data``,
+    ``--seq-len``, ``--loss``, ``--split-at``: a built-in net travels by name; a user's model is
+    built here, seeded by ``--seed`` (under torchrun every rank builds it, and start-up checks they
+    agree)."""
+    from deepcee import nets
+    from deepcee.nets.split import build_user_model, import_object
+    from deepcee.runtime.datafiles import load_data
+
+    ref = args.model or default_model
+    data = None
+    if args.data is not None:
+        data = load_data(args.data, seq_len=args.seq_len, seed=args.seed, shuffle=not args.no_shuffle,
+                         eval=_eval_ref(args))
+    loss = import_object(args.loss, what="--loss") if args.loss else None
+    if ref in nets.NET_NAMES:
+        return {"model": ref, "loss_fn": loss, "dataset": data}
+    if data is None:
+        raise DeepceeError(f"--model {ref}: a model of your own needs --data")
+    points = tuple(p for p in (args.split_at or "").split(",") if p)
+    split = build_user_model(ref, seed=args.seed, points=points)
+    loss = loss or split.loss_fn
+    if loss is None:
+        raise DeepceeError(f"--model {ref}: the model ({split.how}) has no default loss; give --loss")
+    return {"model": list(split.blocks), "loss_fn": loss, "dataset": data}
+
+
+def _eval_ref(args: argparse.Namespace) -> Any:
+    """``--eval-data`` as a fraction, a count, or a dataset reference."""
+    ref = args.eval_data
+    if ref is None:
+        return None
+    try:
+        number = float(ref)
+    except ValueError:
+        return ref  # a file or an import path (load_data resolves it)
+    return int(number) if number >= 1 and number.is_integer() else number
+
+
 def _job(args: argparse.Namespace, plan: Plan, cluster: Cluster) -> Job:
     """The one job every rank runs; its name, the same on every rank, namespaces the start-up keys."""
     name = "train-" + hashlib.sha256(f"{args.plan}:{args.run_dir}".encode()).hexdigest()[:8]
-    model = args.model or plan.model
+    fields = model_and_data(args, plan.model)
     if not (args.adapt or args.link_trace):
         from deepcee.runtime.job import Job
 
-        return Job(name=name, plan=plan, cluster=cluster, model=model, config=_config(args), run_dir=args.run_dir)
+        return Job(name=name, plan=plan, cluster=cluster, config=_config(args), run_dir=args.run_dir, **fields)
     from deepcee.adapter.controller import adaptive_job
     from deepcee.profile import load_profile
 
-    return adaptive_job(plan, cluster, config=_config(args), run_dir=args.run_dir, model=model, name=name,
+    return adaptive_job(plan, cluster, config=_config(args), run_dir=args.run_dir, name=name,
                         adapt=args.adapt, link_trace=args.link_trace, trace_time_scale=args.trace_time_scale,
-                        profile=load_profile(args.profile) if args.profile else None)
+                        profile=load_profile(args.profile) if args.profile else None, **fields)
 
 
 def _summary(result: TrainResult, args: argparse.Namespace) -> None:
@@ -174,6 +228,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"deepcee.train: error: {exc}", file=sys.stderr)
         return 2
 
+
+from deepcee._callable import make_callable  # noqa: E402  [Note: callable modules]
+
+make_callable(__name__)
 
 if __name__ == "__main__":
     sys.exit(main())

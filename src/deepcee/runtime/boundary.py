@@ -100,6 +100,14 @@ def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor | None], x: Any) -> An
     return unflatten(spec, [None if t is None else fn(t) for t in leaves])
 
 
+def grads_for(x: Any, mask: Sequence[bool], make: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """A gradient structure for ``x``: ``make(t)`` for each tensor whose ``mask`` entry is true,
+    ``None`` elsewhere ([Note: boundary gradients])."""
+    spec, leaves = flatten(x)
+    it = iter(mask)
+    return unflatten(spec, [None if t is None else (make(t) if next(it) else None) for t in leaves])
+
+
 def num_samples(x: Any) -> int:
     """The common first dimension of a structure's tensors."""
     sizes = {t.shape[0] if t.dim() else None for t in tensors(x)}

@@ -34,7 +34,7 @@ import json
 import logging
 import socket
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -55,6 +55,12 @@ HEADER_BYTES = 16
 ALIGN_BYTES = 16
 """Each tensor's bytes in a message start at a multiple of this (so they view as any dtype)."""
 Meta = TensorMeta | BoundaryMeta
+AGREE_HINTS = {
+    "data": "a data stream must give every rank the same samples (seed its shuffling)",
+    "model": "every rank must build the same model (a builder must be deterministic: deepcee seeds torch's RNG "
+             "from the run's seed before calling it)",
+}
+"""Why each digest of :func:`exchange_metadata`'s ``agree`` must be the same on every rank."""
 
 
 def _store_get(store: dist.Store, key: str, timeout_s: float, what: str) -> str:
@@ -68,20 +74,19 @@ def _store_get(store: dist.Store, key: str, timeout_s: float, what: str) -> str:
 def exchange_metadata(store: dist.Store, topology: Topology, rank: int, *, job: str, plan_digest: str,
                       output_meta: Callable[[Meta | None], Meta | None],
                       timeout_s: float, same_host: bool = False,
-                      data_digest: str | None = None) -> tuple[Meta | None, Meta | None]:
+                      agree: Mapping[str, str | None] | None = None) -> tuple[Meta | None, Meta | None]:
     """Agree on the plan and on boundary shapes; returns ``(input meta, output meta)`` of this rank.
 
     Every active rank publishes the digest of its plan; then, stage by stage, each rank takes
     the per-sample output meta of its forward peers, checks they agree, dry-runs its stage
     (``output_meta``) and publishes its own. Problems name the peer rank and device. With
-    ``same_host`` (emulation: one shared clock), every rank must run on this machine. With
-    ``data_digest`` (a data stream's step-0 batch, :meth:`deepcee.runtime.sources.Data.digest`),
-    every rank must draw the same samples.
+    ``same_host`` (emulation: one shared clock), every rank must run on this machine. Every
+    digest in ``agree`` must be the same on every rank (:data:`AGREE_HINTS` says why each matters).
     """
     me = topology.describe(rank)
     host = socket.gethostname()
     store.set(f"{job}/hello/{rank}", json.dumps({"plan": plan_digest, "device": topology.device_of(rank), "host": host,
-                                                  "data": data_digest}))
+                                                  "agree": dict(agree or {})}))
     # the plan's ranks through the topology (not 0..n-1: an adaptive run keeps each device's
     # rank whatever plan is in force)
     peers = [topology.rank_of(s, k) for s, st in enumerate(topology.plan.stages) for k in range(len(st.devices))]
@@ -92,11 +97,11 @@ def exchange_metadata(store: dist.Store, topology: Topology, rank: int, *, job: 
                 f"{me}: {topology.describe(peer)} runs a different plan (digest {hello['plan']} device "
                 f"{hello['device']!r}, mine {plan_digest})"
             )
-        if hello.get("data") != data_digest:
-            raise RuntimeSetupError(
-                f"{me}: {topology.describe(peer)} draws other samples (step-0 batch digest {hello.get('data')}, "
-                f"mine {data_digest}): a data stream must give every rank the same samples (seed its shuffling)"
-            )
+        for key, mine in (agree or {}).items():
+            theirs = hello.get("agree", {}).get(key)
+            if theirs != mine:
+                raise RuntimeSetupError(f"{me}: {topology.describe(peer)} has another {key} (digest {theirs}, mine "
+                                        f"{mine}): {AGREE_HINTS.get(key, 'every rank must have the same')}")
         if same_host and hello.get("host", host) != host:
             raise RuntimeSetupError(
                 f"{me}: emulation needs every rank on one machine (one clock), but {topology.describe(peer)} "

@@ -225,6 +225,10 @@ class StageRunner:
         for p in self.params:
             p.grad = None
 
+    def output_grad_mask(self, microbatch: int) -> tuple[bool, ...]:
+        """Per output tensor of a microbatch in flight, whether it gets a gradient (autograd tracks it)."""
+        return tuple(t.requires_grad for t in boundary.tensors(self._get(microbatch, "mask").output))
+
     # -- actions -------------------------------------------------------------------------
     def forward(self, microbatch: int, inputs: Any, targets: Any = None, loss_scale: float = 1.0) -> Any:
         """``F``: returns the output to send (detached), or the weighted loss on the last stage."""

@@ -172,6 +172,7 @@ class Trainer:
         """Model blocks, data, emulation (dilation, pacing, link shaping or the relay's trace
         epoch, the shared epoch) and, on an active rank, its stage."""
         self.blocks, self.loss_fn = self._blocks()
+        self.model_digest = rparams.model_digest(self.blocks)
         # [Note: data by step] in deepcee.runtime.sources: every rank fetches only its rows
         self.dataset = as_source(self.job.dataset if self.job.dataset is not None
                                  else dataset_for(self.job.model, self.cfg.seed), seed=self.cfg.seed)
@@ -227,7 +228,7 @@ class Trainer:
         self.metas = metas or exchange_metadata(
             self.w.store, self.topo, self.w.rank, job=key, plan_digest=self.digest,
             output_meta=self._dry_run, timeout_s=self.cfg.timeout_s, same_host=self.cfg.mode in PACED_MODES,
-            data_digest=self.dataset.digest(self.plan.global_batch),
+            agree={"data": self.dataset.digest(self.plan.global_batch), "model": self.model_digest},
         )
         if self.metas[0] is not None:
             self.stage.input_grads = BoundaryMeta.coerce(self.metas[0]).grad_mask
