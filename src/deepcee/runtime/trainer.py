@@ -306,7 +306,7 @@ class Trainer:
     def _sync_gradients(self) -> float:
         """SUM all-reduce of the stage's gradients ([Note: loss weighting]); returns wall seconds."""
         group = self.stage_groups.get(self.placement.stage)
-        if group is None:
+        if group is None or not self.stage.params:  # every device of a parameter-less stage skips it alike
             return 0.0
         t0 = self.clock.wall()
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.stage.params]
