@@ -22,6 +22,7 @@ under torchrun); the samples then travel with the job.
 
 from __future__ import annotations
 
+import pickle
 from pathlib import Path
 from typing import Any
 
@@ -127,7 +128,7 @@ def read_file(path: Path, *, seq_len: int | None = None) -> Any:
             value = np.load(path, allow_pickle=False)
         else:
             value = torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.uint8)
-    except (OSError, ValueError, RuntimeError) as exc:
+    except (OSError, ValueError, RuntimeError, EOFError, pickle.UnpicklingError) as exc:
         raise SpecError(f"cannot read data: {str(exc).splitlines()[0][:200]}", file=str(path), field="data") from None
     try:
         return dataset_from_value(value, seq_len=seq_len)

@@ -84,7 +84,7 @@ def _slice(b: Batch, lo: int, hi: int) -> Batch:
 
 def _is_map(obj: Any) -> bool:
     return (hasattr(obj, "__getitem__") and hasattr(obj, "__len__") and not isinstance(obj, IterableDataset)
-            and not isinstance(obj, (DataLoader, torch.Tensor, list, tuple, dict, str)))
+            and not isinstance(obj, (DataLoader, torch.Tensor, tuple, dict, str)))
 
 
 # -- the three kinds of part ------------------------------------------------------------------
@@ -225,8 +225,10 @@ def _part(obj: Any, *, shuffle: bool, seed: int, where: str) -> _MapPart | _Stre
         if isinstance(made, DataLoader):
             return _StreamPart(obj, batched=made.batch_size is not None or made.batch_sampler is not None)
         return _part(made, shuffle=shuffle, seed=seed, where=where)
+    hint = " (for tensors of inputs and targets: torch.utils.data.TensorDataset(inputs, targets))" if isinstance(
+        obj, tuple) else ""
     raise SpecError(f"expected a Dataset, an IterableDataset, a DataLoader (or a callable returning one) or an "
-                    f"object with batch(step, batch_size), got {type(obj).__name__}", field=where)
+                    f"object with batch(step, batch_size), got {type(obj).__name__}{hint}", field=where)
 
 
 class _Same:
@@ -327,18 +329,18 @@ class Data:
         return len(self._stream_eval(batch_size))
 
     def _stream_eval(self, batch_size: int) -> list[Batch]:
-        """A finite evaluation stream read once, in whole batches (kept: evaluation repeats)."""
-        if not self._eval_stream or boundary.num_samples(self._eval_stream[0].targets) != batch_size:
-            part = _StreamPart(self.eval.make, batched=self.eval.batched)
-            samples: list[Batch] = []
-            it = iter(part.make())
-            rows = [as_batch(x) for x in it] if part.batched else [as_batch(default_collate(list(c)))
-                                                                    for c in _chunks(it, batch_size)]
-            joined = Batch(inputs=boundary.cat([r.inputs for r in rows]), targets=boundary.cat([r.targets for r in rows]))
-            n = boundary.num_samples(joined.targets)
-            samples = [_slice(joined, k * batch_size, (k + 1) * batch_size) for k in range(n // batch_size)]
-            limit = self._eval_count or len(samples)
-            self._eval_stream = samples[:limit]
+        """A finite evaluation stream read once and cut into whole batches (kept: evaluation repeats)."""
+        if self._eval_stream and boundary.num_samples(self._eval_stream[0].targets) == batch_size:
+            return self._eval_stream
+        it = iter(self.eval.make())
+        chunks = [as_batch(x) for x in it] if self.eval.batched else [
+            as_batch(default_collate(c)) for c in _chunks(it, batch_size)]
+        if not chunks:
+            raise SpecError("the evaluation stream yields nothing", field="eval")
+        joined = Batch(inputs=boundary.cat([c.inputs for c in chunks]), targets=boundary.cat([c.targets for c in chunks]))
+        whole = boundary.num_samples(joined.targets) // batch_size
+        batches = [_slice(joined, k * batch_size, (k + 1) * batch_size) for k in range(whole)]
+        self._eval_stream = batches[:self._eval_count or len(batches)]
         return self._eval_stream
 
     def eval_rows(self, k: int, batch_size: int, lo: int, hi: int) -> Batch:
