@@ -265,7 +265,6 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
     cluster, _ = _load_cluster(args.cluster, args.scenario)
     from deepcee.profiler.run import profile_cluster
-
     from deepcee.train import model_and_data
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
