@@ -53,12 +53,12 @@ def _load_model(ref: str, profile: str | None = None, args: argparse.Namespace |
     from its blocks on ``--data``, else a built-in analytic profile."""
     from deepcee.profile import load_profile
 
-    if profile:
-        return load_profile(profile), profile
-    if ref.endswith(".json"):
-        return load_profile(ref), ref
     from deepcee.nets.split import is_import_path
 
+    if profile:  # the plan names a model of your own by its import path, which `deepcee train` builds
+        return load_profile(profile), ref if ref and is_import_path(ref) else profile
+    if ref.endswith(".json"):
+        return load_profile(ref), ref
     if is_import_path(ref):
         return _counted_profile(ref, args), ref
     from deepcee.models import get_model
@@ -271,8 +271,18 @@ def cmd_profile(args: argparse.Namespace) -> int:
     mode = "real devices and network" if args.real else f"emulated ({cluster.emulation or 'declared speeds'})"
     print(f"profiling {len(cluster.devices)} devices of {cluster.name} for {args.model}: {mode}")
     fields = model_and_data(args, args.model)
+    quick = {}
+    if args.quick:
+        from deepcee.profiler.network import NetworkBudget
+        from deepcee.profiler.probes import ProbeConfig
+
+        # one device pair per node pair, two message sizes large enough to resolve a 100 Mbit/s
+        # link's bandwidth; two microbatch sizes and three rounds per layer
+        quick = {"network_budget": NetworkBudget(max_full_ranks=1, min_bytes=256 << 10, max_bytes=1 << 20, growth=4,
+                                                 repeats=2, max_s_per_pair=8.0),
+                 "device_config": ProbeConfig(microbatch_sizes=(1, 4), warmup=1, repeats=3, score_repeats=1)}
     result = profile_cluster(cluster, fields["model"], args.output, emulated=not args.real, deadline_s=args.deadline,
-                             loss_fn=fields["loss_fn"], dataset=fields["dataset"], name=args.model)
+                             loss_fn=fields["loss_fn"], dataset=fields["dataset"], name=args.model, **quick)
     print(result.grouping.describe(), end="")
     for name, path in result.files.items():
         print(f"wrote {path} ({name})")
@@ -373,6 +383,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--real", action="store_true", help="measure the real transport instead of emulated links "
                    "and devices")
     p.add_argument("--deadline", type=float, default=900.0, help="hard limit for the whole profile, seconds")
+    p.add_argument("--quick", action="store_true", help="a small probe budget (two microbatch sizes, three rounds; "
+                   "one device pair per node pair, two message sizes): a first look in about a minute")
     p.set_defaults(func=cmd_profile)
 
     p = sub.add_parser("group", help="print the two-level groups (islands by network, groups by speed)")

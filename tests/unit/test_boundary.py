@@ -106,3 +106,18 @@ def test_structured_boundary_gradients_match_autograd(split_backward):
     grads = [p.grad for s in (first, last) for p in s.module.parameters()]
     for g, r in zip(grads, ref, strict=True):
         torch.testing.assert_close(g, r, rtol=1e-12, atol=1e-14)
+
+
+def test_profiler_probes_blocks_with_structured_boundaries():
+    """The per-layer probe drives the same stage runner: a dict boundary whose rotary-like
+    tensor gets no gradient is timed, and its bytes are counted, like a plain one."""
+    from deepcee.profiler.layer_probe import probe_blocks
+    from deepcee.profiler.probes import ProbeConfig
+
+    torch.manual_seed(0)
+    x, y = torch.randn(4, 4), torch.randn(4, 2)
+    layers, ranges, _ = probe_blocks([First(), Last()], inputs=x, targets=y, loss_fn=nn.functional.mse_loss,
+                                     config=ProbeConfig(microbatch_sizes=(1, 2), warmup=0, repeats=1, score_repeats=1))
+    assert len(layers) == 2 and len(ranges) == 1
+    assert all(la.passes[p].median_s[-1] > 0 for la in layers for p in ("F", "I", "W", "B"))
+    assert layers[0].peak_memory_bytes > 0
