@@ -52,8 +52,7 @@ def _load_model(ref: str, profile: str | None = None, args: argparse.Namespace |
     """A model profile: measured JSON if given, a user's model (``package.module:name``) counted
     from its blocks on ``--data``, else a built-in analytic profile."""
     from deepcee.profile import load_profile
-
-    from deepcee.nets.split import is_import_path
+    from deepcee.userref import is_import_path
 
     if profile:  # the plan names a model of your own by its import path, which `deepcee train` builds
         return load_profile(profile), ref if ref and is_import_path(ref) else profile
@@ -76,8 +75,8 @@ def _counted_profile(ref: str, args: argparse.Namespace | None):
         raise SpecError(f"a model of your own ({ref}) needs --data to count its profile on (or give --profile)",
                         field="--data")
     from deepcee import api
-    from deepcee.nets.split import import_object
     from deepcee.runtime.datafiles import load_data
+    from deepcee.userref import import_object
 
     loss = import_object(args.loss, what="--loss") if getattr(args, "loss", None) else None
     points = tuple(p for p in (getattr(args, "split_at", None) or "").split(",") if p)

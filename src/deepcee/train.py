@@ -151,8 +151,9 @@ def model_and_data(args: argparse.Namespace, default_model: str) -> dict[str, An
     built here, seeded by ``--seed`` (under torchrun every rank builds it, and start-up checks they
     agree)."""
     from deepcee import nets
-    from deepcee.nets.split import build_user_model, import_object
+    from deepcee.nets.split import build_user_model
     from deepcee.runtime.datafiles import load_data
+    from deepcee.userref import import_object
 
     ref = args.model or default_model
     data = None

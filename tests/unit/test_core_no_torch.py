@@ -15,7 +15,7 @@ OPTIONAL = [
     "deepcee.models", "deepcee.schedule.compact", "deepcee.simulator.engine", "deepcee.simulator.trace",
     "deepcee.planner", "deepcee.planner.search", "deepcee.planner.grouping", "deepcee.planner.cost_model",
     "deepcee.planner.baselines", "deepcee.planner.bound", "deepcee.planner.compare", "deepcee.adapter.policy", "deepcee.adapter.monitor", "deepcee.adapter.simloop", "deepcee.traces",
-    "deepcee.profiler.probes", "deepcee.cli", "deepcee.train",
+    "deepcee.profiler.probes", "deepcee.cli", "deepcee.train", "deepcee.api", "deepcee.userref", "deepcee._callable",
 ]
 
 

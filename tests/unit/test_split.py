@@ -11,8 +11,9 @@ from torch import nn
 
 from deepcee.errors import SpecError
 from deepcee.nets import pipe_split, split_model
-from deepcee.nets.split import build_user_model, import_object, is_import_path
+from deepcee.nets.split import build_user_model
 from deepcee.runtime.params import find_ties
+from deepcee.userref import import_object, is_import_path
 
 torch.set_num_threads(1)
 

@@ -37,7 +37,6 @@ naming it (move the split point, or compute it from a tensor where it is used). 
 
 from __future__ import annotations
 
-import importlib
 import logging
 import operator
 from collections.abc import Callable, Sequence
@@ -50,6 +49,7 @@ from torch import nn
 
 from deepcee.errors import SpecError
 from deepcee.nets import hf
+from deepcee.userref import import_object
 
 log = logging.getLogger(__name__)
 
@@ -227,29 +227,6 @@ def traced_split(model: nn.Module, points: Sequence[str] = ()) -> SplitModel:
 
 
 # -- a model named by an import path -------------------------------------------------------------
-
-
-def import_object(ref: str, *, what: str) -> Any:
-    """``package.module:attribute`` (the attribute may be dotted) -> the object."""
-    module, sep, attr = ref.partition(":")
-    if not sep or not module or not attr:
-        raise SpecError(f"expected package.module:name, got {ref!r}", field=what)
-    try:
-        obj: Any = importlib.import_module(module)
-    except ImportError as exc:
-        raise SpecError(f"cannot import {module!r} ({exc})", field=what) from None
-    for part in attr.split("."):
-        try:
-            obj = getattr(obj, part)
-        except AttributeError:
-            raise SpecError(f"module {module!r} has no {attr!r}", field=what) from None
-    return obj
-
-
-def is_import_path(ref: str) -> bool:
-    """``pkg.mod:name`` (not a built-in ``name:key=value`` reference, not a file)."""
-    module, sep, attr = ref.partition(":")
-    return bool(sep) and "=" not in attr and all(p.isidentifier() for p in (*module.split("."), *attr.split(".")))
 
 
 def build_user_model(obj: Any, *, seed: int = 0, points: Sequence[str] = ()) -> SplitModel:

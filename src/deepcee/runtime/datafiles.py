@@ -33,6 +33,7 @@ from torch.utils.data import Dataset, TensorDataset
 from deepcee.errors import SpecError
 from deepcee.runtime.data import Batch
 from deepcee.runtime.sources import Data
+from deepcee.userref import import_object, is_import_path
 
 DEFAULT_SEQ_LEN = 64
 
@@ -138,8 +139,6 @@ def read_file(path: Path, *, seq_len: int | None = None) -> Any:
 
 def resolve_data(ref: Any, *, seq_len: int | None = None) -> Any:
     """A file or an import path as the object it names; anything else as it is."""
-    from deepcee.nets.split import import_object, is_import_path
-
     if not isinstance(ref, (str, Path)):
         return ref
     path = Path(ref)
