@@ -121,10 +121,10 @@ def test_tied_embedding_and_head_stay_equal_across_stages(runs):
 @pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun not on PATH")
 def test_torchrun_with_model_and_data_from_the_command_line(tmp_path):
     """Each rank builds the model from the import path (seeded) and reads the data file itself."""
-    plan = CASES["mlp"][2]
+    plan = make_plan("user", [(0, 2, (C0,), (4,)), (2, 5, (E0,), (4,))], 2, "1f1b")
     save_json_atomic(tmp_path / "plan.json", plan.to_dict())
     torch.save(own.mlp_data(16).tensors, tmp_path / "reg.pt")
-    cmd = [shutil.which("torchrun"), "--standalone", "--nproc-per-node", "4", "-m", "deepcee.train",
+    cmd = [shutil.which("torchrun"), "--standalone", "--nproc-per-node", "2", "-m", "deepcee.train",
            "--plan", str(tmp_path / "plan.json"), "--model", "_own_models:build_mlp", "--data",
            str(tmp_path / "reg.pt"), "--seed", "3", "--steps", str(STEPS), "--dtype", "float64", "--mode", "real",
            "--optimizer", "sgd", "--lr", "0.1", "--momentum", "0.9", "--timeout", "60", "--run-dir",
