@@ -35,6 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from deepcee.cluster import Cluster, Device, DeviceKind, Island, LinkEntry, LinkSpec, Node
+from deepcee.comm import allreduce_s
 from deepcee.errors import InfeasiblePlanError
 from deepcee.plan import Plan, save_json_atomic, share_overlaps
 from deepcee.planner.cost_model import (
@@ -57,7 +58,6 @@ from deepcee.planner.search import (
     plan_training,
 )
 from deepcee.profile import LayerProfile, ModelProfile
-from deepcee.simulator.collectives import allreduce_s
 from deepcee.simulator.engine import optimizer_step_s, simulate
 from deepcee.units import GIB
 

@@ -13,7 +13,7 @@ Two ranks, each in its own network namespace, joined through the user-space rela
 - gloo (``torch.distributed``) over the same link: small-message send/recv round trip,
   a 4 MB send (timed to the receiver's reply, so the model is ``2 x latency + bytes / bandwidth``)
   and a 4 MB all-reduce (model: the simulator's ring alpha-beta time,
-  :func:`deepcee.simulator.collectives.ring_allreduce_s`);
+  :func:`deepcee.comm.ring_allreduce_s`);
 - the relay's own CPU (user + system, fraction of one core) while the bulk transfer runs;
 - TCP congestion control (part ``cc``): one 64 kB gloo message at a time, sent after an idle
   gap (0-300 ms, like a pipeline's activations), with the namespaces' stated default
@@ -57,8 +57,8 @@ from pathlib import Path
 from typing import Any
 
 from deepcee.cluster import Cluster, Device, DeviceKind, Island, LinkEntry, LinkSpec, Node
+from deepcee.comm import ring_allreduce_s
 from deepcee.plan import Plan, StagePlan, save_json_atomic
-from deepcee.simulator.collectives import ring_allreduce_s
 
 MBIT = 1e6 / 8
 PORT = 5301

@@ -34,11 +34,11 @@ from typing import Any
 
 from deepcee.cluster import cluster_from_toml_dict
 from deepcee.plan import Plan, StagePlan, save_json_atomic
-from deepcee.runtime.executor import schedule_for
 from deepcee.runtime.job import Job, OptimizerConfig, TrainConfig
 from deepcee.runtime.launch import launch_jobs
 from deepcee.runtime.records import StepMetrics
 from deepcee.schedule.passes import dry_run
+from deepcee.schedule.program import lowered_schedule
 
 SPLIT = ((0, 2), (2, 3), (3, 4), (4, 6))
 BOUNDARY_BYTES_PER_SAMPLE = 64 * 64 * 4  # gpt-tiny activations: seq 64 x d_model 64, float32
@@ -123,7 +123,7 @@ def main() -> None:
                 pooled[kind][s].append(c)
     med_cost = {k: [statistics.median(pooled[k][s]) for s in range(len(SPLIT))] for k in pooled}
     for sched, v in by_sched.items():
-        lowered = schedule_for(make_plan(sched, args.microbatch, args.microbatches))
+        lowered = lowered_schedule(make_plan(sched, args.microbatch, args.microbatches))
         split = any(a.kind.value in ("I", "W") for row in lowered for a in row)
         # the dry run charges a B as I + W, so a fused schedule gets its measured B in two halves
         i_cost, w_cost = ((med_cost["I"], med_cost["W"]) if split

@@ -133,19 +133,43 @@ def cmd_models(args: argparse.Namespace) -> int:
     return 0
 
 
+def _efficiency(path: str | None):
+    from deepcee.planner.efficiency import DefaultEfficiency, load_efficiency
+
+    return load_efficiency(path) if path else DefaultEfficiency()
+
+
+def _figures(plan, cluster, model, args: argparse.Namespace):
+    """The plan's speed, time to target and cost (simulated a few steps)."""
+    from deepcee.planner.objective import plan_figures
+    from deepcee.simulator.replicas import simulate_replicas
+
+    result = simulate_replicas(plan, cluster, model, steps=2)
+    return plan_figures(plan, result, cluster, model, _efficiency(args.efficiency),
+                        dataset_samples=args.dataset_samples, epochs=args.epochs)
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     cluster, cluster_ref = _load_cluster(args.cluster, args.scenario)
     model, model_ref = _load_model(args.model, args.profile, args, seq_len=args.seq_len, image_size=args.image_size)
     from deepcee.planner.search import PlannerOptions, plan_training
 
+    if args.budget is not None and args.objective != "cost":
+        raise SpecError("--budget needs --objective cost", field="--budget")
     options = PlannerOptions(**({"schedules": tuple(args.schedules.split(","))} if args.schedules else {}))
+    searched = args.sync == "relaxed" or args.objective == "cost"
     with _progress(f"planning {model.name} on {cluster.name}"):
-        result = plan_training(cluster, model, args.global_batch, options=options)
+        result = plan_training(cluster, model, args.global_batch, options=options, sync=args.sync, **(dict(
+            efficiency=_efficiency(args.efficiency), objective=args.objective, budget_usd=args.budget,
+            dataset_samples=args.dataset_samples, epochs=args.epochs) if searched else {}))
     plan = result.plan.replace(cluster=cluster_ref, model=model_ref)
     for line in result.explanation:
         print(line)
     if plan.estimate is not None:
         print(f"estimate: {_fmt_est(plan.estimate)}; bottleneck: {plan.estimate.bottleneck}")
+    if not searched:
+        for line in _figures(result.plan, cluster, model, args).lines():
+            print(line)
     print(f"planning took {result.planning_s:.2f} s over {result.candidates_evaluated} candidates")
     if cluster.emulation:
         print(f"note: cluster {cluster.name!r} is emulated: {cluster.emulation}")
@@ -167,6 +191,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         return _simulate_adaptive(args, plan, cluster, model)
     if args.link_trace:
         cluster = _apply_trace(cluster, args.link_trace, args.trace_links)
+    if plan.num_replicas > 1 or args.straggler:
+        return _simulate_replicas(args, plan, cluster, model)
     result = simulate(plan, cluster, model, iterations=args.iterations)
     print(f"plan {args.plan}: {plan.system}, {plan.num_stages} stages, schedule {plan.schedule}, "
           f"{plan.num_microbatches} x {plan.microbatch_size} samples")
@@ -184,6 +210,28 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if args.plot:
         plot_timeline(result, plan, args.plot)
         print(f"wrote {args.plot}")
+    return 0
+
+
+def _simulate_replicas(args: argparse.Namespace, plan, cluster, model) -> int:
+    """Plans with several replicas, or with stragglers: every strategy over time."""
+    from deepcee.cluster.stragglers import Straggler
+    from deepcee.simulator.replica_trace import replica_chrome_trace
+    from deepcee.simulator.replicas import describe_result, simulate_replicas
+
+    stragglers = [Straggler.parse(text, cluster.device_names) for text in args.straggler]
+    result = simulate_replicas(plan, cluster, model, steps=args.iterations, stragglers=stragglers,
+                               record=bool(args.timeline))
+    print(f"plan {args.plan}: {plan.system}")
+    for line in describe_result(result, plan, stragglers):
+        print(line)
+    source = "emulated cluster" if cluster.emulation else "datasheet device speeds, analytic cost model"
+    print(f"all figures simulated ({source})")
+    if args.timeline:
+        _write_json(args.timeline, replica_chrome_trace(result, plan))
+        print(f"wrote {args.timeline} (Chrome trace; open in Perfetto)")
+    if args.plot:
+        print("note: --plot draws one pipeline; use --timeline for plans with replicas or stragglers")
     return 0
 
 
@@ -234,7 +282,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
     from deepcee.planner.compare import compare, format_table, plot_crossover
 
     with _progress(f"planning deepcee and baselines for {model.name} on {cluster.name}"):
-        report = compare(cluster, model, args.global_batch)
+        report = compare(cluster, model, args.global_batch, relaxed=not args.no_relaxed, sync=args.sync,
+                         efficiency=_efficiency(args.efficiency))
     print(format_table(report))
     _write_json(args.json, report.to_dict())
     print(f"wrote {args.json}")
@@ -315,6 +364,18 @@ def cmd_train(args: argparse.Namespace) -> int:
     return train(args)
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from deepcee.runtime.export import export_checkpoint
+
+    res = export_checkpoint(args.checkpoint, args.output)
+    print(f"checkpoint {res.folder} (step {res.step}): {res.tensors} tensors under {res.names} names")
+    for f in res.files:
+        print(f"wrote {f}")
+    if len(res.files) == 1 and not args.output.endswith(".safetensors"):
+        print("no .safetensors: the safetensors package is not installed")
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from deepcee.demo import DemoConfig, format_report, run_demo
 
@@ -346,6 +407,19 @@ def _add_cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cluster", help="cluster file (TOML, or JSON written by `deepcee profile`)")
 
 
+def _subparser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices[command]
+
+
+def _add_sync_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--sync", choices=("exact", "relaxed"), default="exact",
+                   help="exact: synchronous plans only (the single-process result); relaxed: also replicas joined "
+                        "by model averaging, ASGD-GA or partial averaging, judged by predicted time to target")
+    p.add_argument("--efficiency", help="calibrated statistical efficiency (deepcee.efficiency JSON) instead of "
+                   "the conservative default, which is not measured")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="deepcee",
@@ -370,6 +444,12 @@ def build_parser() -> argparse.ArgumentParser:
                        description=DESCRIPTION)
     add_train_arguments(p)
     p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("export", help="write a checkpoint as one plain state_dict (.pt, and .safetensors when "
+                       "installed) that loads into the model with strict=True")
+    p.add_argument("checkpoint", help="run folder, checkpoint folder, or one step-N folder (default: the newest intact)")
+    p.add_argument("-o", "--output", default="model.pt", help="state_dict file (torch.save); .safetensors beside it")
+    p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("profile", help="measure every device (per-layer F/I/W) and link of a cluster")
     _add_cluster_args(p)
@@ -416,6 +496,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(p)
     p.add_argument("--global-batch", type=int, required=True)
     p.add_argument("--schedules", help="comma-separated schedules the planner may use (default: all)")
+    _add_sync_args(p)
+    p.add_argument("--objective", choices=("time", "cost"), default="time",
+                   help="time: fastest predicted time to target; cost: fewest dollars per sync-equivalent epoch "
+                        "(needs prices in the cluster file)")
+    p.add_argument("--budget", type=float, help="with --objective cost: the fastest plan within this many dollars "
+                   "per sync-equivalent epoch")
+    p.add_argument("--dataset-samples", type=float, help="samples per epoch (default: the data the cluster file "
+                   "states over the model's input bytes per sample)")
+    p.add_argument("--epochs", type=int, default=1, help="epochs the one-time data movement is spread over")
     p.add_argument("-o", "--output", default="plan.json")
     p.set_defaults(func=cmd_plan)
 
@@ -432,6 +521,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trace-links", help="apply the trace only between these two islands: a,b")
     p.add_argument("--timeline", help="write a Chrome-trace JSON timeline")
     p.add_argument("--plot", help="write a PNG timeline")
+    p.add_argument("--straggler", action="append", default=[], metavar="DEVICE:FACTOR[:START[:STOP]]",
+                   help="slow DEVICE down FACTOR times from START to STOP (simulated seconds; default the whole "
+                        "run); repeatable")
     p.set_defaults(func=cmd_simulate)
 
     p = sub.add_parser("compare", help="deepcee vs baselines vs the upper bound on one cluster")
@@ -440,6 +532,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--global-batch", type=int, required=True)
     p.add_argument("--json", default="compare.json")
     p.add_argument("--plot", default="crossover.png", help="crossover PNG (written when leaving devices out wins)")
+    _add_sync_args(p)
+    p.add_argument("--no-relaxed", action="store_true", help="leave out the related systems' relaxed strategies "
+                   "(Cloudless-Training, SDPipe, HeteroG)")
     p.set_defaults(func=cmd_compare)
 
     p = sub.add_parser("schedule", help="inspect pipeline schedules")
@@ -457,6 +552,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     func: Callable[[argparse.Namespace], int] = args.func
     try:
+        if getattr(args, "config", None):  # a job config: its values become defaults, flags override them
+            from deepcee.jobconfig import parse_with_config
+
+            args = parse_with_config(parser, argv, train_parser=_subparser(parser, args.command))
         return func(args)
     except DeepceeError as exc:
         print(f"deepcee {args.command}: error: {exc}", file=sys.stderr)

@@ -5,12 +5,14 @@ One machine, emulated devices and links (the default; one process per device of 
     deepcee plan --model gpt-tiny --scenario local-small -o plan.json
     deepcee train --plan plan.json --steps 50 --run-dir runs/gpt
     deepcee train --plan plan.json --steps 60 --adapt --link-trace drop-5x   # links change mid-run
+    deepcee train --config examples/job.toml --steps 100                    # a job config; flags override
 
-Several machines (``mode real``; every rank needs the same plan and cluster files; ``nnodes``
-x ``nproc-per-node`` must equal the plan's device count, ranks follow the plan's device order)::
+Several machines (``mode real``; every node needs the same plan and cluster files; each node's
+processes run the devices of the cluster node(s) mapped to it, [Note: machine mapping] in
+:mod:`deepcee.runtime.machines`)::
 
     torchrun --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
-        -m deepcee.train --plan plan.json --cluster cluster.toml --mode real --cuda --steps 1000
+        -m deepcee.train --plan plan.json --cluster cluster.toml --mode real --cuda --cluster-node cloud0
 
 ``--dry-run`` prints the lowered schedule each stage will run and exits. Metrics go to
 ``<run-dir>/metrics.jsonl`` (one JSON object per step), the summary to ``<run-dir>/result.json``.
@@ -25,45 +27,70 @@ needs nothing else. Both build one :class:`~deepcee.runtime.job.Job` (plan, clus
 from __future__ import annotations
 
 import argparse
-import hashlib
 import logging
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from deepcee.errors import DeepceeError
+from deepcee.errors import DeepceeError, SpecError
 
 if TYPE_CHECKING:
     from deepcee.cluster import Cluster
     from deepcee.plan import Plan
+    from deepcee.runtime.dist import TorchrunEnv
     from deepcee.runtime.job import Job, TrainConfig
     from deepcee.runtime.records import TrainResult
 
 DESCRIPTION = __doc__.split("\n")[0]
+log = logging.getLogger("deepcee.train")
 
 
 def add_train_arguments(p: argparse.ArgumentParser) -> None:
-    """The options of ``deepcee train`` and ``python -m deepcee.train`` (one definition for both)."""
-    p.add_argument("--plan", required=True, help="plan.json written by `deepcee plan`")
+    """The options of ``deepcee train`` and ``python -m deepcee.train`` (one definition for both;
+    each also has a ``[section] key`` in a job config, :data:`deepcee.jobconfig.FIELDS`)."""
+    p.add_argument("--config", help="job config (TOML): the defaults of every option below; flags given override it "
+                   "(docs/file-formats.md, examples/job.toml)")
+    p.add_argument("--plan", help="plan.json written by `deepcee plan` (without it: --global-batch plans one)")
     p.add_argument("--cluster", help="cluster file or scenario name (default: the plan's cluster scenario)")
+    p.add_argument("--global-batch", type=int, help="no --plan: plan for this global batch first (local launch only)")
+    p.add_argument("--schedules", help="no --plan: comma-separated schedules the planner may use")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--mode", choices=("emulated", "real", "realnet"), default="emulated",
                    help="emulated: devices and links emulated in-process; realnet: devices emulated, each in its "
                    "own network namespace, links shaped by a user-space relay carrying real TCP (needs root and "
                    "/dev/net/tun; local processes only); real: as fast as the hardware goes (torchrun, CUDA)")
     p.add_argument("--dtype", choices=("float32", "float64"), default="float32")
+    p.add_argument("--autocast", choices=("bfloat16", "float16"), help="mixed precision on CUDA (needs --cuda)")
     p.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--momentum", type=float, default=0.0)
+    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--lr-schedule", choices=("constant", "linear", "cosine"), default="constant",
+                   help="the learning rate after the warm-up")
+    p.add_argument("--warmup-steps", type=int, default=0, help="linear warm-up from lr/W to lr over W steps")
+    p.add_argument("--min-lr-ratio", type=float, default=0.0, help="floor of linear and cosine decay, x lr")
+    p.add_argument("--decay-steps", type=int, help="steps of the decay (default: the rest of the run)")
+    p.add_argument("--clip-grad-norm", type=float, help="clip the gradient to this global norm (over every stage)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cores", type=float, default=1.2, help="CPU cores the emulated devices may use together")
     p.add_argument("--run-dir", default="runs/train")
-    p.add_argument("--checkpoint-every", type=int, default=0)
-    p.add_argument("--resume", action="store_true")
+    p.add_argument("--checkpoint-every", type=int, default=0, help="checkpoint every N steps (and after the last)")
+    p.add_argument("--keep-checkpoints", type=int, default=2, help="intact checkpoints kept (0: all)")
+    p.add_argument("--checkpoint-dir", help="checkpoint folder (default: <run-dir>/checkpoints)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the newest intact checkpoint, under this run's plan (any split)")
+    p.add_argument("--init-from", help="start from these weights: a state_dict file (.pt, .safetensors) with the "
+                   "model's own names, or a checkpoint folder")
+    p.add_argument("--eval-every", type=int, default=0, help="held-out loss every N steps (0: never)")
+    p.add_argument("--eval-batches", type=int, default=4, help="held-out global batches per evaluation")
+    p.add_argument("--log-every", type=int, default=10, help="a progress line every N steps (0: none)")
+    p.add_argument("--tensorboard", action="store_true", help="TensorBoard scalars in <run-dir>/tensorboard")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds any receive or collective may wait")
     p.add_argument("--deadline", type=float, default=3600.0, help="local launch: hard limit for the whole run")
-    p.add_argument("--cuda", action="store_true", help="use CUDA + NCCL when available (mode real)")
+    p.add_argument("--cuda", action="store_true", help="use CUDA + NCCL (mode real); an error without CUDA")
+    p.add_argument("--cluster-node", help="torchrun: the cluster node(s) this machine runs, NAME[,NAME] (default: by the "
+                   "cluster file's host or node_rank)")
     p.add_argument("--trace", action="store_true", help="record every action's start and end in the metrics")
     p.add_argument("--dry-run", action="store_true", help="print each stage's lowered schedule and exit")
     p.add_argument("--link-trace", help="bandwidth trace on the emulated wide-area links: a built-in name "
@@ -72,7 +99,11 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
                    help="stretch the trace's times by this factor (emulated seconds)")
     p.add_argument("--adapt", action="store_true",
                    help="watch link speed from the runtime's own transfers and re-tune or re-plan when it changes")
-    p.add_argument("--profile", help="measured profile.json for the adapter's predictions (default: analytic)")
+    p.add_argument("--straggler", action="append", default=[], metavar="DEVICE:FACTOR[:START[:STOP]]",
+                   help="emulated modes: slow DEVICE down FACTOR times from START to STOP (emulated seconds "
+                        "since training started; default the whole run); repeatable")
+    p.add_argument("--profile", help="measured profile.json for planning and the adapter's predictions "
+                   "(default: analytic)")
     add_model_data_arguments(p)
 
 
@@ -96,52 +127,116 @@ def train(args: argparse.Namespace) -> int:
 
     Raises :class:`~deepcee.errors.DeepceeError` on bad input (the callers print it)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    plan, cluster = _load(args)
-    if args.dry_run:
-        from deepcee.runtime.executor import schedule_for
-        from deepcee.schedule.passes import format_table
-
-        print(format_table(schedule_for(plan)))
-        return 0
     from deepcee.runtime import dist as rdist
 
     env = rdist.torchrun_env()
+    plan, cluster = _load(args, under_torchrun=env is not None)
+    if args.dry_run:
+        from deepcee.runtime.partition import replica_plan
+        from deepcee.schedule.passes import format_table
+        from deepcee.schedule.program import lowered_schedule
+
+        for r in range(plan.num_replicas):
+            if plan.num_replicas > 1:
+                print(f"replica {r}:")
+            print(format_table(lowered_schedule(replica_plan(plan, r))))
+        return 0
     if (args.adapt or args.link_trace) and env is not None:
         raise DeepceeError("--adapt and --link-trace run on local emulated processes, not under torchrun")
-    job = _job(args, plan, cluster)
+    if args.cuda:
+        rdist.check_cuda()
+    job = _job(args, plan, cluster, run_id=env.run_id if env is not None else "")
     if env is None:
         from deepcee.runtime.launch import launch_jobs
 
         result = launch_jobs([job], deadline_s=args.deadline)[0]
     else:
-        from deepcee.runtime.trainer import run_jobs_on_rank
-
-        store = rdist.tcp_store(env, args.timeout)
-        (result,) = run_jobs_on_rank([job], env.rank, env.world_size, store, local_rank=env.local_rank)
+        result = _torchrun_rank(args, env, job)
     if result is not None:  # rank 0, or the local launcher
         _summary(result, args)
     return 0
 
 
-def _load(args: argparse.Namespace) -> tuple[Plan, Cluster]:
+def _torchrun_rank(args: argparse.Namespace, env: TorchrunEnv, job: Job) -> TrainResult | None:
+    """This process under torchrun: map it to its device ([Note: machine mapping]), then train."""
+    from deepcee.runtime import dist as rdist
+    from deepcee.runtime.machines import format_table
+    from deepcee.runtime.trainer import run_jobs_on_rank
+
+    store = rdist.tcp_store(env, args.timeout)
+    nodes = tuple(n for n in (args.cluster_node or "").split(",") if n)
+    me, table = rdist.map_torchrun_rank(env, store, job.cluster, job.rank_devices(), nodes=nodes,
+                                        source=job.cluster.source or job.cluster.name, timeout_s=args.timeout)
+    if me.rank == 0:
+        stage_of = {d: s for s, st in enumerate(job.plan.stages) for d in st.devices}
+        log.info("devices of %d torchrun processes:\n%s", len(table), "\n".join(format_table(table, stage_of)))
+        if me.mapped_by == "rank order":
+            log.warning("no --cluster-node, host or node_rank: devices follow torchrun's rank order, which c10d "
+                        "rendezvous gives in the order machines join (docs/running.md, Several machines)")
+    (result,) = run_jobs_on_rank([job], me.rank, env.world_size, store, local_rank=env.local_rank,
+                                 node=me.node, launcher_rank=env.rank)
+    return result
+
+
+def _load(args: argparse.Namespace, *, under_torchrun: bool = False) -> tuple[Plan, Cluster]:
     from deepcee.cluster import load_cluster
     from deepcee.plan import load_plan
     from deepcee.scenarios import load_scenario, scenario_names
 
-    plan = load_plan(args.plan)
-    ref = args.cluster or plan.cluster
+    if args.plan:
+        plan = load_plan(args.plan)
+        ref = args.cluster or plan.cluster
+    elif args.global_batch is not None:
+        ref = args.cluster or "local-small"
+        plan = None
+    else:
+        raise SpecError("give --plan (a plan file), or --global-batch to plan first", field="--plan")
     cluster = load_cluster(ref) if Path(ref).exists() or ref not in scenario_names() else load_scenario(ref)
+    if plan is None:
+        plan = _plan_now(args, cluster, ref, under_torchrun=under_torchrun)
     return plan, cluster
 
 
-def _config(args: argparse.Namespace) -> TrainConfig:
+def _plan_now(args: argparse.Namespace, cluster: Cluster, cluster_ref: str, *, under_torchrun: bool) -> Plan:
+    """A plan for ``--global-batch`` on the cluster (written to ``<run-dir>/plan.json``)."""
+    if under_torchrun:
+        raise SpecError("under torchrun every machine must train one plan: write it with `deepcee plan` and "
+                        "give the same --plan file to every node", field="--plan")
+    if not args.model:
+        raise SpecError("planning needs the model: give --model (or [model] name)", field="--model")
+    from deepcee.models import get_model
+    from deepcee.plan import save_json_atomic
+    from deepcee.planner.search import PlannerOptions, plan_training
+    from deepcee.profile import load_profile
+
+    profile = load_profile(args.profile) if args.profile else get_model(args.model)
+    options = PlannerOptions(**({"schedules": tuple(args.schedules.split(","))} if args.schedules else {}))
+    plan = plan_training(cluster, profile, args.global_batch, options=options).plan
+    plan = plan.replace(cluster=cluster_ref, model=args.model)
+    path = Path(args.run_dir) / "plan.json"
+    save_json_atomic(path, plan.to_dict())
+    log.info("planned %s on %s for a global batch of %d: %d stages, schedule %s (%s)", args.model, cluster.name,
+             args.global_batch, plan.num_stages, plan.schedule, path)
+    return plan
+
+
+def _config(args: argparse.Namespace, cluster: Cluster | None = None) -> TrainConfig:
+    """The training config of ``args`` (``--straggler`` names devices of ``cluster``)."""
+    from deepcee.runtime.emulation import Straggler
     from deepcee.runtime.job import OptimizerConfig, TrainConfig
+    from deepcee.runtime.lr import LRSchedule
 
     return TrainConfig(
+        stragglers=tuple(Straggler.parse(text, cluster.device_names if cluster else ()) for text in args.straggler),
         steps=args.steps, seed=args.seed, dtype=args.dtype, mode=args.mode, cores=args.cores,
-        optimizer=OptimizerConfig(name=args.optimizer, lr=args.lr, momentum=args.momentum),
-        timeout_s=args.timeout, checkpoint_every=args.checkpoint_every, resume=args.resume,
-        trace=args.trace, use_cuda=args.cuda,
+        optimizer=OptimizerConfig(name=args.optimizer, lr=args.lr, momentum=args.momentum,
+                                  weight_decay=args.weight_decay),
+        lr_schedule=LRSchedule(kind=args.lr_schedule, warmup_steps=args.warmup_steps, min_lr_ratio=args.min_lr_ratio,
+                               decay_steps=args.decay_steps),
+        clip_grad_norm=args.clip_grad_norm, autocast=args.autocast,
+        timeout_s=args.timeout, checkpoint_every=args.checkpoint_every, keep_checkpoints=args.keep_checkpoints,
+        resume=args.resume, init_from=args.init_from, eval_every=args.eval_every, eval_batches=args.eval_batches,
+        log_every=args.log_every, tensorboard=args.tensorboard, trace=args.trace, use_cuda=args.cuda,
     )
 
 
@@ -185,18 +280,23 @@ def _eval_ref(args: argparse.Namespace) -> Any:
     return int(number) if number >= 1 and number.is_integer() else number
 
 
-def _job(args: argparse.Namespace, plan: Plan, cluster: Cluster) -> Job:
-    """The one job every rank runs; its name, the same on every rank, namespaces the start-up keys."""
-    name = "train-" + hashlib.sha256(f"{args.plan}:{args.run_dir}".encode()).hexdigest()[:8]
+def _job(args: argparse.Namespace, plan: Plan, cluster: Cluster, *, run_id: str = "") -> Job:
+    """The one job every rank runs. Its name, which namespaces the start-up keys, comes from what
+    is trained (:func:`~deepcee.runtime.job.job_name`), never from how a path is spelled."""
+    from deepcee.runtime.job import job_name
+
+    model = args.model or plan.model
+    name = job_name(plan, model, run_id=run_id)
     fields = model_and_data(args, plan.model)
     if not (args.adapt or args.link_trace):
         from deepcee.runtime.job import Job
 
-        return Job(name=name, plan=plan, cluster=cluster, config=_config(args), run_dir=args.run_dir, **fields)
+        return Job(name=name, plan=plan, cluster=cluster, config=_config(args, cluster), run_dir=args.run_dir,
+                   checkpoint_dir=args.checkpoint_dir, **fields)
     from deepcee.adapter.controller import adaptive_job
     from deepcee.profile import load_profile
 
-    return adaptive_job(plan, cluster, config=_config(args), run_dir=args.run_dir, name=name,
+    return adaptive_job(plan, cluster, config=_config(args, cluster), run_dir=args.run_dir, name=name,
                         adapt=args.adapt, link_trace=args.link_trace, trace_time_scale=args.trace_time_scale,
                         profile=load_profile(args.profile) if args.profile else None, **fields)
 
@@ -206,6 +306,9 @@ def _summary(result: TrainResult, args: argparse.Namespace) -> None:
     note = (f" ({result.mode}, time dilation {result.dilation:.2f}; times divided by it)"
             if result.mode in ("emulated", "realnet") else "")
     print(f"steps {len(losses)}  loss {losses[0]:.4f} -> {losses[-1]:.4f}  {result.samples_per_s:.1f} samples/s{note}")
+    print(f"semantics {result.semantics}: {result.strategy}")
+    if result.replicas is not None:
+        print("local steps per replica: " + " ".join(map(str, result.replicas.local_steps)))
     print(f"metrics: {Path(args.run_dir) / 'metrics.jsonl'}")
     if result.adapter is None:
         return
@@ -220,10 +323,12 @@ def _summary(result: TrainResult, args: argparse.Namespace) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m deepcee.train``: the same options as ``deepcee train``; the entry torchrun runs."""
+    from deepcee.jobconfig import parse_with_config
+
     parser = argparse.ArgumentParser(prog="python -m deepcee.train", description=DESCRIPTION)
     add_train_arguments(parser)
-    args = parser.parse_args(argv)
     try:
+        args = parse_with_config(parser, argv)
         return train(args)
     except DeepceeError as exc:
         print(f"deepcee.train: error: {exc}", file=sys.stderr)

@@ -17,7 +17,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from deepcee import nets
-from deepcee.plan import Plan, StagePlan
+from deepcee.plan import EXACT, Plan, ReplicaPlan, StagePlan, Strategy
 from deepcee.runtime import boundary
 from deepcee.runtime import dist as rdist
 from deepcee.runtime.data import Batch, dataset_for
@@ -34,6 +34,21 @@ def make_plan(model: str, stages: list[tuple[int, int, tuple[str, ...], tuple[in
         num_microbatches=num_microbatches, schedule=schedule, actions=actions,
         stages=tuple(StagePlan(layer_start=a, layer_stop=b, devices=d, shares=s) for a, b, d, s in stages),
     )
+
+
+def make_replicas_plan(model: str, replicas: list[tuple[list[tuple[int, int, tuple[str, ...], tuple[int, ...]]], int, str]],
+                       *, sync: str = "allreduce-ring", strategy: Strategy = EXACT, servers: tuple[str, ...] = (),
+                       stage_syncs: dict[tuple[int, int], str] | None = None) -> Plan:
+    """A plan of several replicas: each ``(stages, num_microbatches, schedule)``; ``stage_syncs``
+    gives (replica, stage) its own sync."""
+    reps = []
+    for r, (stages, m, schedule) in enumerate(replicas):
+        sts = tuple(StagePlan(layer_start=a, layer_stop=b, devices=d, shares=sh,
+                              sync=(stage_syncs or {}).get((r, i)))
+                    for i, (a, b, d, sh) in enumerate(stages))
+        reps.append(ReplicaPlan(stages=sts, microbatch_size=sum(stages[0][3]), num_microbatches=m, schedule=schedule))
+    return Plan(system="test", cluster="local-small", model=model, global_batch=sum(r.batch for r in reps),
+                replicas=tuple(reps), sync=sync, strategy=strategy, servers=servers)
 
 
 @dataclass(frozen=True)
@@ -218,3 +233,196 @@ def silent_sender_target(rank: int, world_size: int, store_path: str, timeout_s:
 
 def sleeper_target(rank: int, world_size: int, store_path: str, seconds: float) -> None:
     time.sleep(seconds)
+
+
+# -- single-process re-enactment of the relaxed update rules ----------------------------------
+
+
+class _Device:
+    """One device of a replica's stage in the re-enactment: its own copy of the blocks and optimizer."""
+
+    def __init__(self, blocks, start, stop, opt):
+        self.blocks = copy.deepcopy(blocks)
+        self.start, self.stop = start, stop
+        self.params = [p for b in self.blocks[start:stop] for p in b.parameters() if p.requires_grad]
+        self.optimizer = opt.build(self.params) if opt is not None else None
+
+    def named(self):
+        return {f"{i}.{n}": p for i in range(self.start, self.stop) for n, p in self.blocks[i].named_parameters()}
+
+
+class _Replica:
+    """A replica's devices, stage by stage, and its forward/backward exactly as the runtime runs it
+    with a fused-backward schedule (gpipe, 1f1b): microbatches in order, each device on its share."""
+
+    def __init__(self, blocks, rep, offset, opt, loss_fn, dtype):
+        self.rep, self.offset, self.loss_fn, self.dtype = rep, offset, loss_fn, dtype
+        self.stages = [[_Device(blocks, st.layer_start, st.layer_stop, opt) for _ in st.devices] for st in rep.stages]
+
+    def zero_grad(self):
+        for devs in self.stages:
+            for d in devs:
+                for p in d.params:
+                    p.grad = None
+
+    def accumulate(self, batch):
+        """One local step's gradients of this replica's samples of ``batch``, added to ``.grad``."""
+        rep, mb = self.rep, self.rep.microbatch_size
+        for m in range(rep.num_microbatches):
+            lo = self.offset + m * mb
+            x = batch.inputs[lo:lo + mb]
+            x = x.to(self.dtype) if x.is_floating_point() else x
+            y = batch.targets[lo:lo + mb]
+            y = y.to(self.dtype) if y.is_floating_point() else y
+            saved = []
+            for s, (st, devs) in enumerate(zip(rep.stages, self.stages, strict=True)):
+                outs, ins = [], []
+                for (a, b), d in zip(_ranges(st.shares), devs, strict=True):
+                    xin = x[a:b].detach()
+                    if s and xin.is_floating_point():
+                        xin.requires_grad_(True)
+                    out = xin
+                    for blk in d.blocks[d.start:d.stop]:
+                        out = blk(out)
+                    if s == len(rep.stages) - 1:
+                        out = self.loss_fn(out, y[a:b]) * ((b - a) / rep.batch)
+                    ins.append(xin)
+                    outs.append(out)
+                saved.append((ins, outs))
+                x = torch.cat([o.detach() for o in outs]) if s < len(rep.stages) - 1 else None
+            grad = None
+            for s in reversed(range(len(rep.stages))):
+                ins, outs = saved[s]
+                back = []
+                for (a, b), xin, out in zip(_ranges(rep.stages[s].shares), ins, outs, strict=True):
+                    out.backward(torch.ones_like(out) if grad is None else grad[a:b])
+                    back.append(xin.grad if xin.requires_grad else None)
+                grad = torch.cat(back) if s else None
+
+    def sum_in_stages(self):
+        """The in-stage SUM all-reduce: every device copy gets the sum (two devices at most here: exact)."""
+        for devs in self.stages:
+            if len(devs) > 1:
+                for ps in zip(*(d.params for d in devs), strict=True):
+                    total = ps[0].grad.clone()
+                    for p in ps[1:]:
+                        total.add_(p.grad)
+                    for p in ps:
+                        p.grad = total.clone()
+
+    def step(self):
+        for devs in self.stages:
+            for d in devs:
+                d.optimizer.step()
+
+    def delegates(self):
+        """Name -> the parameter of the first device of the stage holding it."""
+        out = {}
+        for devs in self.stages:
+            out.update(devs[0].named())
+        return out
+
+    def set_values(self, values):
+        with torch.no_grad():
+            for devs in self.stages:
+                for d in devs:
+                    for name, p in d.named().items():
+                        p.copy_(values[name])
+
+
+def _ranges(shares):
+    out, lo = [], 0
+    for s in shares:
+        out.append((lo, lo + s))
+        lo += s
+    return out
+
+
+def _mean(xs):
+    acc = xs[0].clone()
+    for x in xs[1:]:
+        acc.add_(x)
+    return acc.div_(len(xs))
+
+
+def relaxed_reference(model: str, plan: Plan, steps: int, opt: OptimizerConfig, *, seed: int = 0,
+                      dtype: torch.dtype = torch.float64):
+    """Re-enact ``plan``'s relaxed rule in one process, with the runtime's arithmetic (model
+    averaging: plain or outer Nesterov; asgd-ga: pushes taken in turn, the fixed arrival
+    order). Returns ``(per replica its losses, per replica name -> final parameter)``."""
+    blocks, loss_fn = nets.build(model, seed, dtype=dtype)
+    dataset = dataset_for(model, seed)
+    s = plan.strategy
+    offsets = plan.replica_offsets()
+    reps = [_Replica(blocks, rep, off, None if s.kind == "asgd-ga" else opt, loss_fn, dtype)
+            for rep, off in zip(plan.replicas, offsets, strict=True)]
+    losses = [[] for _ in reps]
+    initial = {f"{i}.{n}": p.detach().clone() for i, b in enumerate(blocks) for n, p in b.named_parameters()}
+
+    def local_step(r, k, zero=True):
+        if zero:
+            reps[r].zero_grad()
+        batch = dataset.batch(k, plan.global_batch)
+        before = _loss_sum(reps[r], batch)
+        reps[r].accumulate(batch)
+        losses[r].append(before)
+
+    if s.kind == "model-averaging":
+        anchor, buf = dict(initial), {}
+        for k in range(steps):
+            for r in range(len(reps)):
+                local_step(r, k)
+                reps[r].sum_in_stages()
+                reps[r].step()
+            if (k + 1) % s.period:
+                continue
+            thetas = [rep.delegates() for rep in reps]
+            new = {}
+            for name in thetas[0]:
+                if s.outer_optimizer == "average":
+                    new[name] = _mean([th[name].detach() for th in thetas])
+                    continue
+                delta = _mean([anchor[name] - th[name].detach() for th in thetas])
+                b = buf.get(name)
+                b = delta.clone() if b is None else b.mul_(s.outer_momentum).add_(delta)
+                buf[name] = b
+                anchor[name] = anchor[name] - s.outer_lr * (delta + s.outer_momentum * b)
+                new[name] = anchor[name]
+            for rep in reps:
+                rep.set_values(new)
+    elif s.kind == "asgd-ga":
+        server = {n: torch.nn.Parameter(v.clone()) for n, v in initial.items()}
+        server_opt = opt.build(list(server.values()))
+        k_acc = s.accumulation_steps
+        rounds = -(-steps // k_acc)
+        for c in range(rounds):
+            for r in range(len(reps)):
+                ks = range(c * k_acc, min(steps, (c + 1) * k_acc))
+                for i, k in enumerate(ks):
+                    local_step(r, k, zero=i == 0)
+                reps[r].sum_in_stages()
+                for name, p in reps[r].delegates().items():
+                    server[name].grad = p.grad.clone().div_(len(ks))
+                server_opt.step()
+                reps[r].set_values({n: p.detach() for n, p in server.items()})
+    else:
+        raise ValueError(f"no re-enactment for {s.kind!r}")
+    return losses, [rep.delegates() for rep in reps]
+
+
+def _loss_sum(rep: _Replica, batch) -> float:
+    """The replica's loss on ``batch`` as the runtime reports it (the sum of its weighted losses),
+    computed without touching gradients."""
+    with torch.no_grad():
+        total = 0.0
+        r, mb = rep.rep, rep.rep.microbatch_size
+        for m in range(r.num_microbatches):
+            lo = rep.offset + m * mb
+            x = batch.inputs[lo:lo + mb]
+            x = x.to(rep.dtype) if x.is_floating_point() else x
+            y = batch.targets[lo:lo + mb]
+            y = y.to(rep.dtype) if y.is_floating_point() else y
+            for blk in (blk for devs in rep.stages for blk in devs[0].blocks[devs[0].start:devs[0].stop]):
+                x = blk(x)
+            total += float(rep.loss_fn(x, y))
+        return total / r.num_microbatches

@@ -8,7 +8,11 @@ import sys
 CORE = [
     "deepcee.cluster", "deepcee.cluster.parts", "deepcee.cluster.routing", "deepcee.cluster.model",
     "deepcee.cluster.files", "deepcee.profile", "deepcee.plan", "deepcee.schedule", "deepcee.schedule.builders",
-    "deepcee.schedule.passes", "deepcee.simulator", "deepcee.simulator.collectives", "deepcee.simulator.memory",
+    "deepcee.schedule.passes", "deepcee.schedule.program", "deepcee.schedule.interpreter", "deepcee.simulator",
+    "deepcee.comm", "deepcee.simulator.memory", "deepcee.cluster.stragglers", "deepcee.simulator.network",
+    "deepcee.simulator.pipelines", "deepcee.simulator.replicas", "deepcee.simulator.strategies",
+    "deepcee.simulator.replica_trace", "deepcee.planner.efficiency", "deepcee.planner.objective",
+    "deepcee.planner.replicas", "deepcee.planner.relaxed_baselines",
     "deepcee.scenarios", "deepcee.units", "deepcee.errors", "deepcee.jsonio",
 ]
 OPTIONAL = [
@@ -16,6 +20,8 @@ OPTIONAL = [
     "deepcee.planner", "deepcee.planner.search", "deepcee.planner.grouping", "deepcee.planner.cost_model",
     "deepcee.planner.baselines", "deepcee.planner.bound", "deepcee.planner.compare", "deepcee.adapter.policy", "deepcee.adapter.monitor", "deepcee.adapter.simloop", "deepcee.traces",
     "deepcee.profiler.probes", "deepcee.cli", "deepcee.train", "deepcee.api", "deepcee.userref", "deepcee._callable",
+    "deepcee.jobconfig", "deepcee.runtime.machines",
+    "deepcee.runtime.lr", "deepcee.runtime.runlock", "deepcee.runtime.checkpoint",
 ]
 
 

@@ -1,4 +1,9 @@
-"""Analytic cost model: closed forms, the dry-run model, the simulator, memory, range tables."""
+"""Analytic cost model: closed forms, the dry-run model, the simulator, memory, range tables.
+
+The cost model times the plan's lowered schedule with the simulator's interpreter on
+stage-level costs; the tests below tie it to the dry run (bit for bit) and to the simulator
+(one device per stage, every schedule, a grid of stages x microbatches).
+"""
 
 from __future__ import annotations
 
@@ -9,6 +14,8 @@ import pytest
 from conftest import measured_model
 
 from deepcee.cluster import Cluster, Device, DeviceKind, Island, LinkEntry, LinkSpec, Node
+from deepcee.comm import allreduce_s
+from deepcee.errors import ScheduleError
 from deepcee.models import get_model
 from deepcee.plan import Plan, StagePlan, share_overlaps
 from deepcee.planner.cost_model import (
@@ -25,9 +32,8 @@ from deepcee.planner.search import compact_plan
 from deepcee.profile import LayerProfile, ModelProfile
 from deepcee.scenarios import load_scenario
 from deepcee.schedule.builders import build_schedule
-from deepcee.schedule.passes import dry_run
-from deepcee.simulator.collectives import allreduce_s
-from deepcee.simulator.engine import optimizer_step_s
+from deepcee.schedule.passes import dry_run, lower
+from deepcee.simulator.engine import optimizer_step_s, simulate
 from deepcee.simulator.memory import device_memory_bytes
 
 FIXED = ("gpipe", "1f1b", "zb-h1", "zb-h2")
@@ -72,11 +78,11 @@ def _plan(cluster: Cluster, split: list[int], stages: list[tuple[str, ...]], n: 
 def test_unit_cost_closed_forms(s: int, m: int):
     """gpipe and 1f1b: (M + S - 1)(F + B); zb-h1 with F = I = W = 1 and M >= S: 3M + 2(S - 1)."""
     for name in ("gpipe", "1f1b"):
-        t = pipeline_timing(build_schedule(name, s, m), [1.0] * s, [1.0] * s, [1.0] * s,
+        t = pipeline_timing(lower(build_schedule(name, s, m)), [1.0] * s, [1.0] * s, [1.0] * s,
                             [(0.0, 0.0)] * (s - 1), [(0.0, 0.0)] * (s - 1))
         assert t.makespan_s == pytest.approx((m + s - 1) * 3.0)
     if m >= s:
-        t = pipeline_timing(build_schedule("zb-h1", s, m), [1.0] * s, [1.0] * s, [1.0] * s,
+        t = pipeline_timing(lower(build_schedule("zb-h1", s, m)), [1.0] * s, [1.0] * s, [1.0] * s,
                             [(0.0, 0.0)] * (s - 1), [(0.0, 0.0)] * (s - 1))
         assert t.makespan_s == pytest.approx(3 * m + 2 * (s - 1))
 
@@ -84,23 +90,45 @@ def test_unit_cost_closed_forms(s: int, m: int):
 def test_unit_cost_closed_form_with_uniform_comm():
     """gpipe with F = 1, B = 2 and a pure-latency link c: (M + S - 1)(F + B) + 2 (S - 1) c."""
     s, m, c = 4, 8, 0.25
-    t = pipeline_timing(build_schedule("gpipe", s, m), [1.0] * s, [1.0] * s, [1.0] * s,
+    t = pipeline_timing(lower(build_schedule("gpipe", s, m)), [1.0] * s, [1.0] * s, [1.0] * s,
                         [(c, 0.0)] * (s - 1), [(c, 0.0)] * (s - 1))
     assert t.makespan_s == pytest.approx((m + s - 1) * 3.0 + 2 * (s - 1) * c)
 
 
-def test_recurrence_equals_dry_run_on_random_costs():
+def test_pipeline_timing_is_the_dry_run_bit_for_bit_on_random_costs():
+    # the unrecorded run lets each stage run until it blocks; the dry run keeps time order
     rng = random.Random(7)
-    for _ in range(60):
+    for _ in range(200):
         s, m, name = rng.randint(1, 5), rng.randint(1, 8), rng.choice(FIXED)
         f, i, w = ([rng.uniform(0.1, 2) for _ in range(s)] for _ in range(3))
         cf = [(rng.uniform(0, 1), rng.uniform(0, 1)) for _ in range(s - 1)]
         cb = [(rng.uniform(0, 1), rng.uniform(0, 1)) for _ in range(s - 1)]
         sched = build_schedule(name, s, m)
         ref = dry_run(sched, forward_s=f, input_grad_s=i, weight_grad_s=w, comm_forward=cf, comm_backward=cb)
-        got = pipeline_timing(sched, f, i, w, cf, cb)
-        assert got.makespan_s == pytest.approx(ref.makespan_s, rel=1e-12)
-        assert got.busy_s == pytest.approx(ref.busy_s)
+        got = pipeline_timing(lower(sched), f, i, w, cf, cb)
+        assert got.makespan_s == ref.makespan_s
+        assert got.busy_s == ref.busy_s
+
+
+def test_pipeline_timing_takes_lowered_schedules_only():
+    with pytest.raises(ScheduleError, match="lower"):
+        pipeline_timing(build_schedule("1f1b", 2, 2), [1.0] * 2, [1.0] * 2, [1.0] * 2, [(0.0, 0.0)], [(0.0, 0.0)])
+
+
+@pytest.mark.parametrize("schedule", FIXED)
+def test_one_device_stages_equal_the_simulator_on_a_grid(schedule: str):
+    # Stage-level costs are exact with one device per stage, so the cost model's pipeline is
+    # the simulator's: same lowered lists, same interpreter, every stage and microbatch count.
+    rng = random.Random(FIXED.index(schedule))
+    for s in range(1, 6):
+        for m in (1, 2, 3, 5, 8):
+            c = _chain_cluster(s, wan_bytes_per_s=rng.uniform(5e6, 5e7))
+            model = _uniform_model(s * 2, out=rng.uniform(1e4, 1e6))
+            p = _plan(c, [2 * k for k in range(s + 1)], [(f"n{k}:0",) for k in range(s)], 2, m, schedule)
+            est = AnalyticCostModel().breakdown(p, c, model)
+            sim = simulate(p, c, model, record=False)
+            assert est.iteration_s == pytest.approx(sim.iteration_s, rel=1e-12, abs=0), (s, m)
+            assert est.pipeline.makespan_s == pytest.approx(sim.pipeline_s, rel=1e-12, abs=0), (s, m)
 
 
 @pytest.mark.parametrize("schedule", FIXED)

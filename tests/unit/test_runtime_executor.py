@@ -14,10 +14,11 @@ from deepcee.errors import ScheduleError
 from deepcee.plan import Plan, StagePlan
 from deepcee.runtime.data import dataset_for
 from deepcee.runtime.emulation import DevicePacer
-from deepcee.runtime.executor import Feeds, run_step, schedule_for
+from deepcee.runtime.executor import Feeds, run_step
 from deepcee.runtime.stage import StageRunner
 from deepcee.schedule.ir import parse_schedule
 from deepcee.schedule.passes import lower
+from deepcee.schedule.program import lowered_schedule
 
 torch.set_num_threads(1)
 
@@ -109,14 +110,6 @@ def _plan(schedule, m, actions=()):
                         StagePlan(layer_start=4, layer_stop=6, devices=("c",), shares=(2,))))
 
 
-def test_schedule_for_uses_builders_or_plan_actions_and_validates():
-    assert schedule_for(_plan("zb-h1", 3))[1][:3] == tuple(parse_schedule(["1RECV_F0 1F0 1SEND_F0"])[0])
-    with pytest.raises(ScheduleError):
-        schedule_for(_plan("compact", 1, actions=(("0F0", "0B0"), ("1B0", "1F0"), ("2F0", "2B0"))))
-    with pytest.raises(ScheduleError, match="covers 1 microbatches, the plan has 2"):
-        schedule_for(_plan("compact", 2, actions=(("0F0", "0B0"), ("1F0", "1B0"), ("2F0", "2B0"))))
-
-
 class QueueTransport:
     """Links as queues between threads: stage s -> s+1 activations, s+1 -> s gradients."""
 
@@ -146,7 +139,7 @@ class QueueTransport:
 def test_threaded_pipeline_matches_reference(schedule):
     m = 3
     plan = _plan(schedule, m)
-    lowered = schedule_for(plan)
+    lowered = lowered_schedule(plan)
     blocks, loss_fn = nets.build("gpt-tiny", seed=1, dtype=torch.float64)
     batch = dataset_for("gpt-tiny").batch(0, plan.global_batch)
     links = {k: queue.Queue() for s in range(3) for k in ((s, s + 1, i) for i in range(m))}

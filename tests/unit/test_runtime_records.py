@@ -8,7 +8,7 @@ import json
 import pytest
 
 from deepcee.errors import SpecError
-from deepcee.plan import Plan, StagePlan
+from deepcee.plan import EXACT, Plan, StagePlan
 from deepcee.runtime.emulation import emulation_info
 from deepcee.runtime.job import Job, TrainConfig
 from deepcee.runtime.records import (
@@ -48,6 +48,9 @@ OLD_LINE = {
 }
 
 
+EXACT_KEYS = {"semantics": "exact", "strategy": EXACT.describe()}
+
+
 def test_an_old_metrics_line_loads_and_writes_back_with_the_same_keys() -> None:
     rec = StepMetrics.from_dict(OLD_LINE)
     assert rec.step == 3 and rec.mode == "emulated" and rec.dilation == 2.0
@@ -58,7 +61,8 @@ def test_an_old_metrics_line_loads_and_writes_back_with_the_same_keys() -> None:
     assert rec.boundary.change_by_device == {"edge0:0": RankChange(change_s=0.4, move_s=0.1)}
     assert rec.trace["cloud0:0"][1] == ("0SEND_F0", 0.01, 0.011)
     back = json.loads(json.dumps(rec.to_dict()))
-    assert back == {"schema_version": 1, **OLD_LINE}
+    # a line written before semantics and strategy were recorded was an exact run; it says so now
+    assert back == {"schema_version": 1, **OLD_LINE, **EXACT_KEYS}
     assert StepMetrics.from_dict(back) == rec
 
 
@@ -68,7 +72,7 @@ def test_a_fixed_plan_line_has_no_adapter_keys() -> None:
                       "link_bytes", "cpu_s")}
     rec = StepMetrics.from_dict(plain)
     assert rec.boundary is None and rec.change is None and rec.trace is None
-    assert rec.to_dict() == {"schema_version": 1, **plain}
+    assert rec.to_dict() == {"schema_version": 1, **plain, **EXACT_KEYS}
     last = BoundaryMetrics(plan_version=0, end_s=1.0)  # the last step of an adaptive run: no decision
     assert "decision" not in last.to_dict() and "change_by_device" not in last.to_dict()
 

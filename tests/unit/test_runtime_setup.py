@@ -90,21 +90,6 @@ def test_tensor_meta_sizes():
     assert TensorMeta.from_json(META.to_json()) == META
 
 
-def test_checkpoint_commit_prune_and_digest_check(tmp_path):
-    for step in (2, 4, 6):
-        for stage in (0, 1):
-            ckpt.save_stage(tmp_path, step, stage, {"model": {"w": torch.full((2,), float(step))}, "step": step})
-        ckpt.commit(tmp_path, ckpt.CheckpointInfo(step=step, plan_digest="p", num_stages=2), keep=2)
-    info = ckpt.latest(tmp_path)
-    assert info.step == 6
-    assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-00000004", "step-00000006"]
-    assert not list(tmp_path.rglob("*.tmp*"))  # no temporary file left behind
-    assert torch.equal(ckpt.load_stage(tmp_path, info, 1, "p")["model"]["w"], torch.full((2,), 6.0))
-    with pytest.raises(RuntimeSetupError, match="checkpoint is for plan p"):
-        ckpt.load_stage(tmp_path, info, 0, "q")
-    assert ckpt.latest(tmp_path / "none") is None
-
-
 def test_metrics_writer_appends_lines(tmp_path):
     w = ckpt.MetricsWriter(tmp_path / "m.jsonl")
     w.write({"step": 0, "loss": 1.0})

@@ -13,6 +13,7 @@ from deepcee.schedule.passes import (
     format_table,
     in_flight_per_stage,
     lower,
+    lower_validated,
     validate,
 )
 
@@ -42,6 +43,8 @@ def test_validate_accepts_every_builder_over_a_grid(name):
             validate(sched)
             validate(lower(sched))
             assert compute_only(lower(sched)) == sched
+    for stages, microbatches in ((16, 33), (23, 64), (32, 97)):  # the planner's larger shapes
+        validate(build_schedule(name, stages, microbatches))
 
 
 def test_unknown_schedule_and_bad_sizes_raise():
@@ -51,6 +54,13 @@ def test_unknown_schedule_and_bad_sizes_raise():
         build_schedule("compact", 2, 2)
     with pytest.raises(ScheduleError, match="num_microbatches must be an integer >= 1, got 0"):
         build_schedule("1f1b", 2, 0)
+
+
+def test_lower_takes_compute_actions_only():
+    with pytest.raises(ScheduleError, match=r"lower\(\) takes compute actions only, got 1SEND_B0 at stage 1"):
+        lower(parse_schedule(["0F0 0B0", "1F0 1B0 1SEND_B0"]))
+    sched = lower(build_schedule("1f1b", 3, 2))
+    assert lower_validated(sched) == sched == lower_validated(compute_only(sched))
 
 
 def test_deadlock_is_detected_with_a_marked_table():

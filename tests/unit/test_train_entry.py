@@ -64,7 +64,7 @@ def test_flags_become_one_job_of_objects(plan_file) -> None:
     plan, cluster = train._load(args)
     job = train._job(args, plan, cluster)
     assert job.plan == load_plan(plan_file) and job.cluster == load_scenario("local-small") and job.hooks is None
-    assert job.config == TrainConfig(steps=3, dtype="float64", mode="real", timeout_s=7.0,
+    assert job.config == TrainConfig(steps=3, dtype="float64", mode="real", timeout_s=7.0, log_every=10,
                                      optimizer=OptimizerConfig(name="sgd", lr=0.05, momentum=0.9))
 
 

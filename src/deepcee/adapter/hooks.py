@@ -121,6 +121,10 @@ class AdaptiveHooks:
                                     f"the world has {worker.world_size}")
         if job.config.checkpoint_every or job.config.resume:
             raise SpecError("checkpoints are not supported with the adapter (the plan changes)", field="checkpoint")
+        if job.plan.num_replicas > 1:
+            raise SpecError(f"the adapter re-tunes and re-plans one pipeline; plan {job.plan.system!r} has "
+                            f"{job.plan.num_replicas} replicas ({job.plan.strategy.describe()}), whose links and "
+                            "strategy it does not model yet: run it without --adapt", field="plan.replicas")
         self.spec = spec
         self.version = 0
         self.plans: list[Plan] = [job.plan]

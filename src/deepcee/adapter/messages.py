@@ -66,10 +66,10 @@ class DeviceTopology(Topology):
             raise PlanError(f"rank {rank} (device {self.devices[rank]!r}) runs no stage of this plan")
         return self._fixed[rank]
 
-    def rank_of(self, stage: int, index: int) -> int:
-        return self._fixed_stage[stage][index]
+    def rank_of(self, stage: int, index: int, replica: int = 0) -> int:
+        return self._fixed_stage[stage][index]  # one replica: the adapter refuses more
 
-    def stage_ranks(self, stage: int) -> tuple[int, ...]:
+    def stage_ranks(self, stage: int, replica: int = 0) -> tuple[int, ...]:
         return self._fixed_stage[stage]
 
     def rank_of_device(self, device: str) -> int:

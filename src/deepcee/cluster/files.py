@@ -10,6 +10,7 @@ field and the value (:class:`~deepcee.errors.ClusterSpecError`).
 from __future__ import annotations
 
 import json
+import math
 import tomllib
 from collections.abc import Callable
 from pathlib import Path
@@ -65,6 +66,8 @@ class _Fields:
 
     def number(self, key: str, default: Any = ..., *, allow_zero: bool = False) -> float:
         v = self.get(key, float, default)
+        if v is not None and not math.isfinite(v):
+            raise self.err(key, f"must be a finite number, got {v!r}")
         if v is not None and (v < 0 or (v == 0 and not allow_zero)):
             raise self.err(key, f"must be {'>= 0' if allow_zero else '> 0'}, got {v!r}")
         return v
@@ -79,7 +82,7 @@ class _Fields:
         if len(keys) > 1:
             raise self.err(keys[1], f"give {prefix} once, got {keys}")
         key = keys[0]
-        v = self.number(key, allow_zero=prefix == "latency")
+        v = self.number(key, allow_zero=prefix in ("latency", "data"))
         try:
             return convert(key, v)
         except KeyError:
@@ -152,9 +155,26 @@ def _toml_islands(table: dict[str, Any], file: str, base_dir: Path) -> list[Isla
     islands: list[Island] = []
     for iname, itab in table.items():
         f = _Fields(itab, f"islands.{iname}", file)
-        islands.append(Island(name=iname, intra=_link_spec(f, base_dir)))
+        intra = _link_spec(f, base_dir)
+        data = f.unit_value("data", _data_bytes, None)
+        device_hour = f.number("price_usd_per_device_hour", None, allow_zero=True)
+        egress_gb = f.number("egress_usd_per_gb", None, allow_zero=True)
+        try:
+            islands.append(Island(name=iname, intra=intra, data_bytes=data,
+                                  device_usd_per_s=None if device_hour is None else device_hour / 3600.0,
+                                  egress_usd_per_byte=None if egress_gb is None else egress_gb / 1e9))
+        except ClusterSpecError as exc:
+            raise ClusterSpecError(str(exc), file=file, field=f"islands.{iname}") from None
         f.done()
     return islands
+
+
+DATA_UNITS = {"data_bytes": 1.0, "data_mb": 1e6, "data_gb": 1e9, "data_tb": 1e12, "data_gib": GIB}
+"""Keys that state the training data an island holds (decimal MB/GB/TB, or GiB)."""
+
+
+def _data_bytes(key: str, value: float) -> float:
+    return value * DATA_UNITS[key]
 
 
 def _toml_node(f: _Fields, kinds: dict[str, DeviceKind], islands: list[Island],
@@ -178,13 +198,18 @@ def _toml_node(f: _Fields, kinds: dict[str, DeviceKind], islands: list[Island],
     if island not in {x.name for x in islands}:
         raise f.err("island", f"unknown island {island!r} (known: {[x.name for x in islands]})")
     intra = _link_spec(f, base_dir, DEFAULT_NODE_LATENCY_S, DEFAULT_NODE_BANDWIDTH_BYTES_PER_S)
+    host = f.get("host", str, "")
+    node_rank = f.get("node_rank", int, None)
+    if node_rank is not None and node_rank < 0:
+        raise f.err("node_rank", f"must be >= 0, got {node_rank}")
     f.done()
     dnames = tuple(f"{nname}:{j}" for j in range(count))
     devices = [
         Device(name=dn, kind=kind, node=nname, island=island, slowdown=float(s))
         for dn, s in zip(dnames, slows, strict=True)
     ]
-    return Node(name=nname, island=island, kind=kind, devices=dnames, intra=intra), devices
+    node = Node(name=nname, island=island, kind=kind, devices=dnames, intra=intra, host=host, node_rank=node_rank)
+    return node, devices
 
 
 def _toml_links(entries: list[Any], file: str, base_dir: Path) -> list[LinkEntry]:
@@ -222,9 +247,11 @@ def cluster_to_dict(cluster: Cluster) -> dict[str, Any]:
             }
             for k in c.kinds.values()
         },
-        "islands": [{"name": i.name, **_spec_to_json(i.intra)} for i in c.islands],
+        "islands": [{"name": i.name, **_spec_to_json(i.intra), **_island_extras(i)} for i in c.islands],
         "nodes": [
-            {"name": n.name, "island": n.island, "kind": n.kind, "devices": list(n.devices), **_spec_to_json(n.intra)}
+            {"name": n.name, "island": n.island, "kind": n.kind, "devices": list(n.devices), **_spec_to_json(n.intra),
+             **({"host": n.host} if n.host else {}),
+             **({"node_rank": n.node_rank} if n.node_rank is not None else {})}
             for n in c.nodes
         ],
         "devices": [
@@ -235,6 +262,14 @@ def cluster_to_dict(cluster: Cluster) -> dict[str, Any]:
             {"between": [e.a, e.b], "directed": e.directed, **_spec_to_json(e.spec)} for e in c.links
         ],
     }
+
+
+ISLAND_EXTRAS = ("data_bytes", "device_usd_per_s", "egress_usd_per_byte")
+"""Optional island fields (data held, prices), written when stated."""
+
+
+def _island_extras(i: Island) -> dict[str, float]:
+    return {k: getattr(i, k) for k in ISLAND_EXTRAS if getattr(i, k) is not None}
 
 
 def _spec_to_json(s: LinkSpec) -> dict[str, Any]:
@@ -275,10 +310,11 @@ def cluster_from_dict(d: dict[str, Any], *, file: str = "<cluster.json>") -> Clu
             description=d.get("description", ""),
             emulation=d.get("emulation", ""),
             kinds={k: DeviceKind(name=k, **v) for k, v in d["kinds"].items()},
-            islands=tuple(Island(name=i["name"], intra=_spec_from_json(i)) for i in d["islands"]),
+            islands=tuple(Island(name=i["name"], intra=_spec_from_json(i), **{k: i[k] for k in ISLAND_EXTRAS if k in i})
+                          for i in d["islands"]),
             nodes=tuple(
                 Node(name=n["name"], island=n["island"], kind=n["kind"], devices=tuple(n["devices"]),
-                     intra=_spec_from_json(n))
+                     intra=_spec_from_json(n), host=n.get("host", ""), node_rank=n.get("node_rank"))
                 for n in d["nodes"]
             ),
             devices=tuple(Device(**x) for x in d["devices"]),
@@ -292,6 +328,10 @@ def cluster_from_dict(d: dict[str, Any], *, file: str = "<cluster.json>") -> Clu
     except KeyError as exc:
         raise ClusterSpecError(f"missing key {exc.args[0]!r}", file=file) from None
     except TypeError as exc:
+        raise ClusterSpecError(str(exc), file=file) from None
+    except ClusterSpecError as exc:
+        if exc.file:
+            raise
         raise ClusterSpecError(str(exc), file=file) from None
 
 

@@ -9,6 +9,7 @@ bytes/s, FLOP/s). :class:`~deepcee.cluster.model.Cluster` puts them together and
 from __future__ import annotations
 
 import bisect
+import math
 from dataclasses import dataclass
 
 from deepcee.errors import ClusterSpecError
@@ -154,15 +155,40 @@ class Node:
     """Names of its devices, in file order."""
     intra: LinkSpec
     """Link between two devices of this node."""
+    host: str = ""
+    """The machine it is (host name or address), checked when ``torchrun`` starts a run; empty: not mapped."""
+    node_rank: int | None = None
+    """The ``torchrun`` node rank that runs it (static rendezvous); ``None``: not mapped."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.host, str):
+            raise ClusterSpecError(f"node {self.name!r}: host must be a string, got {self.host!r}", field="host")
+        r = self.node_rank
+        if r is not None and (isinstance(r, bool) or not isinstance(r, int) or r < 0):
+            raise ClusterSpecError(f"node {self.name!r}: node_rank must be an integer >= 0, got {r!r}", field="node_rank")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Island:
-    """A region or site: nodes joined by one fast network."""
+    """A region or site: nodes joined by one fast network; optionally the training data held
+    there and what its devices and its outgoing traffic cost (``None``: not stated)."""
 
     name: str
     intra: LinkSpec
     """Link between two nodes of this island."""
+    data_bytes: float | None = None
+    """Training data stored in this island."""
+    device_usd_per_s: float | None = None
+    """Price of one of its devices per second of use."""
+    egress_usd_per_byte: float | None = None
+    """Price of every byte that leaves the island."""
+
+    def __post_init__(self) -> None:
+        for name in ("data_bytes", "device_usd_per_s", "egress_usd_per_byte"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
+                                  or v < 0):
+                raise ClusterSpecError(f"island {self.name!r}: {name} must be a finite number >= 0, got {v!r}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -50,6 +50,7 @@ from deepcee.plan import Plan, StagePlan
 from deepcee.profile import ModelProfile
 from deepcee.schedule.builders import build_schedule
 from deepcee.schedule.passes import in_flight_per_stage
+from deepcee.schedule.program import stage_in_flight
 from deepcee.simulator.engine import simulate, to_estimate
 from deepcee.simulator.memory import device_memory_bytes
 from deepcee.units import GIB
@@ -190,7 +191,7 @@ def microbatch_counts(global_batch: int, min_microbatch: int, preferred: int) ->
 
 def memory_shortfall(plan: Plan, cluster: Cluster, model: ModelProfile) -> str | None:
     """``None`` when every device fits, else ``needs X GiB on dev, has Y GiB`` for the worst one."""
-    in_flight = in_flight_per_stage(build_schedule(plan.schedule, plan.num_stages, plan.num_microbatches))
+    in_flight = stage_in_flight(plan)
     worst: tuple[float, str, float] | None = None
     for s, st in enumerate(plan.stages):
         for d, share in zip(st.devices, st.shares, strict=True):

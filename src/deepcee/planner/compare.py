@@ -40,9 +40,16 @@ from deepcee.planner.crossover import crossover_study as crossover_study
 from deepcee.planner.crossover import find_crossover as find_crossover
 from deepcee.planner.crossover import slow_link_entries as slow_link_entries
 from deepcee.planner.crossover import with_without as with_without
+from deepcee.planner.efficiency import (
+    DefaultEfficiency,
+    StatisticalEfficiency,
+    TimeToTarget,
+    time_to_target,
+)
 from deepcee.profile import ModelProfile
 from deepcee.schedule.ir import ActionKind
-from deepcee.simulator.engine import simulate, stage_schedule, to_estimate
+from deepcee.schedule.program import lowered_schedule
+from deepcee.simulator.engine import simulate, to_estimate
 from deepcee.units import GIB
 
 log = logging.getLogger(__name__)
@@ -70,9 +77,18 @@ class CompareRow:
     devices_used: int
     reason: str = ""
     plan: Plan | None = None
+    semantics: str = ""
+    """``exact`` or ``relaxed``; set (with ``time_to_target``) when relaxed rows are compared."""
+    time_to_target: TimeToTarget | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        extra: dict[str, Any] = {}
+        if self.semantics:
+            t = self.time_to_target
+            extra = {"semantics": self.semantics, "time_to_target": None if t is None else {
+                "multiplier": t.multiplier, "source": t.source, "seconds_per_sync_sample": t.seconds_per_sync_sample,
+                "seconds": t.seconds, "predicted": True}}
+        return extra | {
             "system": self.system,
             "description": self.description,
             "samples_per_s": self.samples_per_s,
@@ -194,7 +210,7 @@ def breakdown(plan: Plan, cluster: Cluster, model: ModelProfile) -> dict[str, fl
     """
     result = simulate(plan, cluster, model, record=False)
     it = result.iteration_s
-    sched = stage_schedule(plan)
+    sched = lowered_schedule(plan)
     overhead = 0.0
     for s, st in enumerate(plan.stages):
         for d in st.devices:
@@ -255,10 +271,16 @@ def _leave_out(deepcee: Plan, baselines: Sequence[BaselineResult], cluster: Clus
     return "", ()
 
 
-def compare(cluster: Cluster, model: ModelProfile, global_batch: int, *, crossover: bool = True) -> CompareReport:
+def compare(cluster: Cluster, model: ModelProfile, global_batch: int, *, crossover: bool = True,
+            relaxed: bool = False, sync: str = "exact", efficiency: StatisticalEfficiency | None = None) -> CompareReport:
     """deepcee, every baseline and the upper bound on ``cluster``. See the module docstring.
 
-    ``crossover=False`` skips the crossover sweeps (they plan ~40 more times).
+    ``crossover=False`` skips the crossover sweeps (they plan ~40 more times). ``relaxed``
+    adds the related systems' strategies (:mod:`deepcee.planner.relaxed_baselines`) and, for
+    every row, its semantics and predicted time to target with ``efficiency`` (default:
+    :class:`~deepcee.planner.efficiency.DefaultEfficiency`); ``sync="relaxed"`` also adds
+    deepcee's relaxed search (:func:`deepcee.planner.replicas.plan_replicas`) as
+    ``deepcee-relaxed``.
     """
     t0 = time.perf_counter()
     try:
@@ -275,12 +297,15 @@ def compare(cluster: Cluster, model: ModelProfile, global_batch: int, *, crossov
                  plan, reason, sps)]
     rows += [_row(b.name, b.description, b.plan, b.reason, sps) for b in baselines]
     notes = []
-    for r in rows:
+    for r in rows:  # the bound is for exact plans: relaxed rows (added below) may pass it
         if r.samples_per_s > bound.samples_per_s * (1 + 1e-9):
             # a plan above the bound means a modelling bug: say so loudly rather than hide it
             notes.append(f"BUG: {r.system}'s {r.samples_per_s:.4g} samples/s exceeds the upper bound "
                          f"{bound.samples_per_s:.4g}")
             log.error(notes[-1])
+    if relaxed or sync == "relaxed":
+        rows, more = _with_relaxed(rows, cluster, model, global_batch, plan, sync, efficiency or DefaultEfficiency())
+        notes += more
     line, kept = _leave_out(plan, baselines, cluster) if plan is not None else ("", ())
     study = None
     if line and crossover:
@@ -291,6 +316,39 @@ def compare(cluster: Cluster, model: ModelProfile, global_batch: int, *, crossov
         crossover=study, planning_s=planning_s,
         deepcee_breakdown=breakdown(plan, cluster, model) if plan is not None else {}, notes=tuple(notes),
     )
+
+
+def _with_relaxed(rows: list[CompareRow], cluster: Cluster, model: ModelProfile, global_batch: int,
+                  plan: Plan | None, sync: str, efficiency: StatisticalEfficiency) -> tuple[list[CompareRow], list[str]]:
+    """Every row with its semantics and time to target, the related systems' rows, and
+    (``sync="relaxed"``) deepcee's relaxed plan."""
+    from dataclasses import replace
+
+    from deepcee.planner.relaxed_baselines import build_relaxed_baselines
+
+    sps = rows[0].samples_per_s
+    extra = [(b.result.name, b.result.description, b.result.plan, b.result.reason)
+             for b in build_relaxed_baselines(cluster, model, global_batch, efficiency=efficiency)]
+    if sync == "relaxed" and plan is not None:
+        from deepcee.planner.replicas import plan_replicas
+
+        got = plan_replicas(cluster, model, global_batch, exact_plan=plan, efficiency=efficiency)
+        extra.insert(0, ("deepcee-relaxed", "deepcee --sync relaxed: replica layouts x strategies by predicted time "
+                         "to target", got.plan.replace(system="deepcee-relaxed"), ""))
+    rows = rows + [_row(name, desc, p, reason, sps) for name, desc, p, reason in extra]
+    out = []
+    for r in rows:
+        if r.plan is None:
+            out.append(replace(r, semantics="n/a"))
+            continue
+        t = time_to_target(r.plan, r.samples_per_s, efficiency)
+        out.append(replace(r, semantics=r.plan.semantics, time_to_target=t))
+    sources = sorted({r.time_to_target.source for r in out if r.time_to_target is not None and r.semantics == "relaxed"})
+    notes = ["relaxed rows do not compute the single-process result: their samples/s are not comparable with the "
+             "exact rows' without the steps-to-target multiplier; 'to target' is PREDICTED: multiplier / samples/s "
+             "(ms per sync-equivalent sample; s when a calibration measured the reference), multiplier from: "
+             + ("; ".join(sources) or "-")]
+    return out, notes
 
 
 # ---------------------------------------------------------------------------------------
@@ -312,15 +370,19 @@ def format_table(report: CompareReport) -> str:
             f"{v:.0%} {k.replace('_', ' ')}" for k, v in report.deepcee_breakdown.items()))
     if report.leave_out:
         lines.append(report.leave_out)
-    header = f"{'system':<18} {'iter (s)':>10} {'samples/s':>11} {'deepcee x':>10} {'peak mem':>16}  bottleneck"
+    semantics = any(r.semantics for r in report.rows)
+    extra = f" {'sem':<7} {'to target':>12}" if semantics else ""
+    header = (f"{'system':<18} {'iter (s)':>10} {'samples/s':>11} {'deepcee x':>10}{extra} {'peak mem':>16}  "
+              "bottleneck")
     lines += [header, "-" * len(header)]
     for r in report.rows:
+        cols = f" {r.semantics:<7} {_to_target(r):>12}" if semantics else ""
         if r.plan is None:
-            lines.append(f"{r.system:<18} {'-':>10} {'-':>11} {'-':>10} {'-':>16}  {r.reason}")
+            lines.append(f"{r.system:<18} {'-':>10} {'-':>11} {'-':>10}{cols} {'-':>16}  {r.reason}")
             continue
         mem = f"{r.peak_memory_bytes / GIB:.1f} GiB {r.peak_memory_device}"
         speed = "1.00" if r.system == "deepcee" else f"{r.speedup:.2f}"
-        lines.append(f"{r.system:<18} {r.iteration_s:>10.4g} {r.samples_per_s:>11.2f} {speed:>10} {mem:>16}  "
+        lines.append(f"{r.system:<18} {r.iteration_s:>10.4g} {r.samples_per_s:>11.2f} {speed:>10}{cols} {mem:>16}  "
                      f"{r.bottleneck}")
     if report.crossover is not None:
         c = report.crossover
@@ -328,6 +390,13 @@ def format_table(report: CompareReport) -> str:
         lines += [f"  {c.batch.note}", f"  {c.bandwidth.note}"]
     lines += list(report.notes)
     return "\n".join(lines)
+
+
+def _to_target(r: CompareRow) -> str:
+    t = r.time_to_target
+    if t is None:
+        return "-"
+    return f"{t.seconds:.4g} s" if t.seconds is not None else f"{t.seconds_per_sync_sample * 1e3:.4g} ms"
 
 
 def plot_crossover(report: CompareReport, path: str | Path) -> None:

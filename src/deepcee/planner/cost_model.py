@@ -17,22 +17,23 @@ The model, per plan (``S`` stages, ``M`` microbatches):
    one ``(latency_s, serialization_s)`` pair: ``serialization_s`` = the busiest resource's
    bytes / bandwidth, ``latency_s`` = the rest of the slowest resource's delivery time.
    The backward direction carries the same bytes the other way.
-3. **Pipeline.** The plan's schedule (built, or the plan's explicit actions for ``compact``)
-   is executed by the dry-run model of :func:`deepcee.schedule.passes.dry_run` (each stage
-   runs its list in order, sends never block, one FIFO link per boundary direction), by a
-   fast array-based recurrence (:func:`pipeline_timing`) that returns each stage's finish.
-   It is exact for GPipe/1F1B/ZB-H1/ZB-H2/compact whenever the stage-level costs above are
-   exact (one device per stage, one link resource per boundary); zero-bubble schedules get
-   their bubble filled by ``W`` because their ``W`` actions are in the list.
+3. **Pipeline.** The plan's lowered schedule (:func:`deepcee.schedule.program.lowered_schedule`,
+   the lists the simulator and the runtime run) goes through the simulator's interpreter
+   (:mod:`deepcee.schedule.interpreter`) on the dry run's tables
+   (:func:`~deepcee.schedule.interpreter.stage_tables`: one device per stage with the stage
+   costs of 1, one FIFO link per boundary direction with the costs of 2), without recording
+   (:func:`pipeline_timing`). It is exact whenever the stage-level costs above are exact (one
+   device per stage, one link resource per boundary); zero-bubble schedules get their bubble
+   filled by ``W`` because their ``W`` actions are in the list.
 4. **Synchronisation.** Conservatively, a stage's gradient all-reduce
-   (:func:`deepcee.simulator.collectives.allreduce_s`) starts only after the stage finished
+   (:func:`deepcee.comm.allreduce_s`) starts only after the stage finished
    its whole list (no bucketed overlap with its own backward, which split ``W`` passes and
    shares would make schedule-dependent); it does overlap with other stages' work, which
    is how 1F1B's early-finishing last stages hide theirs. Then the optimizer step
    (:func:`deepcee.simulator.engine.optimizer_step_s`). The iteration ends when the last
    stage's optimizer step ends. This is the simulator's order of events.
 5. **Memory.** Per device :func:`deepcee.simulator.memory.device_memory_bytes` with the
-   schedule's in-flight count per stage (:func:`deepcee.schedule.passes.in_flight_per_stage`:
+   schedule's in-flight count per stage (:func:`deepcee.schedule.program.stage_in_flight`:
    GPipe ``M``, 1F1B/ZB-H1 ``min(S-s, M)``, ZB-H2 ``min(2(S-s)-1, M)``, compact from its
    actions), checked against ``cluster.memory_bytes``.
 
@@ -48,30 +49,25 @@ boundaries that share one resource are not queued behind each other.
 
 from __future__ import annotations
 
-from collections import defaultdict, deque
+from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Protocol
 
 from deepcee.cluster import Cluster
+from deepcee.comm import allreduce_s
 from deepcee.plan import Estimate, Plan, StagePlan
 from deepcee.planner.ranges import RangeCosts as RangeCosts
 from deepcee.planner.ranges import RangeTables as RangeTables
 from deepcee.planner.ranges import largest_remainder_shares as largest_remainder_shares
 from deepcee.planner.ranges import range_time_s as range_time_s
 from deepcee.profile import ModelProfile
-from deepcee.schedule.builders import build_schedule
-from deepcee.schedule.ir import ActionKind, Schedule, parse_schedule
-from deepcee.schedule.passes import LinkCost, in_flight_per_stage
-from deepcee.simulator.collectives import allreduce_s
+from deepcee.schedule.interpreter import Execution, LinkCost, stage_tables
+from deepcee.schedule.ir import ActionKind, Schedule
+from deepcee.schedule.program import lowered_schedule, stage_in_flight
 from deepcee.simulator.engine import optimizer_step_s, simulate, to_estimate
 from deepcee.simulator.memory import device_memory_bytes
 from deepcee.units import GIB, fmt_rate
-
-K = ActionKind
-_F, _I, _W, _B = 0, 1, 2, 3
-_CODE = {K.F: _F, K.I: _I, K.W: _W, K.B: _B}
 
 
 class CostModel(Protocol):
@@ -194,99 +190,17 @@ def boundary_cost(cluster: Cluster, src: StagePlan, dst: StagePlan, bytes_per_sa
                         link=f"{worst[0]} ({fmt_rate(worst[1][2])}, {worst[1][1] * 1e3:.3g} ms)")
 
 
-def _rows(schedule: Schedule) -> tuple[tuple[tuple[int, int], ...], ...]:
-    return tuple(tuple((_CODE[a.kind], a.microbatch) for a in row) for row in schedule)
-
-
-@lru_cache(maxsize=256)
-def _named(name: str, num_stages: int, num_microbatches: int) -> tuple[Schedule, tuple, tuple[int, ...]]:
-    """A named schedule, its rows for :func:`pipeline_timing` and its in-flight counts (memoised:
-    the planner asks for the same few shapes thousands of times)."""
-    sched = build_schedule(name, num_stages, num_microbatches)
-    return sched, _rows(sched), in_flight_per_stage(sched)
-
-
-def pipeline_timing(schedule: Schedule | Sequence[Sequence[tuple[int, int]]], forward_s: Sequence[float], input_grad_s: Sequence[float],
+def pipeline_timing(lowered: Schedule, forward_s: Sequence[float], input_grad_s: Sequence[float],
                     weight_grad_s: Sequence[float], comm_forward: Sequence[LinkCost],
-                    comm_backward: Sequence[LinkCost], backward_s: Sequence[float] | None = None) -> PipelineTiming:
-    """Each stage's finish under the dry-run model (:func:`deepcee.schedule.passes.dry_run`).
-
-    ``B`` takes ``backward_s`` (default ``I + W``, as in the dry run).
-    The same rules as the dry run, on plain lists: a stage runs its compute-only list in
-    order; ``F`` on ``s > 0`` waits for its activation, ``I``/``B`` on ``s < S-1`` for its
-    gradient; a send issued at ``t`` starts at ``max(t, link free)`` and is delivered after
-    ``serialization_s + latency_s``. Raises ``ValueError`` on a deadlock (the schedule is
-    assumed valid; :func:`deepcee.schedule.passes.validate` names the culprit).
-    """
-    n = len(schedule)
-    rows = schedule if schedule and schedule[0] and isinstance(schedule[0][0], tuple) else _rows(schedule)
-    m_count = 1 + max((m for row in rows for _, m in row), default=0)
-    f, i, w = list(forward_s), list(input_grad_s), list(weight_grad_s)
-    dur = [f, i, w, [a + b for a, b in zip(i, w, strict=True)] if backward_s is None else list(backward_s)]
-    arr_f = [[-1.0] * m_count for _ in range(n)]
-    arr_b = [[-1.0] * m_count for _ in range(n)]
-    free_f, free_b = [0.0] * n, [0.0] * n
-    blocked = [-1] * n  # 2*m + direction a stage waits for, -1 when running
-    ptr, clock, busy = [0] * n, [0.0] * n, [0.0] * n
-    runnable = deque(range(n))
-    last = n - 1
-    while runnable:
-        s = runnable.popleft()
-        row, t, p = rows[s], clock[s], ptr[s]
-        while p < len(row):
-            k, m = row[p]
-            if k == _F and s > 0:
-                a = arr_f[s][m]
-                if a < 0:
-                    blocked[s] = 2 * m
-                    break
-                t = a if a > t else t
-            elif (k == _I or k == _B) and s < last:
-                a = arr_b[s][m]
-                if a < 0:
-                    blocked[s] = 2 * m + 1
-                    break
-                t = a if a > t else t
-            d = dur[k][s]
-            t += d
-            busy[s] += d
-            p += 1
-            if k == _F and s < last:
-                lat, ser = comm_forward[s]
-                begin = t if t > free_f[s] else free_f[s]
-                free_f[s] = begin + ser
-                arr_f[s + 1][m] = begin + ser + lat
-                if blocked[s + 1] == 2 * m:
-                    blocked[s + 1] = -1
-                    runnable.append(s + 1)
-            elif (k == _I or k == _B) and s > 0:
-                lat, ser = comm_backward[s - 1]
-                begin = t if t > free_b[s] else free_b[s]
-                free_b[s] = begin + ser
-                arr_b[s - 1][m] = begin + ser + lat
-                if blocked[s - 1] == 2 * m + 1:
-                    blocked[s - 1] = -1
-                    runnable.append(s - 1)
-        ptr[s], clock[s] = p, t
-    stuck = [s for s in range(n) if ptr[s] < len(rows[s])]
-    if stuck:
-        raise ValueError(f"schedule deadlocks at stages {stuck} (run deepcee.schedule.passes.validate for details)")
-    return PipelineTiming(stage_end_s=tuple(clock), busy_s=tuple(busy))
-
-
-def plan_schedule(plan: Plan) -> Schedule:
-    """The compute-only schedule a plan runs (explicit actions win over the named builder)."""
-    if plan.actions:
-        return parse_schedule(plan.actions)
-    return _named(plan.schedule, plan.num_stages, plan.num_microbatches)[0]
-
-
-def _schedule_rows(plan: Plan) -> tuple[tuple, tuple[int, ...]]:
-    if plan.actions:
-        sched = parse_schedule(plan.actions)
-        return _rows(sched), in_flight_per_stage(sched)
-    _, rows, in_flight = _named(plan.schedule, plan.num_stages, plan.num_microbatches)
-    return rows, in_flight
+                    comm_backward: Sequence[LinkCost], backward_s: Sequence[float] | None = None, *,
+                    num_microbatches: int | None = None) -> PipelineTiming:
+    """Each stage's finish: the dry run of ``lowered`` (the interpreter on
+    :func:`~deepcee.schedule.interpreter.stage_tables`) without recording. ``B`` takes
+    ``backward_s`` (default ``I + W``, as in the dry run)."""
+    run = Execution(stage_tables(lowered, forward_s, input_grad_s, weight_grad_s, comm_forward, comm_backward,
+                                 backward_s, num_microbatches=num_microbatches))
+    ends, _ = run.pipeline(0.0)
+    return PipelineTiming(stage_end_s=tuple(ends), busy_s=tuple(run.busy_s))
 
 
 # ----------------------------------------------------------------------------- the model
@@ -311,8 +225,9 @@ class AnalyticCostModel:
         f, i, w, b_ = (tuple(x[k] for x in fiwb) for k in range(4))
         bounds = tuple(boundary_cost(cluster, a, b, model.boundary_bytes(a.layer_stop))
                        for a, b in zip(plan.stages, plan.stages[1:], strict=False))
-        rows, in_flight = _schedule_rows(plan)
-        timing = pipeline_timing(rows, f, i, w, [b.forward for b in bounds], [b.backward for b in bounds], b_)
+        lowered, in_flight = lowered_schedule(plan), stage_in_flight(plan)
+        timing = pipeline_timing(lowered, f, i, w, [b.forward for b in bounds], [b.backward for b in bounds], b_,
+                                 num_microbatches=plan.num_microbatches)
         ar, opt, ends = [], [], []
         for s, st in enumerate(plan.stages):
             t = timing.stage_end_s[s]
@@ -335,7 +250,8 @@ class AnalyticCostModel:
                         allreduce_s=tuple(ar), optimizer_s=tuple(opt), iteration_s=iteration,
                         in_flight=in_flight, memory_bytes=memory, shortfall_bytes=short, bottleneck="")
         # what a stage runs per microbatch: F + B where its list has fused backwards, else F + I + W
-        per_mb = [f[s] + (b_[s] if any(k == _B for k, _ in row) else i[s] + w[s]) for s, row in enumerate(rows)]
+        per_mb = [f[s] + (b_[s] if any(a.kind is ActionKind.B for a in row) else i[s] + w[s])
+                  for s, row in enumerate(lowered)]
         return _with_bottleneck(cost, plan, per_mb)
 
 

@@ -30,8 +30,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from deepcee.cluster import Cluster, DeviceKind
+from deepcee.comm import allreduce_s
 from deepcee.profile import ModelProfile
-from deepcee.simulator.collectives import allreduce_s
 from deepcee.simulator.engine import optimizer_step_s
 
 
@@ -137,7 +137,7 @@ class RangeTables:
     all-reduce curves per device set, parameter/activation/buffer matrices.
 
     All-reduce curves interpolate linearly in gradient bytes between exact
-    :func:`~deepcee.simulator.collectives.allreduce_s` evaluations on a geometric grid of
+    :func:`~deepcee.comm.allreduce_s` evaluations on a geometric grid of
     ``grid_points`` sizes (exact at the grid points; the curve is piecewise linear and
     convex, so the interpolation is a slight over-estimate in between).
     """

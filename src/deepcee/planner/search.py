@@ -55,6 +55,7 @@ import math
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -237,8 +238,18 @@ def _greedy_search(search: SearchState, dist: np.ndarray) -> None:
 
 
 def plan_training(cluster: Cluster, model: ModelProfile, global_batch: int, *,
-                  options: PlannerOptions | None = None) -> PlanResult:
-    """Search the plan space for the fastest plan that fits memory. See the module docstring."""
+                  options: PlannerOptions | None = None, sync: str = "exact", **relaxed: Any) -> PlanResult:
+    """Search the plan space for the fastest plan that fits memory. See the module docstring.
+
+    ``sync="relaxed"`` also searches replicas and relaxed strategies, judged by predicted time
+    to target (:func:`deepcee.planner.replicas.plan_replicas`, which takes ``relaxed``'s
+    keywords: ``efficiency``, ``objective``, ...); the default, ``"exact"``, is this search.
+    """
+    if sync not in ("exact", "relaxed"):
+        raise PlanError(f"unknown sync {sync!r} (known: exact, relaxed)", field="sync")
+    if sync == "relaxed" or relaxed:
+        return _relaxed(cluster, model, global_batch, options, relaxed if sync == "relaxed" else
+                        {**relaxed, "options": _exact_only()})
     t0 = time.perf_counter()
     options = options or PlannerOptions()
     if not isinstance(global_batch, int) or global_batch < 1:
@@ -281,6 +292,24 @@ def plan_training(cluster: Cluster, model: ModelProfile, global_batch: int, *,
              elapsed, search.evaluated, best.score_s)
     return PlanResult(plan=plan, explanation=tuple(explanation), candidates_evaluated=search.evaluated,
                       planning_s=elapsed, top=tuple(top), grouping=grouping)
+
+
+def _exact_only() -> Any:
+    from deepcee.planner.replicas import RelaxedOptions
+
+    return RelaxedOptions(relaxed=False)
+
+
+def _relaxed(cluster: Cluster, model: ModelProfile, global_batch: int, options: PlannerOptions | None,
+             relaxed: dict[str, Any]) -> PlanResult:
+    """The replica search (:mod:`deepcee.planner.replicas`) on top of this one's exact plan."""
+    from deepcee.planner.replicas import plan_replicas
+
+    exact = plan_training(cluster, model, global_batch, options=options)
+    got = plan_replicas(cluster, model, global_batch, exact_plan=exact.plan, **relaxed)
+    return PlanResult(plan=got.plan, explanation=got.explanation,
+                      candidates_evaluated=exact.candidates_evaluated + len(got.candidates),
+                      planning_s=exact.planning_s + got.planning_s, top=exact.top, grouping=exact.grouping)
 
 
 def _dedupe(cands: Iterable[Candidate]) -> list[Candidate]:

@@ -8,16 +8,22 @@ Public API:
 - :func:`launch_jobs` / :class:`Job` / :class:`TrainConfig` / :class:`OptimizerConfig`: several
   runs in one set of processes;
 - :func:`run_jobs_on_rank`: what each rank runs (``python -m deepcee.train`` under torchrun);
-- :class:`Topology` (ranks of a plan), :class:`StageRunner` (F/I/W/B of one stage),
-  :func:`schedule_for` (the lowered schedule a plan runs).
+- :class:`Topology` (ranks of a plan), :class:`StageRunner` (F/I/W/B of one stage). The
+  lowered schedule a plan runs comes from :func:`deepcee.schedule.program.lowered_schedule`.
 
 Modules: ``dist`` (process group; the only place that reads the environment), ``partition``
 (topology, sample ranges), ``stage``, ``p2p``, ``executor``, ``emulation``, ``job`` (what every
 rank gets), ``trainer`` (one rank's run), ``hooks`` (what a run whose plan changes plugs into
-the trainer), ``records`` (step records and the result), ``checkpoint`` (checkpoints and the
-metrics file), ``data`` (shipped datasets), ``params`` (a user model's private copies on the
-ranks and its tied parameters), ``launch``, ``supervise`` (starting and watching rank
-processes, torch-free), and the real-network mode's package ``realnet``.
+the trainer), ``records`` (step records and the result), ``checkpoint`` (the checkpoint format:
+DCP folders, manifest, integrity; the metrics file), ``persist`` (a trainer's saves, resumes and
+starting weights), ``state`` (a model's state under its own names), ``export`` (a checkpoint as
+one ``state_dict``), ``runlock`` (one run per run folder), ``lr`` (learning-rate schedules),
+``optstep`` (learning rate, global gradient norm, clipping, float16 loss scale),
+``evaluation`` (held-out loss), ``progress`` (progress lines, TensorBoard), ``machines``
+(torchrun processes to devices by machine), ``data`` (shipped datasets), ``params`` (a user
+model's private copies on the ranks and its tied parameters), ``launch``, ``supervise``
+(starting and watching rank processes, torch-free), and the real-network mode's package
+``realnet``.
 
 The names above are imported on first use (module ``__getattr__``), so that a process that
 imports only a torch-free submodule, such as the relay (``deepcee.runtime.realnet.relay``) or
@@ -31,7 +37,6 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from deepcee.runtime.executor import schedule_for
     from deepcee.runtime.job import Job, OptimizerConfig, TrainConfig
     from deepcee.runtime.launch import launch_jobs, run_training
     from deepcee.runtime.partition import Topology
@@ -40,14 +45,14 @@ if TYPE_CHECKING:
     from deepcee.runtime.trainer import run_jobs_on_rank
 
 _HOME = {
-    "schedule_for": "executor", "TrainResult": "records", "launch_jobs": "launch", "run_training": "launch",
+    "TrainResult": "records", "launch_jobs": "launch", "run_training": "launch",
     "Topology": "partition", "StageRunner": "stage", "Job": "job", "OptimizerConfig": "job",
     "TrainConfig": "job", "run_jobs_on_rank": "trainer",
 }
 
 __all__ = [
     "Job", "OptimizerConfig", "StageRunner", "Topology", "TrainConfig", "TrainResult", "launch_jobs",
-    "run_jobs_on_rank", "run_training", "schedule_for",
+    "run_jobs_on_rank", "run_training",
 ]
 
 

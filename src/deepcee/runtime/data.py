@@ -3,21 +3,28 @@
 Every dataset answers ``batch(step, batch_size) -> Batch`` with the *global* batch of step
 ``step``; it depends only on ``(seed, step, batch_size)``, so every rank computes the same
 batch and slices out its own samples (see :mod:`deepcee.runtime.partition`), and a resumed
-run continues with exactly the batches it would have seen.
+run continues with exactly the batches it would have seen. A dataset may also answer
+``eval_batches(batch_size)`` with held-out global batches ([Note: evaluation data] in
+:mod:`deepcee.runtime.evaluation`); both shipped datasets do, from data their training batches
+never contain.
 
 - :class:`ByteTextDataset` (``gpt-tiny``): random windows of ``seq_len + 1`` bytes of
   ``deepcee/data/tiny_corpus.txt``; inputs are the first ``seq_len`` bytes, targets the next.
+  The last ``holdout_fraction`` (10%) of the corpus is held out: training windows lie before
+  it, evaluation windows inside it.
   The corpus is English-like prose written by :func:`generate_corpus` (a seeded grammar with a
   hand-written vocabulary, so there is no licensing question); it is learnable: word
   spelling, grammar and punctuation give a byte-level model plenty to pick up.
 - :class:`PatternImageDataset` (``resnet-tiny``): 3x32x32 images of 10 classes; each class
   has a fixed colour grating (orientation, frequency, colour mix drawn from the seed); a
   sample is its class's grating, randomly shifted, at a random contrast, plus Gaussian noise.
+  Held-out samples come from a random stream of their own (``eval_size`` of them).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cached_property
 from importlib import resources
@@ -44,6 +51,10 @@ class Batch:
 
 class Dataset(Protocol):
     def batch(self, step: int, batch_size: int) -> Batch: ...
+
+
+EVAL_STREAM = 0xE7A1
+"""Mixed into the seed of held-out batches so they never repeat a training batch's draw."""
 
 
 # -- text -------------------------------------------------------------------------------
@@ -132,20 +143,36 @@ class ByteTextDataset:
 
     seq_len: int = 64
     seed: int = 0
+    holdout_fraction: float = 0.1
 
     @cached_property
     def tokens(self) -> np.ndarray:
         data = np.frombuffer(load_corpus(), dtype=np.uint8)
-        if data.size < self.seq_len + 2:
-            raise SpecError(f"corpus has {data.size} bytes, need more than seq_len + 1 = {self.seq_len + 1}")
+        if data.size * min(self.holdout_fraction, 1 - self.holdout_fraction) < self.seq_len + 2:
+            raise SpecError(f"corpus has {data.size} bytes: too few for windows of seq_len + 1 = {self.seq_len + 1} "
+                            f"on both sides of a {self.holdout_fraction:g} hold-out")
         return data
 
-    def batch(self, step: int, batch_size: int) -> Batch:
-        rng = np.random.default_rng([self.seed, step, batch_size])
-        starts = rng.integers(0, self.tokens.size - self.seq_len - 1, size=batch_size)
+    @property
+    def split(self) -> int:
+        """First byte of the held-out part."""
+        return int(self.tokens.size * (1 - self.holdout_fraction))
+
+    def _windows(self, rng: np.random.Generator, lo: int, hi: int, n: int) -> Batch:
+        starts = rng.integers(lo, hi - self.seq_len - 1, size=n)
         windows = np.stack([self.tokens[s:s + self.seq_len + 1] for s in starts]).astype(np.int64)
         w = torch.from_numpy(windows)
         return Batch(inputs=w[:, :-1].contiguous(), targets=w[:, 1:].contiguous())
+
+    def batch(self, step: int, batch_size: int) -> Batch:
+        return self._windows(np.random.default_rng([self.seed, step, batch_size]), 0, self.split, batch_size)
+
+    def eval_batches(self, batch_size: int) -> Iterator[Batch]:
+        """Random windows inside the held-out part (about as many batches as it has windows)."""
+        count = max(1, (self.tokens.size - self.split) // ((self.seq_len + 1) * batch_size))
+        for i in range(count):
+            rng = np.random.default_rng([self.seed, EVAL_STREAM, i, batch_size])
+            yield self._windows(rng, self.split, self.tokens.size, batch_size)
 
 
 # -- images -----------------------------------------------------------------------------
@@ -159,6 +186,8 @@ class PatternImageDataset:
     image_size: int = 32
     noise_std: float = 0.8
     seed: int = 0
+    eval_size: int = 512
+    """Held-out samples (:meth:`eval_batches`)."""
 
     @cached_property
     def templates(self) -> np.ndarray:
@@ -175,7 +204,14 @@ class PatternImageDataset:
         return out
 
     def batch(self, step: int, batch_size: int) -> Batch:
-        rng = np.random.default_rng([self.seed, step, batch_size])
+        return self._draw(np.random.default_rng([self.seed, step, batch_size]), batch_size)
+
+    def eval_batches(self, batch_size: int) -> Iterator[Batch]:
+        """``eval_size`` held-out samples, from a random stream training never draws from."""
+        for i in range(max(1, self.eval_size // batch_size)):
+            yield self._draw(np.random.default_rng([self.seed, EVAL_STREAM, i, batch_size]), batch_size)
+
+    def _draw(self, rng: np.random.Generator, batch_size: int) -> Batch:
         labels = rng.integers(0, self.num_classes, size=batch_size)
         shifts = rng.integers(0, self.image_size, size=(batch_size, 2))
         contrast = rng.uniform(0.5, 1.5, size=batch_size).astype(np.float32)

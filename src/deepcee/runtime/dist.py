@@ -4,9 +4,12 @@ Two ways in:
 
 - a local launch (:mod:`deepcee.runtime.launch`): the parent passes rank, world size and a
   ``FileStore`` path in a temporary directory (no ports, nothing left behind);
-- ``torchrun`` (env://): ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``,
-  ``MASTER_PORT``; under torchrun's agent (``TORCHELASTIC_USE_AGENT_STORE=True``) the agent
-  hosts the TCP store and every worker is a client, otherwise rank 0 hosts it.
+- ``torchrun`` (env://): ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``GROUP_RANK``,
+  ``MASTER_ADDR``, ``MASTER_PORT``, ``TORCHELASTIC_RUN_ID``; under torchrun's agent
+  (``TORCHELASTIC_USE_AGENT_STORE=True``) the agent hosts the TCP store and every worker is a
+  client, otherwise rank 0 hosts it. The process-group rank is *not* torchrun's ``RANK``: each
+  process reports its machine through the store and takes the rank of the plan device mapped
+  to it (:func:`map_torchrun_rank`, [Note: machine mapping] in :mod:`deepcee.runtime.machines`).
 
 In mode ``realnet`` (:mod:`deepcee.runtime.realnet`) every rank's environment also names the
 relay's control socket (:data:`RELAY_CONTROL_ENV`, read by :func:`relay_control_path`).
@@ -18,16 +21,20 @@ start-up metadata with timeouts. Backend: ``gloo`` on CPU, ``nccl`` when the run
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
-from collections.abc import Iterator
+import socket
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from deepcee.cluster import Cluster
 from deepcee.errors import RuntimeSetupError
+from deepcee.runtime.machines import Assignment, Report, assign
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +68,11 @@ class TorchrunEnv:
     master_addr: str
     master_port: int
     agent_store: bool
+    group_rank: int = 0
+    """The node's rank (``GROUP_RANK``): with c10d rendezvous, the order nodes joined in."""
+    run_id: str = ""
+    """``TORCHELASTIC_RUN_ID`` (``--rdzv-id``): the same on every node of one launch."""
+    restart_count: int = 0
 
 
 def torchrun_env() -> TorchrunEnv | None:
@@ -73,6 +85,8 @@ def torchrun_env() -> TorchrunEnv | None:
             rank=int(env["RANK"]), world_size=int(env["WORLD_SIZE"]), local_rank=int(env.get("LOCAL_RANK", "0")),
             master_addr=env.get("MASTER_ADDR", "127.0.0.1"), master_port=int(env.get("MASTER_PORT", "29500")),
             agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true",
+            group_rank=int(env.get("GROUP_RANK", "0")), run_id=env.get("TORCHELASTIC_RUN_ID", ""),
+            restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", "0")),
         )
     except ValueError as exc:
         raise RuntimeSetupError(f"bad torchrun environment: {exc}") from None
@@ -108,10 +122,19 @@ def backend_for(device: torch.device) -> str:
 
 
 def pick_device(use_cuda: bool, local_rank: int) -> torch.device:
-    """``cuda:<local rank>`` when asked and available, else CPU."""
-    if use_cuda and torch.cuda.is_available():
-        return torch.device("cuda", local_rank % torch.cuda.device_count())
-    return torch.device("cpu")
+    """``cuda:<local rank>`` when asked (an error when this host has no CUDA device), else CPU."""
+    if not use_cuda:
+        return torch.device("cpu")
+    check_cuda()
+    return torch.device("cuda", local_rank % torch.cuda.device_count())
+
+
+def check_cuda() -> None:
+    """Raise unless CUDA can be used here (``--cuda`` never falls back to the CPU silently)."""
+    if not torch.cuda.is_available():
+        why = "this torch is a CPU build" if torch.version.cuda is None else "no CUDA device is visible"
+        raise RuntimeSetupError(f"--cuda: CUDA is not available on host {socket.gethostname()} ({why}; "
+                                f"torch {torch.__version__}); run without --cuda to train on the CPU")
 
 
 def file_store(path: str, world_size: int, timeout_s: float) -> dist.Store:
@@ -129,6 +152,40 @@ def tcp_store(env: TorchrunEnv, timeout_s: float) -> dist.Store:
         raise RuntimeSetupError(
             f"rank {env.rank}: cannot reach the store at {env.master_addr}:{env.master_port}: {exc}"
         ) from None
+
+
+def host_names() -> tuple[str, tuple[str, ...]]:
+    """This machine's host name and its other names (short, full, addresses), for host checks."""
+    host = socket.gethostname()
+    names = {host, host.split(".")[0]}
+    try:
+        names.add(socket.getfqdn())
+        names.update(socket.gethostbyname_ex(host)[2])
+    except OSError:
+        pass
+    return host, tuple(sorted(names - {host}))
+
+
+def map_torchrun_rank(env: TorchrunEnv, store: dist.Store, cluster: Cluster, devices: Sequence[str], *,
+                      nodes: Sequence[str] = (), source: str = "the cluster file", timeout_s: float,
+                      ) -> tuple[Assignment, tuple[Assignment, ...]]:
+    """This process's device and rank under torchrun, from every process's report through the
+    store ([Note: machine mapping] in :mod:`deepcee.runtime.machines`); also the whole table."""
+    host, aliases = host_names()
+    me = Report(launcher_rank=env.rank, local_rank=env.local_rank, group_rank=env.group_rank, host=host,
+                aliases=aliases, nodes=tuple(nodes))
+    prefix = f"deepcee/machines/{env.restart_count}"
+    store.set(f"{prefix}/{env.rank}", json.dumps(me.to_dict()))
+    keys = [f"{prefix}/{r}" for r in range(env.world_size)]
+    try:
+        store.wait(keys, timedelta(seconds=timeout_s))
+    except (RuntimeError, dist.DistStoreError):
+        late = [r for r, k in enumerate(keys) if not store.check([k])]
+        raise RuntimeSetupError(f"torchrun rank {env.rank}: torchrun ranks {late} did not report their machine "
+                                f"within {timeout_s:g} s") from None
+    reports = [Report.from_dict(json.loads(store.get(k).decode())) for k in keys]
+    table = assign(reports, cluster, devices, source=source)
+    return table[env.rank], table
 
 
 def init_process_group(*, store: dist.Store, rank: int, world_size: int, backend: str, timeout_s: float,

@@ -16,12 +16,12 @@ time. Transfers of several processes on one resource share a :class:`FileLedger`
 ``flock``-ed file per resource), so queueing is global; unit tests use :class:`MemoryLedger`
 and an injected clock. On a link with a bandwidth trace, ``n / bandwidth`` is integrated
 over the trace from ``start`` (after any queueing), in emulated time, exactly as the
-simulator does (:func:`deepcee.simulator.engine.serialise_end_s`): a transfer that straddles
+simulator does (:func:`deepcee.comm.serialise_end_s`): a transfer that straddles
 a bandwidth change pays the old rate before it and the new one after.
 
 Intra-stage gradient all-reduce: the real all-reduce runs, and each rank then waits until
 ``D x`` the simulator's all-reduce time on the emulated links
-(:func:`deepcee.simulator.collectives.allreduce_s`) has passed since it started: a model-based
+(:func:`deepcee.comm.allreduce_s`) has passed since it started: a model-based
 delay rather than per-message shaping; reports say so.
 
 Every figure reported from an emulated run is wall time divided by ``D``.
@@ -37,18 +37,19 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import math
 import os
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Protocol
 
 from deepcee.cluster import Link
+from deepcee.comm import serialise_end_s
 from deepcee.errors import SpecError
-from deepcee.simulator.engine import serialise_end_s
 
 Mode = Literal["emulated", "real", "realnet"]
 MODES: tuple[str, ...] = ("emulated", "real", "realnet")
@@ -105,14 +106,66 @@ class ComputeTiming:
     wall_s: float = 0.0
 
 
-class DevicePacer:
-    """Runs compute at an emulated device's speed (``slowdown x D`` slower than this core)."""
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Straggler:
+    """A device slowed down by ``factor`` (on top of its own slowdown) from ``start_s`` to
+    ``stop_s``, emulated seconds since the run's epoch: a slowdown trace, as link traces are
+    bandwidth traces. An action is paced by the factor in force when it starts."""
 
-    def __init__(self, *, slowdown: float, dilation: float, enabled: bool = True, clock: Clock | None = None) -> None:
+    device: str
+    factor: float
+    start_s: float = 0.0
+    stop_s: float = math.inf
+
+    def __post_init__(self) -> None:
+        if not self.device:
+            raise SpecError("needs a device name", field="straggler.device")
+        if not (math.isfinite(self.factor) and self.factor > 0):
+            raise SpecError(f"must be a finite number > 0, got {self.factor!r}", field="straggler.factor")
+        if not (self.start_s >= 0 and self.stop_s > self.start_s):
+            raise SpecError(f"needs 0 <= start < stop, got {self.start_s!r}, {self.stop_s!r}", field="straggler")
+
+    def factor_at(self, t_s: float) -> float:
+        return self.factor if self.start_s <= t_s < self.stop_s else 1.0
+
+    @staticmethod
+    def parse(text: str, devices: Sequence[str]) -> Straggler:
+        """``DEVICE:FACTOR[:START[:STOP]]``, ``DEVICE`` one of ``devices`` (names may hold
+        colons): ``edge0:1:3`` = edge0:1 3x slower all run; ``edge0:1:3:5:20`` = from 5 s to 20 s."""
+        parts = text.split(":")
+        for cut in range(len(parts) - 1, 0, -1):
+            device, rest = ":".join(parts[:cut]), parts[cut:]
+            if device in devices and len(rest) <= 3:
+                try:
+                    factor, *window = (float(x) for x in rest)
+                except ValueError:
+                    break
+                return Straggler(device=device, factor=factor, start_s=window[0] if window else 0.0,
+                                 stop_s=window[1] if len(window) > 1 else math.inf)
+        raise SpecError(f"expected DEVICE:FACTOR[:START[:STOP]] with DEVICE one of {list(devices)}, got {text!r}",
+                        field="straggler")
+
+
+class DevicePacer:
+    """Runs compute at an emulated device's speed (``slowdown x D`` slower than this core),
+    times the factor of any :class:`Straggler` in force (emulated time from ``epoch``)."""
+
+    def __init__(self, *, slowdown: float, dilation: float, enabled: bool = True, clock: Clock | None = None,
+                 stragglers: Sequence[Straggler] = (), epoch: float | None = None) -> None:
         if slowdown <= 0 or dilation < 1:
             raise SpecError(f"need slowdown > 0 and dilation >= 1, got {slowdown!r}, {dilation!r}")
         self.slowdown, self.dilation, self.enabled = slowdown, dilation, enabled
         self.clock = clock or Clock()
+        self.stragglers, self.epoch = tuple(stragglers), epoch
+
+    def factor_at(self, wall: float) -> float:
+        """The device's slowdown at wall time ``wall`` (its own x every straggler factor in force)."""
+        f = self.slowdown
+        if self.stragglers and self.epoch is not None:
+            t = (wall - self.epoch) / self.dilation
+            for s in self.stragglers:
+                f *= s.factor_at(t)
+        return f
 
     def run(self, fn: Callable[[], object]) -> tuple[object, ComputeTiming]:
         """Call ``fn``; when enabled, pad its wall time to ``cpu time x slowdown x D``."""
@@ -121,7 +174,7 @@ class DevicePacer:
         result = fn()
         cpu_s = c.cpu() - cpu0
         if self.enabled:
-            c.sleep_until(wall0 + padded_wall_s(cpu_s, self.slowdown, self.dilation))
+            c.sleep_until(wall0 + padded_wall_s(cpu_s, self.factor_at(wall0), self.dilation))
         return result, ComputeTiming(cpu_s=cpu_s, wall_s=c.wall() - wall0)
 
 

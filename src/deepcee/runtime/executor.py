@@ -1,8 +1,8 @@
 """The dispatch loop: one rank interprets its stage's row of the *lowered* schedule.
 
-The schedule comes from :func:`schedule_for` (``deepcee.schedule`` builders, or the plan's
-own actions for ``compact``) lowered by :func:`deepcee.schedule.passes.lower`: the same IR
-and the same lowering the simulator replays, so there is no second schedule implementation.
+The schedule comes from :func:`deepcee.schedule.program.lowered_schedule` (the plan's
+validated, lowered action lists): the same lists the simulator and the cost model time, so
+there is no second schedule implementation.
 Transport lives in :mod:`deepcee.runtime.p2p`, autograd state in
 :mod:`deepcee.runtime.stage`; this module only moves tensors between them in action order.
 Both are :class:`typing.Protocol`\\ s, so the loop is testable with stand-ins and no process group.
@@ -17,28 +17,10 @@ from typing import Protocol
 import torch
 
 from deepcee.errors import ScheduleError
-from deepcee.plan import Plan
 from deepcee.runtime.emulation import DevicePacer
-from deepcee.schedule.builders import build_schedule
-from deepcee.schedule.ir import Action, ActionKind, Schedule, parse_schedule
-from deepcee.schedule.passes import lower, validate
+from deepcee.schedule.ir import Action, ActionKind
 
 K = ActionKind
-
-
-def schedule_for(plan: Plan) -> Schedule:
-    """The plan's lowered schedule: its explicit actions when it has them, else the named builder's."""
-    if plan.actions:
-        compute = parse_schedule(plan.actions)
-    else:
-        compute = build_schedule(plan.schedule, plan.num_stages, plan.num_microbatches)
-    if len(compute) != plan.num_stages:
-        raise ScheduleError(f"schedule has {len(compute)} stage rows, the plan {plan.num_stages} stages")
-    validate(compute)  # also rejects schedules that would deadlock
-    used = 1 + max(a.microbatch for row in compute for a in row)
-    if used != plan.num_microbatches:
-        raise ScheduleError(f"schedule covers {used} microbatches, the plan has {plan.num_microbatches}")
-    return lower(compute)
 
 
 class StageLike(Protocol):

@@ -101,8 +101,9 @@ class HooksFactory(Protocol):
 
 
 class FixedPlan:
-    """The hooks of a run whose plan never changes: ranks follow the plan's device order, ranks
-    beyond its devices are idle and take no part, nothing happens at step boundaries."""
+    """The hooks of a run whose plan never changes: ranks follow the plan's device order (then
+    its parameter servers), ranks beyond those are idle and take no part, nothing happens at
+    step boundaries."""
 
     def topology(self, plan: Plan, world_size: int) -> Topology:
         return Topology(plan, world_size)
@@ -111,7 +112,7 @@ class FixedPlan:
         return False
 
     def takes_part(self, trainer: Trainer) -> bool:
-        return trainer.active
+        return trainer.active or trainer.is_server
 
     def device(self, trainer: Trainer) -> str:
         return trainer.topo.device_of(trainer.w.rank)

@@ -13,14 +13,21 @@ can build jobs cheaply.
 
 from __future__ import annotations
 
+import hashlib
+import importlib.util
+import json
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from deepcee.cluster import Cluster
 from deepcee.errors import SpecError
 from deepcee.plan import Plan
-from deepcee.runtime.emulation import DEFAULT_CORES, MODES, PACED_MODES, Mode
+from deepcee.runtime.emulation import DEFAULT_CORES, MODES, PACED_MODES, Mode, Straggler
+from deepcee.runtime.lr import LRSchedule
+from deepcee.runtime.partition import rank_devices
 
 if TYPE_CHECKING:
     import torch
@@ -29,6 +36,10 @@ if TYPE_CHECKING:
     from deepcee.runtime.data import Dataset
     from deepcee.runtime.hooks import HooksFactory
     from deepcee.runtime.params import PackedModel
+
+
+Autocast = Literal["bfloat16", "float16"]
+AUTOCASTS: tuple[str, ...] = ("bfloat16", "float16")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -84,6 +95,28 @@ class TrainConfig:
     trace: bool = False
     """Record every action's start and end in the metrics."""
     use_cuda: bool = False
+    lr_schedule: LRSchedule = field(default_factory=LRSchedule)
+    clip_grad_norm: float | None = None
+    """Clip the gradient to this global norm (over every stage, device and replica, as one
+    process would: :mod:`deepcee.runtime.optstep`); ``None``: no clipping."""
+    autocast: Autocast | None = None
+    """``bfloat16`` / ``float16`` mixed precision (CUDA only; float16 adds a dynamic loss scale)."""
+    eval_every: int = 0
+    """Evaluation loss on the dataset's held-out batches every this many steps (0: never)."""
+    eval_batches: int = 4
+    """Held-out global batches per evaluation (at most)."""
+    log_every: int = 0
+    """A progress line (step, loss, samples/s, ETA) through ``logging`` every this many steps (0: none)."""
+    tensorboard: bool = False
+    """Write TensorBoard scalars to ``<run_dir>/tensorboard`` (needs the ``tensorboard`` package)."""
+    init_from: str | None = None
+    """Start from these weights: a state-dict file (``.pt``/``.safetensors``, the model's own names)
+    or a checkpoint folder (model only; the optimizer starts fresh). Ignored when resuming."""
+    stragglers: tuple[Straggler, ...] = ()
+    """Devices slowed down for a stretch of the run (emulated modes; see :class:`Straggler`)."""
+    fixed_arrival_order: bool = False
+    """``asgd-ga``: servers take pushes from the replicas in turn instead of as they arrive
+    (reproducible bit for bit; [Note: asgd-ga] in :mod:`deepcee.runtime.ps`)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.steps, int) or self.steps < 1:
@@ -96,9 +129,39 @@ class TrainConfig:
             raise SpecError(f"timeout_s and cores must be > 0, got {self.timeout_s!r}, {self.cores!r}")
         if self.dilation is not None and self.dilation < 1:
             raise SpecError(f"must be >= 1, got {self.dilation!r}", field="dilation")
+        if any(not isinstance(s, Straggler) for s in self.stragglers):
+            raise SpecError(f"must be Straggler records, got {self.stragglers!r}", field="stragglers")
+        if self.stragglers and self.mode not in PACED_MODES:
+            raise SpecError(f"stragglers are emulated device slowdowns; mode {self.mode!r} does not pace devices",
+                            field="stragglers")
         if self.mode in PACED_MODES and self.use_cuda:
             raise SpecError(f"mode {self.mode!r} paces CPU workers as emulated devices; use mode 'real' with CUDA",
                             field="mode")
+        self._check_essentials()
+
+    def _check_essentials(self) -> None:
+        for name in ("eval_every", "log_every", "checkpoint_every", "keep_checkpoints"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise SpecError(f"must be an integer >= 0, got {v!r}", field=name)
+        if isinstance(self.eval_batches, bool) or not isinstance(self.eval_batches, int) or self.eval_batches < 1:
+            raise SpecError(f"must be an integer >= 1, got {self.eval_batches!r}", field="eval_batches")
+        if self.tensorboard and importlib.util.find_spec("tensorboard") is None:
+            raise SpecError("TensorBoard logs need the tensorboard package, which is not installed "
+                            "(pip install tensorboard)", field="tensorboard")
+        if self.init_from is not None and not Path(self.init_from).exists():
+            raise SpecError(f"no such file or folder: {self.init_from!r}", field="init_from")
+        c = self.clip_grad_norm
+        if c is not None and not (isinstance(c, int | float) and math.isfinite(c) and c > 0):
+            raise SpecError(f"must be a finite number > 0, got {c!r}", field="clip_grad_norm")
+        if self.autocast is not None:
+            if self.autocast not in AUTOCASTS:
+                raise SpecError(f"must be one of {', '.join(AUTOCASTS)}, got {self.autocast!r}", field="autocast")
+            if not self.use_cuda:
+                raise SpecError(f"{self.autocast} autocast runs on CUDA only (add --cuda, mode real); "
+                                "on CPU train in float32 or float64", field="autocast")
+            if self.dtype != "float32":
+                raise SpecError(f"autocast keeps float32 master weights, got dtype {self.dtype!r}", field="autocast")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -138,5 +201,22 @@ class Job:
         return params.reduce_job(self)  # a user model must not reach the ranks as shared memory
 
     def rank_devices(self) -> tuple[str, ...]:
-        """The device of each rank: the hooks' fixed devices, else the plan's devices in rank order."""
-        return self.plan.devices if self.hooks is None else tuple(self.hooks.rank_devices(self))
+        """The device of each rank: the hooks' fixed devices, else the plan's devices in rank order
+        followed by its parameter servers ([Note: server ranks] in :mod:`deepcee.runtime.partition`)."""
+        return rank_devices(self.plan) if self.hooks is None else tuple(self.hooks.rank_devices(self))
+
+
+def plan_digest(plan: Plan) -> str:
+    """A plan's identity: its content without the estimate and explanation (16 hex digits)."""
+    d = plan.to_dict()
+    d.pop("estimate", None)
+    d.pop("explanation", None)
+    return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def job_name(plan: Plan, model: str, *, run_id: str = "") -> str:
+    """The name of a run's job, from what it trains (plan content, model, the launcher's run id),
+    never from how a path is spelled: every node of a torchrun launch computes the same name
+    whatever its paths look like, so they meet under one store prefix."""
+    key = json.dumps([plan_digest(plan), model, run_id])
+    return "train-" + hashlib.sha256(key.encode()).hexdigest()[:8]

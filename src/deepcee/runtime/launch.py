@@ -37,6 +37,7 @@ from deepcee.cluster import Cluster
 from deepcee.errors import RuntimeSetupError, SpecError
 from deepcee.plan import Plan, save_json_atomic
 from deepcee.runtime import dist as rdist
+from deepcee.runtime import runlock
 from deepcee.runtime.emulation import choose_dilation
 from deepcee.runtime.job import Job, TrainConfig
 from deepcee.runtime.realnet import launch_realnet
@@ -64,8 +65,21 @@ def launch(target: Callable[..., None], args: tuple[Any, ...], *, world_size: in
         shutil.rmtree(run_dir, ignore_errors=True)
 
 
-def _jobs_entry(rank: int, world_size: int, store_path: str, jobs: Sequence[Job], timeout_s: float) -> None:
+def _jobs_entry(rank: int, world_size: int, store_path: str, jobs: Sequence[Job], timeout_s: float,
+                log_level: int = logging.WARNING) -> None:
+    _log_like_parent(log_level)
     run_jobs_on_rank(jobs, rank, world_size, rdist.file_store(store_path, world_size, timeout_s))
+
+
+def _log_like_parent(level: int) -> None:
+    """A spawned rank logs ``deepcee`` records at the level the launching process shows them
+    (``deepcee train``: INFO, so rank 0's progress lines reach the terminal)."""
+    logger = logging.getLogger("deepcee")
+    if level < logging.WARNING and not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(level)
 
 
 def _realnet_jobs(jobs: Sequence[Job], world_size: int | None) -> tuple[list[Job], Cluster, tuple[str, ...], float]:
@@ -97,6 +111,10 @@ def _realnet_jobs(jobs: Sequence[Job], world_size: int | None) -> tuple[list[Job
     return [replace(j, config=replace(j.config, dilation=dilation)) for j in jobs], cluster, devices, dilation
 
 
+def _parent_level() -> int:
+    return logging.getLogger("deepcee").getEffectiveLevel()
+
+
 def launch_jobs(jobs: Sequence[Job], *, world_size: int | None = None, deadline_s: float = 600.0) -> list[TrainResult]:
     """Run several jobs, in order, in one set of processes (one start-up for all of them).
 
@@ -106,7 +124,7 @@ def launch_jobs(jobs: Sequence[Job], *, world_size: int | None = None, deadline_
     if any(j.config.mode == "realnet" for j in jobs):
         shaped, cluster, devices, dilation = _realnet_jobs(jobs, world_size)
         timeout = max(j.config.timeout_s for j in shaped)
-        stats = launch_realnet(_jobs_entry, (shaped, timeout), cluster=cluster, devices=devices,
+        stats = launch_realnet(_jobs_entry, (shaped, timeout, _parent_level()), cluster=cluster, devices=devices,
                                deadline_s=deadline_s, dilation=dilation)
         log.info("relay: %s", stats.to_dict())
         for j in shaped:  # drops and queueing are part of what a realnet run measured
@@ -119,7 +137,9 @@ def launch_jobs(jobs: Sequence[Job], *, world_size: int | None = None, deadline_
     if world < need:
         raise RuntimeSetupError(f"a job needs {need} ranks, world_size is {world}")
     timeout = max(j.config.timeout_s for j in jobs)
-    launch(_jobs_entry, (list(jobs), timeout), world_size=world, deadline_s=deadline_s)
+    for j in jobs:
+        runlock.check_free(j.run_dir, job=j.name)  # fail before starting processes
+    launch(_jobs_entry, (list(jobs), timeout, _parent_level()), world_size=world, deadline_s=deadline_s)
     return [TrainResult.from_run_dir(j.run_dir) for j in jobs]
 
 

@@ -89,7 +89,7 @@ def exchange_metadata(store: dist.Store, topology: Topology, rank: int, *, job: 
                                                   "agree": dict(agree or {})}))
     # the plan's ranks through the topology (not 0..n-1: an adaptive run keeps each device's
     # rank whatever plan is in force)
-    peers = [topology.rank_of(s, k) for s, st in enumerate(topology.plan.stages) for k in range(len(st.devices))]
+    peers = list(topology.active_ranks)  # every replica's computing ranks
     for peer in peers:
         hello = json.loads(_store_get(store, f"{job}/hello/{peer}", timeout_s, f"start-up message from {topology.describe(peer)} to {me}"))
         if hello["plan"] != plan_digest or hello["device"] != topology.device_of(peer):

@@ -59,6 +59,7 @@ from deepcee.errors import RuntimeSetupError, SpecError
 from deepcee.plan import Plan
 from deepcee.runtime.emulation import Clock
 from deepcee.runtime.partition import Placement, Topology
+from deepcee.runtime.state import StateNames, state_names
 
 log = logging.getLogger(__name__)
 
@@ -114,13 +115,17 @@ class PackedModel:
     num_blocks: int
     ties: tuple[Tie, ...]
     """Found on the user's own blocks, before packing."""
+    names: StateNames
+    """The names of the blocks' state in the user's model ([Note: state names] in
+    :mod:`deepcee.runtime.state`), found on the user's own object."""
 
     @staticmethod
     def pack(model: nn.Module | Iterable[nn.Module]) -> PackedModel:
         blocks = nets.as_blocks(model)
         buf = io.BytesIO()
         torch.save(blocks, buf)  # the standard pickler: storages are copied into the bytes
-        return PackedModel(data=buf.getvalue(), num_blocks=len(blocks), ties=find_ties(blocks))
+        return PackedModel(data=buf.getvalue(), num_blocks=len(blocks), ties=find_ties(blocks),
+                           names=state_names(model, blocks))
 
     def __repr__(self) -> str:
         return f"PackedModel({self.num_blocks} blocks, {len(self.data)} bytes, {len(self.ties)} ties)"

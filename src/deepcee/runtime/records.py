@@ -22,8 +22,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from deepcee.plan import Plan, plan_from_dict
+from deepcee.plan import EXACT, Plan, Semantics, Strategy, plan_from_dict
 from deepcee.runtime.emulation import EmulationInfo
+from deepcee.runtime.replica_records import StrategyRun
 
 METRICS_SCHEMA_VERSION = 1
 RESULT_FORMAT = "deepcee.train-result"
@@ -81,6 +82,9 @@ class RankMetrics:
     transfers: tuple[Transfer, ...] = ()
     """Every received piece, in emulated seconds since the run's epoch (the adapter's monitor reads them)."""
     change: RankChange | None = None
+    grad_norm: float | None = None
+    """The global gradient norm before clipping (the same on every rank), when measured."""
+    replica: int = 0
 
 
 # -- one step (a line of metrics.jsonl) -----------------------------------------------------
@@ -94,14 +98,20 @@ class StageMetrics:
     compute_s: float = 0.0
     wait_s: float = 0.0
     sync_s: float = 0.0
+    replica: int = 0
+    """Which replica's stage (written only when not 0)."""
 
     def to_dict(self) -> dict[str, Any]:
-        return {"stage": self.stage, "compute_s": self.compute_s, "wait_s": self.wait_s, "sync_s": self.sync_s}
+        out: dict[str, Any] = {"stage": self.stage, "compute_s": self.compute_s, "wait_s": self.wait_s,
+                               "sync_s": self.sync_s}
+        if self.replica:
+            out["replica"] = self.replica
+        return out
 
     @staticmethod
     def from_dict(d: Mapping[str, Any]) -> StageMetrics:
         return StageMetrics(stage=int(d["stage"]), compute_s=float(d["compute_s"]), wait_s=float(d["wait_s"]),
-                            sync_s=float(d["sync_s"]))
+                            sync_s=float(d["sync_s"]), replica=int(d.get("replica", 0)))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -206,6 +216,16 @@ class StepMetrics:
     """Device -> every action's start and end (emulated seconds since the epoch), when tracing."""
     change: AppliedChange | None = None
     boundary: BoundaryMetrics | None = None
+    lr: float | None = None
+    """The learning rate of the step (after the schedule)."""
+    grad_norm: float | None = None
+    """Global gradient norm before clipping (every stage, device and replica; measured when clipping)."""
+    eval_loss: float | None = None
+    """Mean loss on the held-out batches after this step, when evaluated."""
+    semantics: Semantics = "exact"
+    strategy: str = EXACT.describe()
+    """The run's update rule (:meth:`deepcee.plan.Strategy.describe`); lines written before it
+    existed were exact."""
 
     @property
     def mode(self) -> str:
@@ -224,8 +244,9 @@ class StepMetrics:
             "schema_version": METRICS_SCHEMA_VERSION, "step": self.step, "loss": self.loss, "step_s": self.step_s,
             "samples_per_s": self.samples_per_s, **self.emulation.to_dict(),
             "stages": [s.to_dict() for s in self.stages], "link_bytes": dict(self.link_bytes),
-            "cpu_s": dict(self.cpu_s),
+            "cpu_s": dict(self.cpu_s), "semantics": self.semantics, "strategy": self.strategy,
         }
+        out.update({k: getattr(self, k) for k in ("lr", "grad_norm", "eval_loss") if getattr(self, k) is not None})
         if self.change is not None:
             out.update(self.change.to_dict())
         if self.boundary is not None:
@@ -245,18 +266,26 @@ class StepMetrics:
             cpu_s={k: float(v) for k, v in d["cpu_s"].items()},
             trace=None if trace is None else {dev: tuple((a, float(t0), float(t1)) for a, t0, t1 in acts)
                                                for dev, acts in trace.items()},
-            change=AppliedChange.from_dict(d), boundary=BoundaryMetrics.from_dict(d))
+            change=AppliedChange.from_dict(d), boundary=BoundaryMetrics.from_dict(d),
+            lr=_opt_float(d, "lr"), grad_norm=_opt_float(d, "grad_norm"), eval_loss=_opt_float(d, "eval_loss"),
+            semantics=d.get("semantics", "exact"), strategy=d.get("strategy", EXACT.describe()))
+
+
+def _opt_float(d: Mapping[str, Any], key: str) -> float | None:
+    v = d.get(key)
+    return None if v is None else float(v)
 
 
 def step_metrics(step: int, ranks: Sequence[RankMetrics], step_wall_s: float, *, global_batch: int,
                  emulation: EmulationInfo, epoch: float | None = None, change: AppliedChange | None = None,
-                 boundary: BoundaryMetrics | None = None) -> StepMetrics:
+                 boundary: BoundaryMetrics | None = None, lr: float | None = None, grad_norm: float | None = None,
+                 eval_loss: float | None = None, strategy: Strategy = EXACT) -> StepMetrics:
     """One step's record from the active ranks' records; ``epoch`` (wall) given: keep their traces."""
     d = emulation.dilation
-    stages: dict[int, list[float]] = {}
+    stages: dict[tuple[int, int], list[float]] = {}
     links: dict[str, int] = {}
     for r in ranks:
-        s = stages.setdefault(r.stage, [0.0, 0.0, 0.0])
+        s = stages.setdefault((r.replica, r.stage), [0.0, 0.0, 0.0])
         for i, v in enumerate((r.compute_s, r.wait_s, r.sync_s)):
             s[i] = max(s[i], v / d)  # the stage's slowest device
         for link, n in r.bytes_sent.items():
@@ -267,8 +296,10 @@ def step_metrics(step: int, ranks: Sequence[RankMetrics], step_wall_s: float, *,
     return StepMetrics(
         step=step, loss=sum(r.loss for r in ranks), step_s=step_wall_s / d,
         samples_per_s=global_batch / (step_wall_s / d), emulation=emulation,
-        stages=tuple(StageMetrics(stage=k, compute_s=c, wait_s=w, sync_s=y) for k, (c, w, y) in sorted(stages.items())),
-        link_bytes=links, cpu_s={r.device: r.cpu_s for r in ranks}, trace=trace, change=change, boundary=boundary)
+        stages=tuple(StageMetrics(replica=q, stage=k, compute_s=c, wait_s=w, sync_s=y)
+                     for (q, k), (c, w, y) in sorted(stages.items())),
+        link_bytes=links, cpu_s={r.device: r.cpu_s for r in ranks}, trace=trace, change=change, boundary=boundary,
+        lr=lr, grad_norm=grad_norm, eval_loss=eval_loss, semantics=strategy.semantics, strategy=strategy.describe())
 
 
 # -- the run --------------------------------------------------------------------------------
@@ -328,6 +359,59 @@ class AdapterRun:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class RankInfo:
+    """Where one rank ran: its plan device, stage, backend, torch device and host."""
+
+    rank: int
+    device: str
+    stage: int | None
+    """``None``: idle in the plan in force at the start."""
+    backend: str
+    torch_device: str
+    host: str
+    node: str = ""
+    """The cluster node this rank's machine was mapped to (torchrun), else empty."""
+    launcher_rank: int | None = None
+    """The rank ``torchrun`` gave the process (before deepcee mapped it to a device), if any."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"rank": self.rank, "device": self.device, "stage": self.stage, "backend": self.backend,
+                "torch_device": self.torch_device, "host": self.host, "node": self.node,
+                "launcher_rank": self.launcher_rank}
+
+    @staticmethod
+    def from_dict(d: Mapping[str, Any]) -> RankInfo:
+        return RankInfo(rank=int(d["rank"]), device=d["device"], stage=d["stage"], backend=d["backend"],
+                        torch_device=d["torch_device"], host=d["host"], node=d.get("node", ""),
+                        launcher_rank=d.get("launcher_rank"))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ResumeRecord:
+    """Where a resumed run started from (see :func:`deepcee.runtime.checkpoint.choose`)."""
+
+    step: int
+    folder: str
+    plan_digest: str
+    """The plan that wrote the checkpoint."""
+    same_plan: bool
+    steps_lost: int = 0
+    """Steps that newer, damaged checkpoints held: redone by this run."""
+    skipped: tuple[tuple[int, str], ...] = ()
+    """``(step, reason)`` of every newer checkpoint passed over, newest first."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "folder": self.folder, "plan_digest": self.plan_digest, "same_plan": self.same_plan,
+                "steps_lost": self.steps_lost, "skipped": [list(x) for x in self.skipped]}
+
+    @staticmethod
+    def from_dict(d: Mapping[str, Any]) -> ResumeRecord:
+        return ResumeRecord(step=int(d["step"]), folder=d["folder"], plan_digest=d["plan_digest"],
+                            same_plan=bool(d["same_plan"]), steps_lost=int(d.get("steps_lost", 0)),
+                            skipped=tuple((int(a), str(b)) for a, b in d.get("skipped", ())))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class TrainResult:
     """What a run measured (times already divided by the dilation in modes ``emulated`` and
     ``realnet``): ``result.json`` plus the steps' records."""
@@ -352,6 +436,16 @@ class TrainResult:
     metrics: tuple[StepMetrics, ...] = ()
     """This run's steps (``metrics.jsonl`` may also hold an earlier run's, before a resume)."""
     adapter: AdapterRun | None = None
+    eval_losses: tuple[tuple[int, float], ...] = ()
+    """``(steps completed, mean held-out loss)`` of every evaluation."""
+    ranks: tuple[RankInfo, ...] = ()
+    """Every rank that trained: device, stage, backend, torch device, host."""
+    resumed: ResumeRecord | None = None
+    semantics: Semantics = "exact"
+    strategy: str = EXACT.describe()
+    """The update rule (:meth:`deepcee.plan.Strategy.describe`; results written before it were exact)."""
+    replicas: StrategyRun | None = None
+    """What a relaxed strategy did (``None`` for exact runs)."""
 
     @property
     def mode(self) -> str:
@@ -373,22 +467,36 @@ class TrainResult:
                "global_batch": self.global_batch, "start_step": self.start_step, "steps": self.steps,
                "sync": self.sync, "losses": list(self.losses), "step_s": list(self.step_s),
                "median_step_s": self.median_step_s, "samples_per_s": self.samples_per_s,
-               **self.emulation.to_dict(), "run_dir": self.run_dir}
+               **self.emulation.to_dict(), "run_dir": self.run_dir, "semantics": self.semantics,
+               "strategy": self.strategy}
         if self.adapter is not None:
             out["adapter"] = self.adapter.to_dict()
+        if self.eval_losses:
+            out["eval_losses"] = [list(e) for e in self.eval_losses]
+        if self.ranks:
+            out["ranks"] = [r.to_dict() for r in self.ranks]
+        if self.resumed is not None:
+            out["resumed"] = self.resumed.to_dict()
+        if self.replicas is not None:
+            out["replicas"] = self.replicas.to_dict()
         return out
 
     @staticmethod
     def from_dict(d: Mapping[str, Any], *, metrics: Sequence[StepMetrics] = (), file: str = "<result.json>",
                   ) -> TrainResult:
-        adapter = d.get("adapter")
+        adapter, replicas = d.get("adapter"), d.get("replicas")
         return TrainResult(
             job=d["job"], plan_digest=d["plan_digest"], system=d["system"], schedule=d["schedule"],
             global_batch=int(d["global_batch"]), start_step=int(d["start_step"]), steps=int(d["steps"]),
             sync=d["sync"], losses=tuple(d["losses"]), step_s=tuple(d["step_s"]),
             median_step_s=float(d["median_step_s"]), samples_per_s=float(d["samples_per_s"]), emulation=_info(d),
             run_dir=d["run_dir"], metrics=tuple(metrics),
-            adapter=None if adapter is None else AdapterRun.from_dict(adapter, file=file))
+            adapter=None if adapter is None else AdapterRun.from_dict(adapter, file=file),
+            eval_losses=tuple((int(a), float(b)) for a, b in d.get("eval_losses", ())),
+            ranks=tuple(RankInfo.from_dict(r) for r in d.get("ranks", ())),
+            resumed=None if d.get("resumed") is None else ResumeRecord.from_dict(d["resumed"]),
+            semantics=d.get("semantics", "exact"), strategy=d.get("strategy", EXACT.describe()),
+            replicas=None if replicas is None else StrategyRun.from_dict(replicas))
 
     @staticmethod
     def from_run_dir(run_dir: str | Path) -> TrainResult:
@@ -403,16 +511,22 @@ class TrainResult:
 
 def train_result(records: Sequence[StepMetrics], *, job: str, plan: Plan, plan_digest: str, start_step: int,
                  steps: int, sync: str, emulation: EmulationInfo, run_dir: str,
-                 adapter: AdapterRun | None = None) -> TrainResult:
-    """The result of a run from its steps' records (rank 0)."""
+                 adapter: AdapterRun | None = None, ranks: Sequence[RankInfo] = (),
+                 resumed: ResumeRecord | None = None,
+                 replicas: StrategyRun | None = None) -> TrainResult:
+    """The result of a run from its steps' records (rank 0). A relaxed run's samples/s is
+    :attr:`StrategyRun.samples_per_s` (its replicas do not keep one pace)."""
     steady = [r.step_s for r in records[1:]] or [r.step_s for r in records]
     median = statistics.median(steady) if steady else float("nan")
+    rate = plan.global_batch / median if steady else float("nan")
     return TrainResult(
-        job=job, plan_digest=plan_digest, system=plan.system, schedule=plan.schedule, global_batch=plan.global_batch,
-        start_step=start_step, steps=steps, sync=sync, losses=tuple(r.loss for r in records),
-        step_s=tuple(r.step_s for r in records), median_step_s=median,
-        samples_per_s=plan.global_batch / median if steady else float("nan"), emulation=emulation,
-        run_dir=run_dir, metrics=tuple(records), adapter=adapter)
+        job=job, plan_digest=plan_digest, system=plan.system, schedule="+".join(r.schedule for r in plan.replicas),
+        global_batch=plan.global_batch, start_step=start_step, steps=steps, sync=sync,
+        losses=tuple(r.loss for r in records), step_s=tuple(r.step_s for r in records), median_step_s=median,
+        samples_per_s=rate if replicas is None else replicas.samples_per_s, emulation=emulation,
+        run_dir=run_dir, metrics=tuple(records), adapter=adapter, ranks=tuple(ranks), resumed=resumed,
+        eval_losses=tuple((r.step + 1, r.eval_loss) for r in records if r.eval_loss is not None),
+        semantics=plan.semantics, strategy=plan.strategy.describe(), replicas=replicas)
 
 
 def read_step_metrics(path: str | Path) -> list[StepMetrics]:

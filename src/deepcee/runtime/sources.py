@@ -38,6 +38,7 @@ of a given size by rows (like :meth:`Data.rows`; partial last batches are left o
 from __future__ import annotations
 
 import hashlib
+import itertools
 import logging
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -318,10 +319,24 @@ class Data:
         return h.hexdigest()[:16]
 
     # -- evaluation: [Note: evaluation data] ----------------------------------------------------
+    def _own_eval(self) -> Callable[[int], Iterable[Batch]] | None:
+        """The ``eval_batches`` of a ``batch(step, n)`` source that has one (the shipped datasets),
+        used when no other evaluation data is given."""
+        if self.eval is not None or not isinstance(self.train, _StepPart):
+            return None
+        fn = getattr(self.train.obj, "eval_batches", None)
+        return fn if callable(fn) else None
+
+    @property
+    def has_eval(self) -> bool:
+        """Whether there is evaluation data (held out, separate, or the source's own)."""
+        return self.eval is not None or self._own_eval() is not None
+
     def num_eval_batches(self, batch_size: int) -> int:
         """Whole evaluation batches of ``batch_size`` samples (0 without evaluation data)."""
         if self.eval is None:
-            return 0
+            own = self._own_eval()
+            return 0 if own is None else sum(1 for _ in own(batch_size))
         if isinstance(self.eval, _MapPart):
             return len(self.eval) // batch_size
         if isinstance(self.eval, _StepPart):
@@ -352,10 +367,16 @@ class Data:
             return self.eval.fetch(self.eval.indices[k * batch_size:(k + 1) * batch_size][lo:hi])
         if isinstance(self.eval, _StepPart):
             return self.eval.rows(k, batch_size, lo, hi)
+        if self.eval is None:  # the source's own evaluation batches
+            return _slice(next(itertools.islice(self._own_eval()(batch_size), k, None)), lo, hi)
         return _slice(self._stream_eval(batch_size)[k], lo, hi)
 
     def eval_batches(self, batch_size: int) -> Iterator[Batch]:
         """Every whole evaluation batch of ``batch_size`` samples, in order."""
+        own = self._own_eval()
+        if own is not None:
+            yield from own(batch_size)
+            return
         for k in range(self.num_eval_batches(batch_size)):
             yield self.eval_rows(k, batch_size, 0, batch_size)
 

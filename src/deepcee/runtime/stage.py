@@ -180,10 +180,12 @@ class StageRunner:
 
     def __init__(self, blocks: Sequence[nn.Module], *, stage: int, is_first: bool, is_last: bool,
                  loss_fn: LossFn | None = None, device: torch.device | str = "cpu",
-                 dtype: torch.dtype = torch.float32) -> None:
+                 dtype: torch.dtype = torch.float32, autocast: torch.dtype | None = None) -> None:
         if is_last and loss_fn is None:
             raise ValueError("the last stage needs a loss_fn")
         self.stage, self.is_first, self.is_last = stage, is_first, is_last
+        self.autocast = autocast
+        """Mixed-precision compute dtype (CUDA autocast); boundaries stay in ``dtype``."""
         self.module = nn.Sequential(*blocks).to(device=device, dtype=dtype)
         self.loss_fn = loss_fn
         self.device, self.dtype = torch.device(device), dtype
@@ -229,17 +231,24 @@ class StageRunner:
         """Per output tensor of a microbatch in flight, whether it gets a gradient (autograd tracks it)."""
         return tuple(t.requires_grad for t in boundary.tensors(self._get(microbatch, "mask").output))
 
+    def discard(self) -> None:
+        """Drop every microbatch's state (after forward-only work such as an evaluation)."""
+        self._state.clear()
+
     # -- actions -------------------------------------------------------------------------
     def forward(self, microbatch: int, inputs: Any, targets: Any = None, loss_scale: float = 1.0) -> Any:
         """``F``: returns the output to send (detached), or the weighted loss on the last stage."""
         if microbatch in self._state:
             raise ScheduleError(f"stage {self.stage}: F of microbatch {microbatch} twice")
         x = self.prepare_input(inputs)
-        out = self.module(x)
-        if self.is_last:
-            if targets is None:
-                raise ScheduleError(f"stage {self.stage}: last stage F of microbatch {microbatch} without targets")
-            out = self.loss_fn(out, boundary.to_device(targets, self.device)) * loss_scale
+        with torch.autocast(self.device.type, dtype=self.autocast, enabled=self.autocast is not None):
+            out = self.module(x)
+            if self.is_last:
+                if targets is None:
+                    raise ScheduleError(f"stage {self.stage}: last stage F of microbatch {microbatch} without targets")
+                out = self.loss_fn(out, boundary.to_device(targets, self.device)) * loss_scale
+        if self.autocast is not None:  # boundaries in the stage dtype: the shapes agreed at start-up
+            out = boundary.map_tensors(lambda t: t.to(self.dtype) if t.is_floating_point() else t, out)
         self._state[microbatch] = MicrobatchState(input=x, output=out)
         return boundary.map_tensors(torch.Tensor.detach, out)
 

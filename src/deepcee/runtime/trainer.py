@@ -4,10 +4,11 @@
 process group once and runs one or more :class:`Job`\\ s in order (tests batch several plans
 into one launch). For each job, :class:`Trainer` builds this rank's stage from the plan,
 agrees boundary shapes with its peers, then per step: runs its row of the lowered schedule
-(:mod:`deepcee.runtime.executor`), all-reduces the stage's gradients over the stage's
-devices, sums the gradients of parameters tied across stages (:mod:`deepcee.runtime.params`,
-which also gives every rank its private copy of a user's model), steps the optimizer,
-gathers metrics on rank 0 and checkpoints.
+(:mod:`deepcee.runtime.executor`), combines gradients as the plan's strategy says
+(:mod:`deepcee.runtime.strategies`: under ``exact``, each layer's over all its holders in
+every replica; the relaxed rules run their own loop there), sums the gradients of parameters
+tied across stages (:mod:`deepcee.runtime.params`, which also gives every rank its private
+copy of a user's model), steps the optimizer, gathers metrics on rank 0 and checkpoints.
 
 A run whose plan changes while it runs (the adapter) plugs in through
 :class:`~deepcee.runtime.hooks.TrainerHooks` (built on each rank by :attr:`Job.hooks`; see
@@ -20,15 +21,14 @@ the plan in force), :meth:`Trainer.reshard` (same stage, new sample ranges) and
 [Note: loss weighting]
 Each device scales its per-microbatch mean loss by ``share / global_batch``
 (:meth:`Topology.loss_scale`), so the sum over devices and microbatches is the mean over the
-global batch, and so are the gradients. The all-reduce inside a stage is therefore a plain
-SUM, which gives every device of the stage exactly the full-batch gradient of its layers.
+global batch, and so are the gradients. The all-reduce over a layer's holders (the devices
+of its stage, in every replica) is therefore a plain SUM, which gives every holder exactly the
+full-batch gradient of its layers.
 DDP's hooks are not used: they do not fire with split backward (PLATFORM.md).
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import pickle
 import time
@@ -45,11 +45,15 @@ from torch import nn
 
 from deepcee import nets
 from deepcee.cluster import Cluster
+from deepcee.comm import allreduce_s
 from deepcee.errors import DeepceeError, RuntimeSetupError, SpecError
 from deepcee.plan import Plan, save_json_atomic
 from deepcee.runtime import checkpoint as ckpt
 from deepcee.runtime import dist as rdist
 from deepcee.runtime import params as rparams
+from deepcee.runtime import persist, runlock
+from deepcee.runtime import state as rstate
+from deepcee.runtime import strategies as rstrat
 from deepcee.runtime.boundary import BoundaryMeta, num_samples
 from deepcee.runtime.data import dataset_for
 from deepcee.runtime.emulation import (
@@ -61,21 +65,27 @@ from deepcee.runtime.emulation import (
     choose_dilation,
     emulation_info,
 )
-from deepcee.runtime.executor import Feeds, StepRecord, run_step, schedule_for
+from deepcee.runtime.evaluation import eval_source, evaluate
+from deepcee.runtime.executor import Feeds, StepRecord, run_step
 from deepcee.runtime.hooks import FixedPlan, TrainerHooks
-from deepcee.runtime.job import Job
+from deepcee.runtime.job import Job, plan_digest
+from deepcee.runtime.optstep import OptimizerStep, StepOutcome, norm_owned
 from deepcee.runtime.p2p import P2P, Meta, TensorMeta, exchange_metadata
+from deepcee.runtime.partition import replica_plan
+from deepcee.runtime.progress import RunLog, gather_rank_infos
 from deepcee.runtime.realnet.relay import RelayControl
 from deepcee.runtime.records import (
     RankMetrics,
+    ResumeRecord,
     StepMetrics,
     TrainResult,
     step_metrics,
     train_result,
 )
+from deepcee.runtime.replicas import Messenger, SegmentParams
 from deepcee.runtime.sources import as_source
 from deepcee.runtime.stage import StageRunner
-from deepcee.simulator.collectives import allreduce_s
+from deepcee.schedule.program import lowered_schedule
 
 log = logging.getLogger(__name__)
 
@@ -84,11 +94,7 @@ STORE_POLL_S = 5e-4
 of a ``FileStore`` costs about 10 us."""
 
 
-def plan_digest(plan: Plan) -> str:
-    d = plan.to_dict()
-    d.pop("estimate", None)
-    d.pop("explanation", None)
-    return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+__all__ = ["Trainer", "Worker", "plan_digest", "run_jobs_on_rank", "write_error"]
 
 
 @dataclass(slots=True)
@@ -99,6 +105,10 @@ class Worker:
     world_size: int
     store: dist.Store
     device: torch.device
+    node: str = ""
+    """The cluster node this rank's machine runs (torchrun with a host mapping), else empty."""
+    launcher_rank: int | None = None
+    """The rank torchrun gave this process, before it was mapped to a device."""
 
 
 class Trainer:
@@ -113,6 +123,8 @@ class Trainer:
         self._groups: dict[tuple[int, ...], Any] = {}
         self._records_sent = 0
         self.ties = rparams.model_ties(job.model)
+        self.optstep = OptimizerStep(job.config)
+        self.resumed: ResumeRecord | None = None
         # Every rank creates every group, in the same order (torch.distributed requires it).
         self.set_plan(job.plan, make_job_group=True)
 
@@ -122,9 +134,13 @@ class Trainer:
         self.topo = self.hooks.topology(plan, self.w.world_size)
         if make_job_group:
             self.job_group = self._make_job_group()
-        self.stage_groups = {s: self._group(self.topo.stage_ranks(s))
-                             for s in range(plan.num_stages) if len(self.topo.stage_ranks(s)) > 1}
-        self.tie_groups = rparams.tie_groups(self.ties, plan, self.topo, self._group)
+        self.sync_groups = rstrat.make_sync_groups(plan, self.topo, self._group)
+        if self.ties and plan.num_replicas > 1:
+            raise SpecError(f"the model has parameters tied across blocks ({self.ties[0].describe()}); plans with "
+                            "several replicas do not support ties yet", field="model")
+        self.tie_groups = rparams.tie_groups(self.ties, plan, self.topo, self._group) if plan.num_replicas == 1 else ()
+        active = [r for r in range(self.w.world_size) if self.topo.is_active(r)]
+        self.active_group = self._group(active) if len(active) < self.w.world_size else None
 
     def _group(self, ranks: Sequence[int]) -> Any:
         """A process group over ``ranks``, created once per set (every rank calls this in the same order)."""
@@ -137,12 +153,17 @@ class Trainer:
         """The group metrics are gathered over: the plan's ranks (``None``: the world)."""
         if self.hooks.gathers_over_world():
             return None
-        active = list(range(self.topo.num_active))
+        active = list(range(self.topo.num_ranks))
         return self._group(active) if len(active) < self.w.world_size else None
 
     @property
     def active(self) -> bool:
         return self.topo.is_active(self.w.rank)
+
+    @property
+    def is_server(self) -> bool:
+        """Whether this rank is a parameter server of the plan ([Note: server ranks] in :mod:`deepcee.runtime.partition`)."""
+        return self.topo.is_server(self.w.rank)
 
     @property
     def takes_part(self) -> bool:
@@ -160,46 +181,63 @@ class Trainer:
         return blocks, loss_fn
 
     def _check_sync(self) -> None:
-        multi = [s for s in range(self.plan.num_stages) if len(self.topo.stage_ranks(s)) > 1]
-        if self.plan.sync == "none" and multi:
-            raise RuntimeSetupError(f"plan has sync 'none' but stages {multi} run on several devices, "
-                                    "whose replicas would drift apart")
+        rstrat.check_sync(self.plan, self.topo)
         if self.plan.sync == "zero2" and self.w.rank == self.topo.rank_of(0, 0):
             # Same gradients and parameters as an all-reduce; only memory and traffic differ.
             log.warning("sync 'zero2' runs as a plain gradient all-reduce (optimizer states are not sharded)")
 
+    def _state_names(self) -> rstate.StateNames:
+        """The plain model's names of every block's state ([Note: state names])."""
+        m = self.job.model
+        if isinstance(m, rparams.PackedModel):
+            return m.names
+        return rstate.state_names(m, self.blocks if isinstance(m, str) else None)
+
     def setup(self) -> None:
-        """Model blocks, data, emulation (dilation, pacing, link shaping or the relay's trace
-        epoch, the shared epoch) and, on an active rank, its stage."""
+        """Model blocks (and weights to start from), data, emulation (dilation, pacing, link
+        shaping or the relay's trace epoch, the shared epoch) and, on an active rank, its stage
+        (resumed from the newest intact checkpoint when asked)."""
         self.blocks, self.loss_fn = self._blocks()
         self.model_digest = rparams.model_digest(self.blocks)
+        self.state_names = self._state_names()
         # [Note: data by step] in deepcee.runtime.sources: every rank fetches only its rows
         self.dataset = as_source(self.job.dataset if self.job.dataset is not None
                                  else dataset_for(self.job.model, self.cfg.seed), seed=self.cfg.seed)
+        if self.cfg.eval_every and eval_source(self.dataset) is None:
+            raise SpecError("the dataset has no held-out batches (an eval_batches(batch_size) method, or "
+                            "evaluation data; see docs/running.md)", field="eval_every")
+        if self.cfg.init_from:
+            persist.init_weights(self, self.cfg.init_from)
         paced = self.cfg.mode in PACED_MODES
         relay = self._relay_control() if self.cfg.mode == "realnet" else None
+        if self.plan.strategy.kind != "exact":
+            rstrat.check_relaxed(self)
         if self.active:
             self.build_stage(self.job.name)
+        self.start_step = self._resume() if self.active or self.is_server else 0
         slowdowns = [self.cluster.device(d).slowdown for d in self.hooks.paced_devices(self)]
         self.dilation = (self.cfg.dilation or choose_dilation(slowdowns, self.cfg.cores)) if paced else 1.0
         self.info = emulation_info(self.cfg.mode, self.dilation, self.cfg.cores)
-        self.pacer = DevicePacer(slowdown=self.cluster.device(self.hooks.device(self)).slowdown,
-                                 dilation=self.dilation, enabled=paced, clock=self.clock)
+        device = self.hooks.device(self)
+        self.pacer = DevicePacer(slowdown=self.cluster.device(device).slowdown, dilation=self.dilation,
+                                 enabled=paced, clock=self.clock,
+                                 stragglers=[s for s in self.cfg.stragglers if s.device == device])
         self.hooks.prepare(self)
-        # emulated time (and every bandwidth trace) starts when all ranks are ready to train
+        # emulated time (and every bandwidth trace and straggler) starts when all ranks are ready to train
         self._barrier()
-        self.epoch = self._epoch()
+        self.epoch = self.pacer.epoch = self._epoch()
         self.shaper = None
         if self.cfg.mode == "emulated":
             self.shaper = LinkShaper(dilation=self.dilation, ledger=FileLedger(self.run_dir / "links"),
                                      epoch=self.epoch, clock=self.clock)
+        self.messenger = Messenger(rank=self.w.rank, topo=self.topo, cluster=self.cluster, torch_device=self.w.device,
+                                   timeout_s=self.cfg.timeout_s, shaper=self.shaper, clock=self.clock)
         if relay is not None and self.w.rank == 0:
             # the relay's traces count from the same instant as emulated time (CLOCK_MONOTONIC
             # is one clock for every namespace of this machine)
             relay.set_epoch(self.epoch)
         if self.active:
             self.p2p = self.make_p2p()
-        self.start_step = self._resume() if self.active else 0
 
     def _relay_control(self) -> RelayControl:
         """The relay of a realnet launch; a clear error when this rank was not started by one."""
@@ -216,15 +254,20 @@ class Trainer:
         self._check_sync()
         self.plan.check_against(num_layers=len(self.blocks), device_names=self.cluster.device_names)
         p = self.placement = self.topo.placement(self.w.rank)
-        st = self.plan.stages[p.stage]
-        last = p.stage == self.plan.num_stages - 1
+        self.pipeline = replica_plan(self.plan, p.replica)
+        st = self.pipeline.stages[p.stage]
+        last = p.stage == self.pipeline.num_stages - 1
         if last and self.loss_fn is None:
             raise SpecError("a user model needs a loss_fn", field="loss_fn")
         self.stage = StageRunner(self.blocks[st.layer_start:st.layer_stop], stage=p.stage, is_first=p.stage == 0,
                                  is_last=last, loss_fn=self.loss_fn, device=self.w.device,
-                                 dtype=getattr(torch, self.cfg.dtype))
-        self.schedule = schedule_for(self.plan)
+                                 dtype=getattr(torch, self.cfg.dtype),
+                                 autocast=getattr(torch, self.cfg.autocast) if self.cfg.autocast else None)
+        self.schedule = lowered_schedule(self.pipeline)
         self.actions = self.schedule[p.stage]
+        self.my_segments = [(j, SegmentParams.of(seg, self.blocks)) for j, seg in enumerate(self.topo.segments())
+                            if self.w.rank in seg.ranks]
+        self.initial_values = {j: seg.flat_values().clone() for j, seg in self.my_segments}
         self.metas = metas or exchange_metadata(
             self.w.store, self.topo, self.w.rank, job=key, plan_digest=self.digest,
             output_meta=self._dry_run, timeout_s=self.cfg.timeout_s, same_host=self.cfg.mode in PACED_MODES,
@@ -240,7 +283,8 @@ class Trainer:
         """Same stage, other sample ranges, microbatches or schedule (a re-tune of the plan in
         force): new placement, schedule row and transport; the stage module and optimizer stay."""
         self.placement = self.topo.placement(self.w.rank)
-        self.schedule = schedule_for(self.plan)
+        self.pipeline = replica_plan(self.plan, self.placement.replica)
+        self.schedule = lowered_schedule(self.pipeline)
         self.actions = self.schedule[self.placement.stage]
         self.p2p = self.make_p2p()
 
@@ -277,61 +321,39 @@ class Trainer:
         self.w.store.wait([key], timedelta(seconds=self.cfg.timeout_s))
         return float(self.w.store.get(key).decode())
 
-    def _ckpt_root(self) -> Path:
+    def ckpt_root(self) -> Path:
         return Path(self.job.checkpoint_dir) if self.job.checkpoint_dir else self.run_dir / "checkpoints"
 
     def _resume(self) -> int:
+        """Load the newest intact checkpoint (under any plan; see :mod:`deepcee.runtime.persist`)."""
         if not self.cfg.resume:
             return 0
-        info = ckpt.latest(self._ckpt_root())
-        if info is None:
-            return 0
-        state = ckpt.load_stage(self._ckpt_root(), info, self.placement.stage, self.digest)
-        self.stage.module.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        log.info("rank %d resumes at step %d", self.w.rank, info.step)
-        return info.step
+        self.resumed = persist.resume(self)
+        return 0 if self.resumed is None else self.resumed.step
 
     # -- steps ---------------------------------------------------------------------------
-    def _feeds(self, step: int) -> Feeds:
-        """This rank's rows of every microbatch of ``step``, fetched before the step's actions (so
-        data loading is not timed as compute)."""
+    def feeds(self, step: int) -> Feeds:
+        """This rank's rows (its replica's samples) of every microbatch of batch ``step``, fetched
+        before the step's actions (so data loading is not timed as compute)."""
         r, first, last = self.w.rank, self.stage.is_first, self.stage.is_last
         rows = {m: self.dataset.rows(step, self.plan.global_batch, *self.topo.global_samples(r, m))
-                for m in range(self.plan.num_microbatches)} if first or last else {}
+                for m in range(self.pipeline.num_microbatches)} if first or last else {}
         return Feeds(inputs=(lambda m: rows[m].inputs) if first else None,
                      targets=(lambda m: rows[m].targets) if last else None,
-                     loss_scale=self.topo.loss_scale(r))
+                     loss_scale=self.topo.loss_scale(r) * self.optstep.loss_scale)
 
-    def _sync_gradients(self) -> float:
-        """SUM all-reduce of the stage's gradients ([Note: loss weighting]); returns wall seconds."""
-        group = self.stage_groups.get(self.placement.stage)
-        if group is None or not self.stage.params:  # every device of a parameter-less stage skips it alike
-            return 0.0
-        t0 = self.clock.wall()
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.stage.params]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        work = dist.all_reduce(flat, group=group, async_op=True)
-        try:
-            work.wait(timedelta(seconds=self.cfg.timeout_s))
-        except RuntimeError as exc:
-            peers = ", ".join(self.topo.describe(q) for q in self.topo.stage_ranks(self.placement.stage))
-            raise RuntimeSetupError(f"{self.topo.describe(self.w.rank)}: gradient all-reduce with {peers} "
-                                    f"did not complete within {self.cfg.timeout_s:g} s: {str(exc)[:160]}") from None
-        offset = 0
-        for p, g in zip(self.stage.params, grads, strict=True):
-            p.grad = flat[offset:offset + g.numel()].view_as(g)
-            offset += g.numel()
-        if self.cfg.mode == "emulated":
-            self._pace_allreduce(self.plan.stages[self.placement.stage].devices, flat.numel() * flat.element_size(), t0)
-        return self.clock.wall() - t0
-
-    def _pace_allreduce(self, devices: Sequence[str], nbytes: int, t0: float) -> None:
+    def _pace_allreduce(self, devices: Sequence[str], nbytes: int, t0: float, sync: str | None = None) -> None:
         # The simulator's all-reduce model on the emulated links (one model for both), counted
         # from the start of the real all-reduce, which overlaps it; traced links read at its start.
-        sync = self.plan.sync if self.plan.sync != "none" else "allreduce-ring"
+        sync = sync or (self.plan.sync if self.plan.sync not in ("none", "ps") else "allreduce-ring")
         model_s = allreduce_s(self.cluster, devices, nbytes, sync, at_s=self.emulated_s(t0))
         self.clock.sleep_until(t0 + model_s * self.dilation)
+
+    def pace_for(self, devices: Sequence[str], sync: str) -> Callable[[int, float], None] | None:
+        """``pace(nbytes, t0)`` for an all-reduce over ``devices`` (mode ``emulated``), else ``None``."""
+        if self.cfg.mode != "emulated":
+            return None
+        return lambda nbytes, t0: self._pace_allreduce(devices, nbytes, t0, sync)
 
     def _sum_tied_gradients(self) -> float:
         """Tied parameters across stages ([Note: tied parameters] in :mod:`deepcee.runtime.params`)."""
@@ -380,7 +402,7 @@ class Trainer:
         return out
 
     def _named(self, tensors: Callable[[nn.Parameter], torch.Tensor | None]) -> dict[str, torch.Tensor]:
-        start = self.plan.stages[self.placement.stage].layer_start
+        start = self.pipeline.stages[self.placement.stage].layer_start
         out = {}
         for name, p in self.stage.module.named_parameters(remove_duplicate=False):  # every name of a tie
             idx, rest = name.split(".", 1)
@@ -389,15 +411,7 @@ class Trainer:
         return out
 
     def _checkpoint(self, step_done: int) -> None:
-        root = self._ckpt_root()
-        if self.placement.index == 0:
-            ckpt.save_stage(root, step_done, self.placement.stage,
-                            {"model": self.stage.module.state_dict(), "optimizer": self.optimizer.state_dict(),
-                             "step": step_done, "plan_digest": self.digest})
-        self._barrier()
-        if self.w.rank == 0:
-            ckpt.commit(root, ckpt.CheckpointInfo(step=step_done, plan_digest=self.digest,
-                                                  num_stages=self.plan.num_stages), keep=self.cfg.keep_checkpoints)
+        persist.save(self, step_done)
 
     def _barrier(self) -> None:
         if self.w.device.type == "cpu":
@@ -405,67 +419,123 @@ class Trainer:
         else:
             dist.barrier(group=self.job_group)
 
+    def _due(self, every: int, done: int) -> bool:
+        """Whether something done every ``every`` steps is due after ``done`` steps (and after the last)."""
+        return bool(every) and (done % every == 0 or done == self.cfg.steps)
+
     def train(self) -> TrainResult | None:
         """Run the steps; rank 0 returns the result (also written to ``result.json``)."""
-        writer = ckpt.MetricsWriter(self.run_dir / "metrics.jsonl", append=self.start_step > 0) if self.w.rank == 0 else None
+        if self.plan.strategy.kind != "exact":
+            return self._train_relaxed()
+        ranks = gather_rank_infos(self)
+        writer, runlog = None, None
+        if self.w.rank == 0:
+            writer = ckpt.MetricsWriter(self.run_dir / "metrics.jsonl", append=self.start_step > 0,
+                                        start_step=self.start_step)
+            runlog = RunLog.for_run(self.cfg, self.run_dir, global_batch=self.plan.global_batch)
         capture: dict[str, Any] = {}
         records: list[StepMetrics] = []
         carried = None
         self._barrier()
         t_prev = self.clock.wall()
         for step in range(self.start_step, self.cfg.steps):
-            mine = self._train_step(step, capture) if self.active else None
+            mine = self._train_step(step, capture) if self.active else self._serve_step()
             gathered = self._gather(mine)
             now = self.clock.wall()
             step_s = now - t_prev
-            if self.cfg.checkpoint_every and (step + 1) % self.cfg.checkpoint_every == 0:
+            # evaluations and checkpoints are not part of any step's time
+            eval_loss = evaluate(self) if self._due(self.cfg.eval_every, step + 1) else None
+            if self._due(self.cfg.checkpoint_every, step + 1):
                 self._checkpoint(step + 1)
             boundary = self.hooks.decide(self, step, gathered)
             t_prev = self.clock.wall()  # the decision is not part of any step; applying it is
             if writer is not None:
-                ranks = [r for r in gathered if r is not None]
-                records.append(step_metrics(step, ranks, step_s, global_batch=self.plan.global_batch,
+                ranks_now = [r for r in gathered if r is not None]
+                norm = next((r.grad_norm for r in ranks_now if r.grad_norm is not None), None)
+                records.append(step_metrics(step, ranks_now, step_s, global_batch=self.plan.global_batch,
                                             emulation=self.info, epoch=self.epoch if self.cfg.trace else None,
-                                            change=carried, boundary=boundary))
+                                            change=carried, boundary=boundary, lr=self.optstep.lr(step),
+                                            grad_norm=norm, eval_loss=eval_loss, strategy=self.plan.strategy))
                 writer.write(records[-1].to_dict())
+                runlog.step(records[-1])
             carried = self.hooks.apply(self)
+        self._save_capture(capture)
+        if writer is None:
+            return None
+        writer.close()
+        runlog.close()
+        result = train_result(
+            records, job=self.job.name, plan=self.plan, plan_digest=self.digest, start_step=self.start_step,
+            steps=self.cfg.steps, emulation=self.info, run_dir=str(self.run_dir), adapter=self.hooks.adapter_run(),
+            sync=rstrat.describe_sync(self.plan, self.topo),
+            ranks=ranks or (), resumed=self.resumed)
+        save_json_atomic(self.run_dir / "result.json", result.to_dict())
+        return result
+
+    def _save_capture(self, capture: dict[str, Any]) -> None:
         if self.cfg.capture and self.active:
             capture["params"] = self._named(lambda p: p)
             (self.run_dir / "capture").mkdir(parents=True, exist_ok=True)
             torch.save(capture, self.run_dir / "capture" / f"rank{self.w.rank}.pt")
-        if writer is None:
+
+    def _train_relaxed(self) -> TrainResult | None:
+        """A relaxed strategy's run: its own loop, one gather at the end (no per-step barrier)."""
+        self._barrier()
+        run = rstrat.run_relaxed(self)
+        self._save_capture({})
+        gathered = self._gather(run)
+        if self.w.rank != 0:
             return None
+        records, replicas = rstrat.relaxed_records(gathered, self)
+        writer = ckpt.MetricsWriter(self.run_dir / "metrics.jsonl")
+        for rec in records:
+            writer.write(rec.to_dict())
         writer.close()
         result = train_result(
-            records, job=self.job.name, plan=self.plan, plan_digest=self.digest, start_step=self.start_step,
-            steps=self.cfg.steps, emulation=self.info, run_dir=str(self.run_dir), adapter=self.hooks.adapter_run(),
-            sync="none" if not self.stage_groups else "allreduce (gloo/nccl, SUM over each stage's devices)")
+            records, job=self.job.name, plan=self.plan, plan_digest=self.digest, start_step=0, steps=self.cfg.steps,
+            emulation=self.info, run_dir=str(self.run_dir), sync=rstrat.describe_sync(self.plan, self.topo),
+            replicas=replicas)
         save_json_atomic(self.run_dir / "result.json", result.to_dict())
         return result
 
+    def _serve_step(self) -> None:
+        """A server rank's part of an exact step (``ps`` segments); other idle ranks do nothing."""
+        if self.is_server:
+            rstrat.serve_exact_step(self)
+
     def _train_step(self, step: int, capture: dict[str, Any]) -> RankMetrics:
-        """One step of this (active) rank: schedule row, gradient sync, optimizer; its metrics."""
+        """One step of this (active) rank: schedule row, gradient sync, optimizer step (learning
+        rate, global norm and clipping: :mod:`deepcee.runtime.optstep`); its metrics."""
         self.stage.zero_grad()
-        rec = run_step(self.actions, self.stage, self.p2p, self._feeds(step), self.pacer, trace=self.cfg.trace)
-        sync_s = self._sync_gradients() + self._sum_tied_gradients()
+        loss_scale = self.optstep.loss_scale
+        rec = run_step(self.actions, self.stage, self.p2p, self.feeds(step), self.pacer, trace=self.cfg.trace)
+        sync_s = rstrat.sync_exact(self) + self._sum_tied_gradients()
         if self.cfg.capture and step == self.start_step:
             capture["grads"] = self._named(lambda p: p.grad)
-        self.optimizer.step()
-        return self._rank_metrics(rec, sync_s)
+        owned = norm_owned(self) if self.optstep.measures_norm else []
+        outcome = self.optstep(step, self.optimizer, self.stage.params, owned, self.active_group)
+        return self.rank_metrics(rec, sync_s, outcome, loss_scale)
 
-    def _rank_metrics(self, rec: StepRecord, sync_s: float) -> RankMetrics:
+    def rank_metrics(self, rec: StepRecord, sync_s: float, outcome: StepOutcome | None = None,
+                     loss_scale: float = 1.0) -> RankMetrics:
+        """This rank's record of a step (``sync_s``: its gradient synchronisation)."""
         stats = self.p2p.stats
         return RankMetrics(
-            rank=self.w.rank, stage=self.placement.stage, device=self.placement.device, loss=rec.loss,
+            rank=self.w.rank, replica=self.placement.replica, stage=self.placement.stage, device=self.placement.device,
+            loss=rec.loss / loss_scale,
             compute_s=rec.compute_s, cpu_s=rec.cpu_s, wait_s=rec.wait_s, sync_s=sync_s,
             peak_in_flight=rec.peak_in_flight, bytes_sent=dict(stats.bytes_sent), trace=tuple(rec.trace),
             transfers=tuple((res, n, self.emulated_s(t0), self.emulated_s(t1)) for res, n, t0, t1 in stats.transfers),
-            change=self.hooks.rank_change())
+            change=self.hooks.rank_change(), grad_norm=None if outcome is None else outcome.grad_norm)
 
 
 def run_jobs_on_rank(jobs: Sequence[Job], rank: int, world_size: int, store: dist.Store, *,
-                     local_rank: int = 0) -> list[TrainResult | None]:
-    """Join the process group and run ``jobs`` in order on this rank; rank 0 gets the results."""
+                     local_rank: int = 0, node: str = "", launcher_rank: int | None = None,
+                     ) -> list[TrainResult | None]:
+    """Join the process group and run ``jobs`` in order on this rank; rank 0 gets the results.
+
+    Each job's run folder is locked by rank 0 while the job runs (:mod:`deepcee.runtime.runlock`);
+    when another run holds it, every rank fails with rank 0's message."""
     rdist.single_thread()
     use_cuda = any(j.config.use_cuda for j in jobs)
     device = rdist.pick_device(use_cuda, local_rank)
@@ -476,13 +546,15 @@ def run_jobs_on_rank(jobs: Sequence[Job], rank: int, world_size: int, store: dis
     try:
         for job in jobs:
             Path(job.run_dir).mkdir(parents=True, exist_ok=True)
-            worker = Worker(rank=rank, world_size=world_size, store=store, device=device)
-            trainer = Trainer(job, worker, None if job.hooks is None else job.hooks.hooks(job, worker))
-            if trainer.takes_part:
-                trainer.setup()
-                results.append(trainer.train())
-            else:
-                results.append(None)
+            worker = Worker(rank=rank, world_size=world_size, store=store, device=device, node=node,
+                            launcher_rank=launcher_rank)
+            with runlock.agree(job.run_dir, job=job.name, rank=rank, store=store, timeout_s=job.config.timeout_s):
+                trainer = Trainer(job, worker, None if job.hooks is None else job.hooks.hooks(job, worker))
+                if trainer.takes_part:
+                    trainer.setup()
+                    results.append(trainer.train())
+                else:
+                    results.append(None)
     finally:
         rdist.shutdown()
     return results

@@ -3,6 +3,10 @@
 - :mod:`~deepcee.schedule.ir`: actions (``2F0``), schedules, string form.
 - :mod:`~deepcee.schedule.builders`: fixed schedules by name (GPipe, 1F1B, ZB-H1, ZB-H2).
 - :mod:`~deepcee.schedule.passes`: lowering, validation, in-flight counts, dry run, tables.
+- :mod:`~deepcee.schedule.program`: a plan's validated, lowered action lists (the one road
+  from a plan to what its devices run).
+- :mod:`~deepcee.schedule.interpreter`: the one timing interpreter of lowered schedules (the
+  simulator's; the dry run and the cost model run it on given costs).
 - :mod:`~deepcee.schedule.compact`: the cost- and link-aware zero-bubble builder.
 """
 
@@ -23,8 +27,10 @@ from deepcee.schedule.passes import (
     format_table,
     in_flight_per_stage,
     lower,
+    lower_validated,
     validate,
 )
+from deepcee.schedule.program import lowered_schedule, stage_in_flight
 
 __all__ = [
     "BUILDERS",
@@ -41,9 +47,12 @@ __all__ = [
     "format_table",
     "in_flight_per_stage",
     "lower",
+    "lower_validated",
+    "lowered_schedule",
     "parse_action",
     "parse_schedule",
     "search_compact",
     "split_backward",
+    "stage_in_flight",
     "validate",
 ]

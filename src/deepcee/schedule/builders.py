@@ -41,9 +41,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from deepcee.errors import ScheduleError
-from deepcee.schedule.ir import Action, ActionKind, Schedule
+from deepcee.schedule.ir import Action, ActionKind, Schedule, make_action
 
 K = ActionKind
+_F, _I, _W, _B = K.F, K.I, K.W, K.B
 
 
 def _check(num_stages: int, num_microbatches: int) -> None:
@@ -55,8 +56,8 @@ def _check(num_stages: int, num_microbatches: int) -> None:
 def gpipe(num_stages: int, num_microbatches: int) -> Schedule:
     _check(num_stages, num_microbatches)
     return tuple(
-        tuple(Action(s, K.F, m) for m in range(num_microbatches))
-        + tuple(Action(s, K.B, m) for m in range(num_microbatches))
+        tuple(make_action(s, _F, m) for m in range(num_microbatches))
+        + tuple(make_action(s, _B, m) for m in range(num_microbatches))
         for s in range(num_stages)
     )
 
@@ -66,12 +67,12 @@ def one_f_one_b(num_stages: int, num_microbatches: int) -> Schedule:
     out = []
     for s in range(num_stages):
         warm = min(num_stages - 1 - s, num_microbatches)
-        row = [Action(s, K.F, m) for m in range(warm)]
+        row = [make_action(s, _F, m) for m in range(warm)]
         f, b = warm, 0
         while f < num_microbatches:
-            row += [Action(s, K.F, f), Action(s, K.B, b)]
+            row += [make_action(s, _F, f), make_action(s, _B, b)]
             f, b = f + 1, b + 1
-        row += [Action(s, K.B, m) for m in range(b, num_microbatches)]
+        row += [make_action(s, _B, m) for m in range(b, num_microbatches)]
         out.append(tuple(row))
     return tuple(out)
 
@@ -85,8 +86,8 @@ def split_backward(schedule: Sequence[Sequence[Action]]) -> Schedule:
     for row in schedule:
         new: list[Action] = []
         for a in row:
-            if a.kind == K.B:
-                new += [Action(a.stage, K.I, a.microbatch), Action(a.stage, K.W, a.microbatch)]
+            if a.kind == _B:
+                new += [make_action(a.stage, _I, a.microbatch), make_action(a.stage, _W, a.microbatch)]
             else:
                 new.append(a)
         out.append(tuple(new))
@@ -105,11 +106,11 @@ def zb_h2(num_stages: int, num_microbatches: int) -> Schedule:
     out = []
     for s in range(num_stages):
         warm = min(2 * (num_stages - s) - 1, m_total)
-        row = [Action(s, K.F, m) for m in range(warm)]
+        row = [make_action(s, _F, m) for m in range(warm)]
         for k in range(m_total - warm):
-            row += [Action(s, K.I, k), Action(s, K.W, k), Action(s, K.F, warm + k)]
+            row += [make_action(s, _I, k), make_action(s, _W, k), make_action(s, _F, warm + k)]
         for k in range(m_total - warm, m_total):
-            row += [Action(s, K.I, k), Action(s, K.W, k)]
+            row += [make_action(s, _I, k), make_action(s, _W, k)]
         out.append(tuple(row))
     return tuple(out)
 

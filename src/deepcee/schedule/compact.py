@@ -38,8 +38,9 @@ from dataclasses import dataclass
 
 from deepcee.errors import ScheduleError
 from deepcee.schedule.builders import BUILDERS, split_backward
+from deepcee.schedule.interpreter import LinkCost
 from deepcee.schedule.ir import Action, ActionKind, Schedule
-from deepcee.schedule.passes import LinkCost, dry_run, in_flight_per_stage, per_boundary, per_stage
+from deepcee.schedule.passes import dry_run, in_flight_per_stage, per_boundary, per_stage
 
 log = logging.getLogger(__name__)
 K = ActionKind

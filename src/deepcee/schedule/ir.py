@@ -36,7 +36,11 @@ class ActionKind(StrEnum):
 
     @property
     def is_compute(self) -> bool:
-        return self in (ActionKind.F, ActionKind.I, ActionKind.W, ActionKind.B)
+        return self in COMPUTE_KINDS
+
+
+COMPUTE_KINDS = frozenset((ActionKind.F, ActionKind.I, ActionKind.W, ActionKind.B))
+"""``F``, ``I``, ``W``, ``B`` (a set: looking up an enum member by class attribute is slow)."""
 
 
 _ACTION_RE = re.compile(r"^(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|I|W|B)(\d+)$")
@@ -50,6 +54,21 @@ class Action:
 
     def __str__(self) -> str:
         return f"{self.stage}{self.kind.value}{self.microbatch}"
+
+
+_new = object.__new__
+_set_stage, _set_kind, _set_microbatch = Action.stage.__set__, Action.kind.__set__, Action.microbatch.__set__
+
+
+def make_action(stage: int, kind: ActionKind, microbatch: int) -> Action:
+    """``Action(stage, kind, microbatch)`` in half the time, for lowering long schedules (the frozen
+    dataclass's ``__init__`` goes through ``object.__setattr__`` for every field; the slots'
+    own setters do not). Equal and hashing alike."""
+    a = _new(Action)
+    _set_stage(a, stage)
+    _set_kind(a, kind)
+    _set_microbatch(a, microbatch)
+    return a
 
 
 def parse_action(text: str) -> Action:

@@ -11,23 +11,23 @@ every microbatch ``m < M``, ``F`` once and either ``B`` once or ``I`` and ``W`` 
 lowered schedule must equal ``lower()`` of its compute actions; and the schedule must not
 deadlock (checked by executing it with zero costs).
 
-The dry-run timing model is documented on :func:`dry_run`; the simulator
-(:mod:`deepcee.simulator.engine`) reproduces it exactly for one-device stages.
+The dry run (:func:`dry_run`) is the simulator's interpreter
+(:mod:`deepcee.schedule.interpreter`) run with given per-stage costs.
 """
 
 from __future__ import annotations
 
 import math
-from collections import deque
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from deepcee.errors import ScheduleError
-from deepcee.schedule.ir import Action, ActionKind, Schedule
+from deepcee.schedule.interpreter import Deadlock, Execution, LinkCost, Tables, stage_tables
+from deepcee.schedule.ir import COMPUTE_KINDS, Action, ActionKind, Schedule, make_action
 
 K = ActionKind
-LinkCost = tuple[float, float]
-"""``(latency_s, serialization_s)`` of one transfer over a directed boundary link."""
+_F, _I, _W, _B = K.F, K.I, K.W, K.B
+_SEND_F, _SEND_B, _RECV_F, _RECV_B = K.SEND_F, K.SEND_B, K.RECV_F, K.RECV_B
 
 _WINDOW = 12
 """Columns shown on each side of a marked action in an error table."""
@@ -39,26 +39,32 @@ def lower(schedule: Sequence[Sequence[Action]]) -> Schedule:
     out = []
     for s, row in enumerate(schedule):
         lowered: list[Action] = []
+        add = lowered.append
         for a in row:
-            if not a.kind.is_compute:
-                raise ValueError(f"lower() takes compute actions only, got {a} at stage {s}")
-            backward = a.kind in (K.I, K.B)
-            if a.kind == K.F and s > 0:
-                lowered.append(Action(s, K.RECV_F, a.microbatch))
-            if backward and s < last:
-                lowered.append(Action(s, K.RECV_B, a.microbatch))
-            lowered.append(a)
-            if a.kind == K.F and s < last:
-                lowered.append(Action(s, K.SEND_F, a.microbatch))
-            if backward and s > 0:
-                lowered.append(Action(s, K.SEND_B, a.microbatch))
+            k, m = a.kind, a.microbatch
+            if k == _F:
+                if s > 0:
+                    add(make_action(s, _RECV_F, m))
+                add(a)
+                if s < last:
+                    add(make_action(s, _SEND_F, m))
+            elif k == _W:
+                add(a)
+            elif k == _I or k == _B:
+                if s < last:
+                    add(make_action(s, _RECV_B, m))
+                add(a)
+                if s > 0:
+                    add(make_action(s, _SEND_B, m))
+            else:
+                raise ScheduleError(f"lower() takes compute actions only, got {a} at stage {s}")
         out.append(tuple(lowered))
     return tuple(out)
 
 
 def compute_only(schedule: Sequence[Sequence[Action]]) -> Schedule:
     """Drop communication actions (the inverse of :func:`lower` on a valid schedule)."""
-    return tuple(tuple(a for a in row if a.kind.is_compute) for row in schedule)
+    return tuple(tuple(a for a in row if a.kind in COMPUTE_KINDS) for row in schedule)
 
 
 # --------------------------------------------------------------------------- text tables
@@ -158,20 +164,34 @@ def validate(schedule: Sequence[Sequence[Action]]) -> None:
 
     Accepts compute-only and lowered schedules; see the module docstring for the rules.
     """
+    lower_validated(schedule)
+
+
+def lower_validated(schedule: Sequence[Sequence[Action]], *, deadlocks: bool = True) -> Schedule:
+    """:func:`validate` the schedule and return it lowered (lowering it once for both).
+
+    ``deadlocks=False`` skips the deadlock check (running the schedule with zero costs, by far
+    the dearest check) for schedules that cannot deadlock by construction: the builders'.
+    """
     if len(schedule) == 0:
         raise ScheduleError("schedule has no stages")
     _check_rows(schedule)
     compute = compute_only(schedule)
+    lowered = None
     if any(len(c) != len(r) for c, r in zip(compute, schedule, strict=True)):
-        _check_lowering(schedule, compute)
+        lowered = _check_lowering(schedule, compute)
     num_microbatches = 1 + max((a.microbatch for row in compute for a in row), default=-1)
     if num_microbatches == 0:
         raise _fail("schedule has no compute actions", schedule, ())
     for s in range(len(schedule)):
         _check_stage(schedule, s, num_microbatches)
+    lowered = lowered or lower(compute)
+    if not deadlocks:
+        return lowered
     zeros = (0.0,) * len(schedule)
     links = ((0.0, 0.0),) * (len(schedule) - 1)
-    _execute(lower(compute), zeros, zeros, zeros, links, links)
+    _run(lowered, stage_tables(lowered, zeros, zeros, zeros, links, links, num_microbatches=num_microbatches), record=False)
+    return lowered
 
 
 def _check_rows(schedule: Sequence[Sequence[Action]]) -> None:
@@ -183,7 +203,7 @@ def _check_rows(schedule: Sequence[Sequence[Action]]) -> None:
                 raise _fail(f"stage {s}, step {i}: {a} belongs to stage {a.stage}", schedule, [(s, i)])
 
 
-def _check_lowering(schedule: Sequence[Sequence[Action]], compute: Schedule) -> None:
+def _check_lowering(schedule: Sequence[Sequence[Action]], compute: Schedule) -> Schedule:
     expected = lower(compute)
     for s, (row, want) in enumerate(zip(schedule, expected, strict=True)):
         for i in range(max(len(row), len(want))):
@@ -195,20 +215,22 @@ def _check_lowering(schedule: Sequence[Sequence[Action]], compute: Schedule) -> 
                     f"(expected {exp if exp is not None else 'end of list'}, got {got if got is not None else 'end of list'})",
                     schedule, [(s, i)] if got is not None else [(s, len(row) - 1)],
                 )
+    return expected
 
 
 def _check_stage(schedule: Sequence[Sequence[Action]], s: int, num_microbatches: int) -> None:
     row = schedule[s]
-    seen: dict[tuple[ActionKind, int], int] = {}
+    # step of each compute action, per kind and microbatch (every id is < num_microbatches)
+    steps: dict[ActionKind, list[int | None]] = {k: [None] * num_microbatches for k in COMPUTE_KINDS}
     for i, a in enumerate(row):
-        if not a.kind.is_compute:
+        slots = steps.get(a.kind)
+        if slots is None:
             continue
-        key = (a.kind, a.microbatch)
-        if key in seen:
-            raise _fail(f"stage {s}: {a} appears twice (steps {seen[key]} and {i})", schedule, [(s, seen[key]), (s, i)])
-        seen[key] = i
-    for m in range(num_microbatches):
-        f, b, i_, w = (seen.get((k, m)) for k in (K.F, K.B, K.I, K.W))
+        seen = slots[a.microbatch]
+        if seen is not None:
+            raise _fail(f"stage {s}: {a} appears twice (steps {seen} and {i})", schedule, [(s, seen), (s, i)])
+        slots[a.microbatch] = i
+    for m, f, b, i_, w in zip(range(num_microbatches), steps[_F], steps[_B], steps[_I], steps[_W], strict=True):
         if f is None:
             raise _fail(f"stage {s}: no {s}F{m} (the schedule has {num_microbatches} microbatches, 0..{num_microbatches - 1})",
                         schedule, [])
@@ -241,10 +263,11 @@ def in_flight_per_stage(schedule: Sequence[Sequence[Action]]) -> tuple[int, ...]
     for row in schedule:
         held = peak = 0
         for a in row:
-            if a.kind == K.F:
+            k = a.kind
+            if k == _F:
                 held += 1
-                peak = max(peak, held)
-            elif a.kind in (K.W, K.B):
+                peak = held if held > peak else peak
+            elif k == _W or k == _B:
                 held -= 1
         out.append(peak)
     return tuple(out)
@@ -292,14 +315,14 @@ def dry_run(
     ``comm_backward[b]`` the same for one gradient transfer from ``b+1`` to ``b`` (a
     sequence of length ``S-1``, or one pair for all boundaries).
 
-    Model (exact; the simulator agrees with it for one-device stages):
+    Model: the schedule is validated, lowered with :func:`lower` (an already lowered schedule
+    is used as it is) and run by the simulator's interpreter
+    (:mod:`deepcee.schedule.interpreter`) on :func:`~deepcee.schedule.interpreter.stage_tables`:
+    stage ``s`` is one device, and each direction of a boundary is one link. So:
 
-    1. The schedule is validated, then lowered with :func:`lower` (an already lowered
-       schedule is used as it is). Every stage executes its lowered list strictly in order,
-       starting at time 0; it never reorders or skips ahead.
-    2. A compute action starts as soon as the stage finished its previous action (its
-       inputs are guaranteed by the ``RECV`` before it and by the stage's own earlier
-       actions) and occupies the stage for its duration.
+    1. Every stage executes its lowered list strictly in order, starting at time 0.
+    2. A compute action starts as soon as the stage finished its previous action and
+       occupies the stage for its duration.
     3. ``SEND`` takes no stage time. A transfer issued at ``t`` on a directed link starts
        serialising at ``max(t, link free)`` (first in, first out per link), keeps the link
        busy for ``serialization_s`` and is delivered ``latency_s`` after its serialisation
@@ -312,15 +335,24 @@ def dry_run(
     ``makespan_s`` is the latest end over all stages; ``bubble_fraction`` is
     ``1 - sum(busy_s) / (S x makespan_s)``.
     """
-    validate(schedule)
+    lowered = lower_validated(schedule)
     n = len(schedule)
     f = per_stage("forward_s", forward_s, n)
     i = per_stage("input_grad_s", input_grad_s, n)
     w = per_stage("weight_grad_s", weight_grad_s, n)
     cf = per_boundary("comm_forward", comm_forward, n - 1)
     cb = per_boundary("comm_backward", comm_backward, n - 1)
-    lowered = schedule if any(not a.kind.is_compute for row in schedule for a in row) else lower(schedule)
-    return _execute(tuple(tuple(r) for r in lowered), f, i, w, cf, cb)
+    run, ends = _run(lowered, stage_tables(lowered, f, i, w, cf, cb), record=True)
+    start, end, delivered = {}, {}, {}
+    for row, stamps in zip(lowered, run.stamps, strict=True):
+        for a, (begin, finish, arrive) in zip(row, stamps, strict=True):
+            start[a], end[a] = begin, finish
+            if a.kind in (K.SEND_F, K.SEND_B):
+                delivered[a] = arrive
+    makespan = max(ends, default=0.0)
+    bubble = 1.0 - sum(run.busy_s) / (n * makespan) if makespan > 0 else 0.0
+    return DryRun(makespan_s=makespan, start_s=start, end_s=end, delivered_s=delivered,
+                  busy_s=tuple(run.busy_s), bubble_fraction=bubble, schedule=lowered)
 
 
 def per_stage(name: str, value: float | Sequence[float], n: int) -> tuple[float, ...]:
@@ -348,67 +380,13 @@ def per_boundary(name: str, value: LinkCost | Sequence[LinkCost], n: int) -> tup
     return tuple(out)
 
 
-def _execute(lowered: Schedule, f: tuple[float, ...], i: tuple[float, ...], w: tuple[float, ...],
-             cf: tuple[LinkCost, ...], cb: tuple[LinkCost, ...]) -> DryRun:
-    """Run the model of :func:`dry_run` on a validated lowered schedule.
-
-    Each stage runs until it blocks on a ``RECV`` whose transfer was not issued yet; the
-    ``SEND`` that issues it wakes that stage. A directed link carries sends from one stage
-    only, in that stage's program order, so per-link FIFO is program order.
-    """
-    n = len(lowered)
-    duration = {K.F: f, K.I: i, K.W: w, K.B: tuple(a + b for a, b in zip(i, w, strict=True))}
-    ptr, clock, busy = [0] * n, [0.0] * n, [0.0] * n
-    link_free_f, link_free_b = [0.0] * max(0, n - 1), [0.0] * max(0, n - 1)
-    arrivals: dict[tuple[ActionKind, int, int], float] = {}
-    waiting: dict[tuple[ActionKind, int, int], int] = {}
-    start: dict[Action, float] = {}
-    end: dict[Action, float] = {}
-    delivered: dict[Action, float] = {}
-    runnable = deque(range(n))
-    while runnable:
-        s = runnable.popleft()
-        row, t = lowered[s], clock[s]
-        while ptr[s] < len(row):
-            a = row[ptr[s]]
-            kind = a.kind
-            if kind == K.RECV_F or kind == K.RECV_B:
-                key = (kind, s, a.microbatch)
-                arrival = arrivals.get(key)
-                if arrival is None:
-                    waiting[key] = s
-                    break
-                start[a] = t
-                t = max(t, arrival)
-            elif kind == K.SEND_F or kind == K.SEND_B:
-                start[a] = t
-                if kind == K.SEND_F:
-                    latency, ser = cf[s]
-                    begin = max(t, link_free_f[s])
-                    link_free_f[s] = begin + ser
-                    key = (K.RECV_F, s + 1, a.microbatch)
-                else:
-                    latency, ser = cb[s - 1]
-                    begin = max(t, link_free_b[s - 1])
-                    link_free_b[s - 1] = begin + ser
-                    key = (K.RECV_B, s - 1, a.microbatch)
-                delivered[a] = arrivals[key] = begin + ser + latency
-                if key in waiting:
-                    runnable.append(waiting.pop(key))
-            else:
-                d = duration[kind][s]
-                start[a] = t
-                t += d
-                busy[s] += d
-            end[a] = t
-            ptr[s] += 1
-        clock[s] = t
-    blocked = [(s, ptr[s]) for s in range(n) if ptr[s] < len(lowered[s])]
-    if blocked:
-        waits = ", ".join(f"stage {s} at {lowered[s][p]}" for s, p in blocked)
+def _run(lowered: Schedule, tables: Tables, *, record: bool) -> tuple[Execution, list[float]]:
+    """One pass of the interpreter from time 0 and each stage's finish; a deadlock becomes a marked table."""
+    run = Execution(tables, record=record)
+    try:
+        ends, _ = run.pipeline(0.0)
+    except Deadlock as err:
+        waits = ", ".join(f"stage {s} at {lowered[s][p]}" for s, p in err.stuck)
         raise _fail(f"schedule deadlocks: every unfinished stage waits for a transfer that is never sent ({waits})",
-                    lowered, blocked)
-    makespan = max(clock, default=0.0)
-    bubble = 1.0 - sum(busy) / (n * makespan) if makespan > 0 else 0.0
-    return DryRun(makespan_s=makespan, start_s=start, end_s=end, delivered_s=delivered,
-                  busy_s=tuple(busy), bubble_fraction=bubble, schedule=lowered)
+                    lowered, err.stuck) from None
+    return run, ends

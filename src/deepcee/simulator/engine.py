@@ -3,22 +3,20 @@
 Model (all times in seconds on one clock that starts at ``start_s``, so link traces, whose
 times are on the same clock, keep advancing across iterations):
 
-- Every device of stage ``s`` runs the lowered action list of stage ``s`` in order
-  (``lower(build_schedule(plan.schedule, S, M))``, or ``lower(parse_schedule(plan.actions))``
-  when the plan carries explicit actions). ``F``/``I``/``W``/``B`` take
-  ``model.time_s(layers of s, pass, device share, device kind, device slowdown)``.
-- ``SEND_F``/``SEND_B`` never block: they issue one transfer per sample overlap between the
-  sender and a device of the next (previous) stage (see [Note: share-based resharding] in
-  :mod:`deepcee.plan`), of ``samples x model.boundary_bytes(boundary layer)`` bytes.
-  ``RECV_F``/``RECV_B`` block until every piece of that microbatch arrived.
-- A transfer goes over ``cluster.link(src, dst)``. Transfers that share the link's
-  ``resource`` are served first in, first out: a transfer issued at ``t`` starts serialising
-  at ``max(t, resource free)``, serialises its bytes at the link's bandwidth (integrated over
-  a bandwidth trace: a change mid-transfer changes its speed from then on) and is delivered
-  ``latency_s`` after serialisation ends. With one device per stage this is exactly the model
-  of :func:`deepcee.schedule.passes.dry_run`.
+- Every device of stage ``s`` runs the lowered action list of stage ``s``
+  (:func:`deepcee.schedule.program.lowered_schedule`) through the timing interpreter
+  (:mod:`deepcee.schedule.interpreter`, which documents the pipeline model: actions in
+  order, sends never block, receives wait for every piece, FIFO link resources).
+  ``F``/``I``/``W``/``B`` take ``model.time_s(layers of s, pass, device share, device kind,
+  device slowdown)``.
+- ``SEND_F``/``SEND_B`` issue one transfer per sample overlap between the sender and a device
+  of the next (previous) stage (see [Note: share-based resharding] in :mod:`deepcee.plan`), of
+  ``samples x model.boundary_bytes(boundary layer)`` bytes, over ``cluster.link(src, dst)``:
+  its latency, its bandwidth (integrated over a bandwidth trace), its ``resource`` queue.
+  The dry run (:func:`deepcee.schedule.passes.dry_run`) is the same interpreter with given
+  per-stage costs, so with one device per stage the two agree exactly.
 - When all devices of a stage finished their lists, the stage's gradient synchronisation
-  runs (:func:`deepcee.simulator.collectives.allreduce_s`, evaluated at its start time; it
+  runs (:func:`deepcee.comm.allreduce_s`, evaluated at its start time; it
   keeps all the stage's devices busy and does not contend with pipeline transfers), then
   every device takes its optimizer step (:func:`optimizer_step_s`). The iteration ends when
   the last optimizer step ends; the next iteration starts then on every device.
@@ -38,21 +36,18 @@ back from the end; clipped to their successor's start, these segments tile the r
 
 from __future__ import annotations
 
-import heapq
 import logging
 from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
-from deepcee.cluster import BandwidthTrace, Cluster, DeviceKind
-from deepcee.errors import ScheduleError
+from deepcee.cluster import Cluster, DeviceKind
+from deepcee.comm import allreduce_s
 from deepcee.plan import Estimate, Plan, share_overlaps
 from deepcee.profile import ModelProfile
-from deepcee.schedule.builders import build_schedule
-from deepcee.schedule.ir import ActionKind, Schedule, parse_schedule
-from deepcee.schedule.passes import in_flight_per_stage, lower, validate
-from deepcee.simulator.collectives import allreduce_s
+from deepcee.schedule.interpreter import TRANSFER, Execution, Tables
+from deepcee.schedule.program import lowered_schedule, stage_in_flight
 from deepcee.simulator.memory import device_memory_bytes
 
 log = logging.getLogger(__name__)
@@ -63,9 +58,9 @@ On real GPUs the step is bound by memory bandwidth, which device kinds do not re
 is a lower bound; it is small next to a pipeline iteration either way."""
 
 EventKind = Literal["compute", "transfer", "wait", "allreduce", "optimizer"]
-_COMPUTE, _TRANSFER, _WAIT, _ALLREDUCE, _OPTIMIZER = range(5)
+_ALLREDUCE, _OPTIMIZER = 3, 4
+"""Segment kinds added to the interpreter's (``0`` compute, ``1`` transfer, ``2`` wait)."""
 _KIND_NAMES: tuple[EventKind, ...] = ("compute", "transfer", "wait", "allreduce", "optimizer")
-_RUN, _SEND, _RECV = range(3)
 
 
 def optimizer_step_s(model: ModelProfile, start: int, stop: int, kind: DeviceKind,
@@ -151,62 +146,34 @@ class SimResult:
             raise ValueError(f"bubble_fraction must be in [0, 1], got {self.bubble_fraction}")
 
 
-def serialise_end_s(start_s: float, nbytes: float, bandwidth_bytes_per_s: float,
-                    trace: BandwidthTrace | None) -> float:
-    """When ``nbytes`` started at ``start_s`` finish serialising on a (traced) pipe."""
-    if trace is None:
-        return start_s + nbytes / bandwidth_bytes_per_s
-    t, left = start_s, nbytes
-    while True:
-        rate = trace.bandwidth_at(t, bandwidth_bytes_per_s)
-        change = trace.next_change_after(t)
-        if change is None or t + left / rate <= change:
-            return t + left / rate
-        left -= (change - t) * rate
-        t = change
-
-
-def stage_schedule(plan: Plan) -> Schedule:
-    """The compute-only schedule a plan runs (explicit actions win over the named builder)."""
-    if plan.actions:  # hand-made or searched: check it before trusting its timing
-        schedule = parse_schedule(plan.actions)
-        validate(schedule)
-        return schedule
-    return build_schedule(plan.schedule, plan.num_stages, plan.num_microbatches)
-
-
 class _Simulation:
-    """Precomputed tables and the event loop.
+    """The plan's cost tables for the interpreter, and the synchronisation phase after it.
 
-    Segments are tuples ``(kind, where, action, start, end, pred, nbytes, extra)``: ``where``
-    is a device index (a resource index for transfers, a stage index for all-reduces),
-    ``pred`` the index of the segment that released this one (-1 at the very start) and
-    ``extra`` ``(src, dst, issued, serialised)`` for transfers.
+    Segments are the interpreter's (:data:`deepcee.schedule.interpreter.Segment`); this class
+    adds one per stage all-reduce (``where`` = stage index) and one per optimizer step.
     """
 
     def __init__(self, plan: Plan, cluster: Cluster, model: ModelProfile) -> None:
         plan.check_against(num_layers=model.num_layers, device_names=cluster.device_names)
         self.plan, self.cluster, self.model = plan, cluster, model
-        self.schedule = stage_schedule(plan)
-        if len(self.schedule) != plan.num_stages:
-            raise ScheduleError(f"schedule has {len(self.schedule)} stages, plan has {plan.num_stages}")
-        lowered = lower(self.schedule)
+        self.lowered = lowered_schedule(plan)
         self.devices = list(plan.devices)
         self.stage_of = [plan.stage_of(d) for d in self.devices]
-        self.num_mb = 1 + max((a.microbatch for row in lowered for a in row), default=0)
         self.resources: list[str] = []
-        self._link_tables()
-        templates = [self._template(row) for row in lowered]
-        self.programs = [self._program(i, templates[s]) for i, s in enumerate(self.stage_of)]
+        pieces, expected = self._link_tables()
+        self.tables = Tables(
+            rows=self.lowered, stage_of=tuple(self.stage_of), durations=tuple(self._durations(d) for d in self.devices),
+            pieces=pieces, expected=expected, num_resources=len(self.resources), names=tuple(self.devices),
+            num_microbatches=plan.num_microbatches)
 
-    def _link_tables(self) -> None:
-        """``targets[direction][device]``: one ``(dst, nbytes, latency, bandwidth, trace,
-        resource)`` per piece a send issues; ``expected[direction][device]``: pieces per receive."""
+    def _link_tables(self) -> tuple[tuple, tuple]:
+        """Per device and direction, one :data:`Piece` per transfer a send issues, and the pieces
+        a receive waits for (see [Note: share-based resharding] in :mod:`deepcee.plan`)."""
         plan, index = self.plan, {d: i for i, d in enumerate(self.devices)}
         res_index: dict[str, int] = {}
         n = len(self.devices)
-        self.targets: list[list[list[tuple]]] = [[[] for _ in range(n)] for _ in range(2)]
-        self.expected = [[0] * n for _ in range(2)]
+        targets: list[list[list[tuple]]] = [[[], []] for _ in range(n)]
+        expected = [[0, 0] for _ in range(n)]
         for s in range(plan.num_stages - 1):
             a, b = plan.stages[s], plan.stages[s + 1]
             per_sample = self.model.boundary_bytes(a.layer_stop)
@@ -216,139 +183,34 @@ class _Simulation:
                     if link.resource not in res_index:
                         res_index[link.resource] = len(self.resources)
                         self.resources.append(link.resource)
-                    self.targets[dirn][index[src]].append(
+                    targets[index[src]][dirn].append(
                         (index[dst], (hi - lo) * per_sample, link.latency_s, link.bandwidth_bytes_per_s,
                          link.trace, res_index[link.resource]))
-                    self.expected[dirn][index[dst]] += 1
+                    expected[index[dst]][dirn] += 1
+        return (tuple((tuple(f), tuple(b)) for f, b in targets), tuple((f, b) for f, b in expected))
 
-    @staticmethod
-    def _template(row: tuple) -> list[tuple]:
-        """``(op, action string, pass or direction, microbatch)`` per lowered action of a stage."""
-        out = []
-        for a in row:
-            k = a.kind
-            if k.is_compute:
-                out.append((_RUN, str(a), k.value, a.microbatch))
-            elif k in (ActionKind.SEND_F, ActionKind.SEND_B):
-                out.append((_SEND, str(a), int(k == ActionKind.SEND_B), a.microbatch))
-            else:
-                out.append((_RECV, str(a), int(k == ActionKind.RECV_B), a.microbatch))
-        return out
-
-    def _program(self, d: int, template: list[tuple]) -> list[tuple]:
-        """The stage's template with each compute pass replaced by its duration on device ``d``."""
-        device = self.devices[d]
-        st = self.plan.stages[self.stage_of[d]]
+    def _durations(self, device: str) -> tuple[float, float, float, float]:
+        """``F``, ``I``, ``W``, ``B`` of one microbatch on ``device`` with its share."""
+        st = self.plan.stages[self.plan.stage_of(device)]
         share = st.shares[st.devices.index(device)]
         kind, slowdown = self.cluster.kind_of(device), self.cluster.device(device).slowdown
-        durations = {p: self.model.time_s(st.layer_start, st.layer_stop, p, share, kind, slowdown)
-                     for p in "FIWB"}
-        return [(op, text, durations[arg], m) if op == _RUN else (op, text, arg, m)
-                for op, text, arg, m in template]
+        f, i, w, b = (self.model.time_s(st.layer_start, st.layer_stop, p, share, kind, slowdown) for p in "FIWB")
+        return f, i, w, b
 
     def run(self, start_s: float, iterations: int) -> None:
-        n = len(self.devices)
-        self.segs: list[tuple] = []
-        self.busy, self.wait, self.sync = [0.0] * n, [0.0] * n, [0.0] * n
-        self.pipeline_compute_s = 0.0
-        self.res_free = [start_s] * len(self.resources)
-        self.res_last = [-1] * len(self.resources)
+        self.exe = Execution(self.tables, start_s=start_s, record=True)
+        self.segs = self.exe.segments
+        self.busy, self.wait = self.exe.busy_s, self.exe.wait_s
+        self.sync = [0.0] * len(self.devices)
         self.ends, self.pipe_ends, self.firsts = [], [], []
         t0, pred = start_s, -1
         for _ in range(iterations):
             self.firsts.append(len(self.segs))
-            list_end, cause = self._pipeline(t0, pred)
+            list_end, cause = self.exe.pipeline(t0, pred)
             self.pipe_ends.append(max(list_end))
             t0, pred = self._sync(list_end, cause)
             self.ends.append(t0)
         self.last_seg = pred
-
-    def _pipeline(self, t0: float, pred: int) -> tuple[list[float], list[int]]:
-        """Run every device's list from ``t0``; returns when each finished, and why."""
-        n, m_count = len(self.devices), self.num_mb
-        programs, targets, expected = self.programs, self.targets, self.expected
-        segs, busy, res_free, res_last = self.segs, self.busy, self.res_free, self.res_last
-        size = 2 * n * m_count  # receive state per (direction, device, microbatch), flattened
-        got, ready, ready_seg = [0] * size, [0.0] * size, [-1] * size
-        pcs, cause, list_end = [0] * n, [pred] * n, [t0] * n
-        waiting, wait_from = [-1] * n, [0.0] * n
-        heap = [(t0, d, d) for d in range(n)]
-        seq, push, pop, append = n, heapq.heappush, heapq.heappop, segs.append
-        compute = 0.0
-        while heap:
-            t, _, d = pop(heap)
-            prog, pc = programs[d], pcs[d]
-            while pc < len(prog):
-                op, text, arg, m = prog[pc]
-                if op == _RUN:
-                    append((_COMPUTE, d, text, t, t + arg, cause[d], 0.0, None))
-                    cause[d] = len(segs) - 1
-                    busy[d] += arg
-                    compute += arg
-                    pc += 1
-                    push(heap, (t + arg, seq, d))
-                    seq += 1
-                    break
-                if op == _SEND:
-                    for dst, nbytes, latency, bw, trace, r in targets[arg][d]:
-                        if res_free[r] > t:  # queued behind the transfer ahead on this resource
-                            begin, p = res_free[r], res_last[r]
-                        else:
-                            begin, p = t, cause[d]
-                        done = begin + nbytes / bw if trace is None else serialise_end_s(begin, nbytes, bw, trace)
-                        append((_TRANSFER, r, text, begin, done + latency, p, nbytes, (d, dst, t, done)))
-                        res_free[r], res_last[r] = done, len(segs) - 1
-                        key = (arg * n + dst) * m_count + m
-                        got[key] += 1
-                        if done + latency >= ready[key]:
-                            ready[key], ready_seg[key] = done + latency, len(segs) - 1
-                        if waiting[dst] == key and got[key] == expected[arg][dst]:
-                            waiting[dst] = -1  # the receiver was blocked on this: release it on delivery
-                            self._waited(dst, pcs[dst], wait_from[dst], ready[key], ready_seg[key], cause)
-                            pcs[dst] += 1
-                            push(heap, (ready[key], seq, dst))
-                            seq += 1
-                    pc += 1
-                    continue
-                key = (arg * n + d) * m_count + m
-                if got[key] < expected[arg][d]:
-                    waiting[d], wait_from[d] = key, t
-                    break
-                if ready[key] > t:
-                    self._waited(d, pc, t, ready[key], ready_seg[key], cause)
-                    pc += 1
-                    push(heap, (ready[key], seq, d))
-                    seq += 1
-                    break
-                pc += 1
-            pcs[d] = pc
-            if pc == len(prog):
-                list_end[d] = t
-        self.pipeline_compute_s += compute
-        self._check_finished(pcs, got)
-        return list_end, cause
-
-    def _waited(self, d: int, pc: int, since: float, until: float, seg: int, cause: list[int]) -> None:
-        """Device ``d`` sat in the receive at ``pc`` from ``since`` until ``until``; ``seg`` released it."""
-        self.segs.append((_WAIT, d, self.programs[d][pc][1], since, until, seg, 0.0, None))
-        self.wait[d] += until - since
-        cause[d] = seg
-
-    def _check_finished(self, pcs: list[int], got: list[int]) -> None:
-        n, m_count = len(self.devices), self.num_mb
-        stuck = []
-        for d, pc in enumerate(pcs):
-            prog = self.programs[d]
-            if pc == len(prog):
-                continue
-            op, text, arg, m = prog[pc]
-            if op == _RECV:
-                have, need = got[(arg * n + d) * m_count + m], self.expected[arg][d]
-                stuck.append(f"{self.devices[d]} at {text} ({have} of {need} pieces arrived)")
-            else:
-                stuck.append(f"{self.devices[d]} at {text}")
-        if stuck:
-            raise ScheduleError("schedule deadlocks; stuck actions: " + "; ".join(stuck))
 
     def _sync(self, list_end: list[float], cause: list[int]) -> tuple[float, int]:
         """Each stage's all-reduce once its devices finished, then the optimizer steps."""
@@ -376,7 +238,7 @@ class _Simulation:
 
     # -- results -------------------------------------------------------------------------
     def where(self, kind: int, where: int) -> str:
-        if kind == _TRANSFER:
+        if kind == TRANSFER:
             return self.resources[where]
         if kind == _ALLREDUCE:
             return f"stage {where} all-reduce"
@@ -399,7 +261,7 @@ class _Simulation:
         devices, stage_of = self.devices, self.stage_of
         for it in range(len(self.firsts)):
             for kind, where, text, start, end, _, nbytes, extra in self.segs[bounds[it]:bounds[it + 1]]:
-                if kind == _TRANSFER:
+                if kind == TRANSFER:
                     src, dst, issued, done = extra
                     out.append(Event(kind="transfer", where=self.resources[where], action=text, start_s=start,
                                      end_s=end, stage=stage_of[src], iteration=it, nbytes=nbytes,
@@ -429,8 +291,8 @@ def _bottleneck(path: tuple[Segment, ...], stage_of: Mapping[str, int]) -> str:
     return f"{name}: {t / total:.0%} of the critical path ({t:.4g} s of {total:.4g} s)"
 
 
-def _peak_memory(plan: Plan, model: ModelProfile, schedule: Schedule) -> dict[str, float]:
-    in_flight = in_flight_per_stage(schedule)
+def _peak_memory(plan: Plan, model: ModelProfile) -> dict[str, float]:
+    in_flight = stage_in_flight(plan)
     out = {}
     for s, st in enumerate(plan.stages):
         for d, share in zip(st.devices, st.shares, strict=True):
@@ -457,7 +319,7 @@ def simulate(plan: Plan, cluster: Cluster, model: ModelProfile, *, start_s: floa
     total_s = sim.ends[-1] - start_s
     pipe_span = sum(p - s for s, p in zip(starts, sim.pipe_ends, strict=True))
     n = len(sim.devices)
-    bubble = 1.0 - sim.pipeline_compute_s / (n * pipe_span) if pipe_span > 0 else 0.0
+    bubble = 1.0 - sim.exe.compute_s / (n * pipe_span) if pipe_span > 0 else 0.0
     path = sim.critical_path()
     stage_of = dict(zip(sim.devices, sim.stage_of, strict=True))
     mean = total_s / iterations
@@ -474,7 +336,7 @@ def simulate(plan: Plan, cluster: Cluster, model: ModelProfile, *, start_s: floa
         idle_s={d: max(0.0, total_s - b - s - w)
                 for d, b, s, w in zip(sim.devices, sim.busy, sim.sync, sim.wait, strict=True)},
         bubble_fraction=min(1.0, max(0.0, bubble)),
-        peak_memory_bytes=_peak_memory(plan, model, sim.schedule),
+        peak_memory_bytes=_peak_memory(plan, model),
         critical_path=path,
         bottleneck=_bottleneck(path, stage_of),
         events=sim.events() if record else (),

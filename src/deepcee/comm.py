@@ -1,14 +1,22 @@
-"""Analytic times of gradient synchronisation on the real links (torch-free).
+"""The alpha-beta link model and the collective algorithms (torch-free core).
 
-Used by the simulator (as the duration of a stage's all-reduce) and by the planner's cost
-model, so both score a plan the same way.
+The simulator, the planner's cost model and the runtime's link emulation all read these, so
+a transfer or an all-reduce costs the same wherever it is scored or emulated.
 
+**Point to point.** A transfer of ``nbytes`` over a :class:`~deepcee.cluster.Link` takes
+``latency_s + nbytes / bandwidth_bytes_per_s`` (:meth:`deepcee.cluster.Link.transfer_time_s`);
+on a link with a :class:`~deepcee.cluster.BandwidthTrace` the serialisation is integrated
+over the trace (:func:`serialise_end_s`): a transfer that straddles a bandwidth change pays
+the old rate before it and the new one after. Transfers that share a link ``resource`` (see
+[Note: link resources] in :mod:`deepcee.cluster`) queue first in, first out; the queue is
+kept by whoever runs the transfers (the simulator, the emulation's ledger).
+
+**Collectives** (gradient synchronisation of one stage; :func:`allreduce_s`).
 Ring all-reduce over ``k`` devices in ring order: ``2 (k-1)`` steps; in each step every
 device sends ``nbytes / k`` to its successor at the same time. Ring edges that map to the
-same link resource (see [Note: link resources] in :mod:`deepcee.cluster`) share its
-bandwidth, so a step takes ``max over resources (max latency of its edges + edges x chunk /
-bandwidth)``. ZeRO-2 (reduce-scatter of gradients + all-gather of parameters) moves the same
-bytes as a ring all-reduce.
+same link resource share its bandwidth, so a step takes ``max over resources (max latency of
+its edges + edges x chunk / bandwidth)``. ZeRO-2 (reduce-scatter of gradients + all-gather of
+parameters) moves the same bytes as a ring all-reduce.
 
 Hierarchical all-reduce: reduce-scatter inside each node, an all-reduce across nodes (one
 ring per local rank; they all share the node-pair pipes, so the bytes per pipe equal a
@@ -20,7 +28,22 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Sequence
 
-from deepcee.cluster import Cluster
+from deepcee.cluster import BandwidthTrace, Cluster
+
+
+def serialise_end_s(start_s: float, nbytes: float, bandwidth_bytes_per_s: float,
+                    trace: BandwidthTrace | None) -> float:
+    """When ``nbytes`` started at ``start_s`` finish serialising on a (traced) pipe."""
+    if trace is None:
+        return start_s + nbytes / bandwidth_bytes_per_s
+    t, left = start_s, nbytes
+    while True:
+        rate = trace.bandwidth_at(t, bandwidth_bytes_per_s)
+        change = trace.next_change_after(t)
+        if change is None or t + left / rate <= change:
+            return t + left / rate
+        left -= (change - t) * rate
+        t = change
 
 
 def ring_order(cluster: Cluster, devices: Sequence[str]) -> list[str]:

@@ -1,0 +1,219 @@
+"""Combining the copies of a layer across replicas and devices: the messages and collectives.
+
+- :class:`Messenger`: tensors between any two ranks outside the pipeline (parameter-server
+  pushes and pulls, averaging), shaped on emulated links exactly as pipeline transfers are
+  (:class:`deepcee.runtime.emulation.LinkShaper`: a header carries the delivery time, the
+  receiver hands the tensor over no earlier; same device: local, no delay);
+- :class:`SegmentParams`: a rank's parameters of one layer segment ([Note: layer segments]
+  in :mod:`deepcee.runtime.partition`), flattened in one fixed order on every rank;
+- :func:`allreduce_gradients`: SUM all-reduce of a segment's gradients over a process group
+  (ring or hierarchical on the emulated links: the real collective runs, then the rank waits
+  for the :mod:`deepcee.comm`-style model time, as for an in-stage all-reduce);
+- :func:`star_mean`: the mean of one tensor over a set of replicas, in a fixed order, at
+  one root ([Note: deterministic averaging]).
+
+[Note: deterministic averaging]
+The relaxed strategies average parameters (or, with an outer optimizer, their change) across
+replicas. Floating-point sums depend on their order, and a collective's order is the
+library's business, so they are computed at one *root* in replica order instead: the
+segment's first holder in the lowest replica of the group receives one copy per other
+replica (from that replica's *delegate*, its first holder of the segment: every holder of a
+stage has the same parameters), computes ``acc = x[r0].clone(); acc += x[r1]; ...;
+acc /= n`` and sends the result to every holder of the group. The result is the same bits
+as a single process doing those operations in that order, which the tests check. Cost: a
+gather to the root and a scatter from it, alpha-beta per link, FIFO per link resource (what
+the simulator must assume for these strategies).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from deepcee.cluster import Cluster
+from deepcee.errors import RuntimeSetupError
+from deepcee.runtime.emulation import Clock, LinkShaper
+from deepcee.runtime.partition import Segment, Topology
+
+HEADER_BYTES = 16
+TAG_BASE = 1 << 22
+"""Tags of these messages start here, far above the pipeline's ``2m``/``2m+1``."""
+TAG_PUSH, TAG_PULL, TAG_SERVERS, TAG_GATHER, TAG_SCATTER = (TAG_BASE + i for i in range(5))
+TAG_SEGMENT_PUSH = TAG_BASE + 1000
+"""``asgd-ga`` pushes: one tag per segment (``+ segment index``), so a server can wait for each separately."""
+
+
+@dataclass(slots=True)
+class Messenger:
+    """Point-to-point tensors between ranks, shaped like pipeline transfers. See the module docstring."""
+
+    rank: int
+    topo: Topology
+    cluster: Cluster
+    torch_device: torch.device
+    timeout_s: float
+    shaper: LinkShaper | None = None
+    clock: Clock = field(default_factory=Clock)
+    bytes_sent: dict[str, int] = field(default_factory=dict)
+    _sends: list[Any] = field(default_factory=list)
+
+    @property
+    def device(self) -> str:
+        return self.topo.device_of(self.rank)
+
+    def send(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
+        """Send ``tensor`` (any shape, contiguous bytes) to rank ``dst``; completes by :meth:`flush`."""
+        payload = tensor.detach().contiguous().view(-1).view(torch.uint8)
+        peer = self.topo.device_of(dst)
+        now = self.clock.wall()
+        deliver = now
+        if self.shaper is not None and peer != self.device:
+            deliver = self.shaper.deliver_at(self.cluster.link(self.device, peer), payload.numel(), now)
+        header = torch.tensor([deliver, now], dtype=torch.float64).view(torch.uint8)
+        buf = torch.cat([payload.cpu(), header]).to(self.torch_device)
+        self._sends.append((dist.isend(buf, dst=dst, tag=tag), dst, buf))
+        key = f"{self.device}->{peer}"
+        self.bytes_sent[key] = self.bytes_sent.get(key, 0) + payload.numel()
+
+    def recv(self, like: torch.Tensor, src: int, tag: int, *, wait_delivery: bool = True) -> tuple[torch.Tensor, float]:
+        """A tensor shaped like ``like`` from rank ``src``; with ``wait_delivery``, not before its
+        emulated delivery. Returns it and its delivery (wall) time."""
+        nbytes = like.numel() * like.element_size()
+        buf = torch.empty(nbytes + HEADER_BYTES, dtype=torch.uint8, device=self.torch_device)
+        work = dist.irecv(buf, src=src, tag=tag)
+        self._wait(work, f"receiving from {self.topo.describe(src)}")
+        at = float(buf[nbytes:].cpu().clone().view(torch.float64)[0])
+        if wait_delivery and self.shaper is not None:
+            self.clock.sleep_until(at)
+        return buf[:nbytes].view(like.dtype).view(like.shape).clone(), at
+
+    def flush(self) -> None:
+        """Wait for every send so far (their receivers have them then)."""
+        for work, dst, _buf in self._sends:
+            self._wait(work, f"sending to {self.topo.describe(dst)}")
+        self._sends.clear()
+
+    def _wait(self, work: Any, what: str) -> None:
+        try:
+            work.wait(timedelta(seconds=self.timeout_s))
+        except RuntimeError as exc:
+            raise RuntimeSetupError(f"{self.topo.describe(self.rank)}: {what} did not complete within "
+                                    f"{self.timeout_s:g} s ({str(exc).splitlines()[0][:160]})") from None
+
+
+# -- a segment's parameters on one rank ------------------------------------------------------
+
+
+@dataclass(slots=True)
+class SegmentParams:
+    """This rank's parameters of layers ``[segment.start, segment.stop)``, in block order."""
+
+    segment: Segment
+    params: list[nn.Parameter]
+
+    @staticmethod
+    def of(segment: Segment, blocks: Sequence[nn.Module]) -> SegmentParams:
+        seen: set[int] = set()
+        params = []
+        for b in blocks[segment.start:segment.stop]:
+            for p in b.parameters():
+                if p.requires_grad and id(p) not in seen:
+                    seen.add(id(p))
+                    params.append(p)
+        return SegmentParams(segment=segment, params=params)
+
+    @property
+    def numel(self) -> int:
+        return sum(p.numel() for p in self.params)
+
+    def flat_grads(self) -> torch.Tensor:
+        if not self.params:  # layers without parameters (a lone activation)
+            return torch.zeros(0)
+        return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in self.params])
+
+    def set_grads(self, flat: torch.Tensor) -> None:
+        offset = 0
+        for p in self.params:
+            p.grad = flat[offset:offset + p.numel()].view_as(p)
+            offset += p.numel()
+
+    def flat_values(self) -> torch.Tensor:
+        if not self.params:
+            return torch.zeros(0)
+        return torch.cat([p.detach().reshape(-1) for p in self.params])
+
+    def set_values(self, flat: torch.Tensor) -> None:
+        offset = 0
+        with torch.no_grad():
+            for p in self.params:
+                p.copy_(flat[offset:offset + p.numel()].view_as(p))
+                offset += p.numel()
+
+
+def allreduce_gradients(seg: SegmentParams, group: Any, *, timeout_s: float, describe: str,
+                        pace: Callable[[int, float], None] | None, clock: Clock) -> None:
+    """SUM all-reduce of ``seg``'s gradients over ``group`` ([Note: loss weighting] in
+    :mod:`deepcee.runtime.trainer`); ``pace(nbytes, t0)`` then waits for the modelled time."""
+    if not seg.params:  # every holder of parameter-less layers skips it alike
+        return
+    t0 = clock.wall()
+    flat = seg.flat_grads()
+    work = dist.all_reduce(flat, group=group, async_op=True)
+    try:
+        work.wait(timedelta(seconds=timeout_s))
+    except RuntimeError as exc:
+        raise RuntimeSetupError(f"{describe}: gradient all-reduce of layers [{seg.segment.start}, "
+                                f"{seg.segment.stop}) did not complete within {timeout_s:g} s: "
+                                f"{str(exc)[:160]}") from None
+    seg.set_grads(flat)
+    if pace is not None:
+        pace(flat.numel() * flat.element_size(), t0)
+
+
+# -- deterministic averaging over replicas ----------------------------------------------------
+
+
+def group_holders(segment: Segment, replicas: Sequence[int]) -> list[tuple[int, ...]]:
+    """The holders of ``segment`` in each replica of ``replicas`` (in that order)."""
+    return [segment.holders[r] for r in replicas]
+
+
+def star_mean(m: Messenger, segment: Segment, replicas: Sequence[int], mine: torch.Tensor,
+              combine: Callable[[list[torch.Tensor]], torch.Tensor] | None = None) -> torch.Tensor:
+    """Combine one tensor per replica of ``replicas`` (sorted) at the root and hand every holder
+    the result. See [Note: deterministic averaging].
+
+    ``mine``: this rank's tensor (only the delegates' are used). ``combine`` maps the tensors,
+    in replica order, to the result (default: their mean, summed in order). Call on every
+    holder of ``segment`` in ``replicas``, segments in layer order."""
+    holders = group_holders(segment, replicas)
+    root = holders[0][0]
+    delegates = [h[0] for h in holders]
+    if m.rank == root:
+        xs = [mine] + [m.recv(mine, src=d, tag=TAG_GATHER)[0] for d in delegates[1:]]
+        out = (combine or mean_in_order)(xs)
+        for h in holders:
+            for r in h:
+                if r != root:
+                    m.send(out, r, TAG_SCATTER)
+        m.flush()
+        return out
+    if m.rank in delegates:
+        m.send(mine, root, TAG_GATHER)
+    out, _ = m.recv(mine, src=root, tag=TAG_SCATTER)
+    m.flush()
+    return out
+
+
+def mean_in_order(xs: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``(x0 + x1 + ... ) / n``, added left to right (the reference does exactly this)."""
+    acc = xs[0].clone()
+    for x in xs[1:]:
+        acc.add_(x)
+    return acc.div_(len(xs))

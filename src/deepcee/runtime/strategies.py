@@ -1,0 +1,394 @@
+"""How replicas agree on parameters, one rank's side: the plan's strategy over its sync.
+
+The trainer (:mod:`deepcee.runtime.trainer`) runs a step's schedule row; this module does the
+rest of the step for the plan's :class:`~deepcee.plan.Strategy`:
+
+- ``exact``: :func:`sync_exact` combines each layer segment's gradients over ALL its holders
+  in every replica ([Note: layer segments] in :mod:`deepcee.runtime.partition`), by the
+  segment's sync (ring or hierarchical all-reduce, ZeRO-2 run as an all-reduce, or the
+  parameter servers of [Note: ps sync] in :mod:`deepcee.runtime.ps`); with the loss weighting
+  of [Note: loss weighting] this is the single-process gradient; then one optimizer step.
+- the relaxed rules run their own loop (:func:`run_relaxed`, one record per local step,
+  gathered once at the end so that no global barrier appears where the rule has none).
+  Each replica sums gradients over its own stages' devices only (its batch's mean), then:
+
+  - ``model-averaging`` (:class:`ModelAveraging`): its own optimizer step; every ``period``
+    local steps all replicas combine their parameters per segment ([Note: deterministic
+    averaging] in :mod:`deepcee.runtime.replicas`): plain mean, or DiLoCo's outer step
+    ([Note: outer nesterov]);
+  - ``asgd-ga`` (:class:`AsgdGa`): no local optimizer; gradients summed over ``k`` local
+    steps, pushed to the parameter servers, the servers' model pulled ([Note: asgd-ga]);
+  - ``partial`` (:class:`Partial`): its own optimizer step, then the group the coordinator
+    gives it averages ([Note: partial averaging] in :mod:`deepcee.runtime.coordinator`).
+
+[Note: outer nesterov]
+DiLoCo's outer optimizer, per segment, at the segment's root (it alone keeps the state):
+``anchor`` is the segment's parameters after the previous average (the initial ones at
+first), ``delta = mean over replicas (in order) of (anchor - theta_r)``, then SGD with
+Nesterov momentum as ``torch.optim.SGD(nesterov=True)`` does it: ``buf = delta`` the first
+time, else ``buf = mu * buf + delta``; ``anchor = anchor - lr * (delta + mu * buf)``; every
+holder takes the new anchor as its parameters. The inner optimizers keep their state.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from deepcee.errors import RuntimeSetupError, SpecError
+from deepcee.plan import Plan
+from deepcee.runtime import coordinator as coord
+from deepcee.runtime.executor import run_step
+from deepcee.runtime.partition import Segment, Topology
+from deepcee.runtime.ps import (
+    AppliedPush,
+    AsgdServer,
+    asgd_push_pull,
+    push_pull_gradients,
+    segment_holders_of_server,
+    serve_ps_segment,
+    server_rank_of,
+)
+from deepcee.runtime.records import RankMetrics, StepMetrics, step_metrics
+from deepcee.runtime.replica_records import ReplicaGroup, ServerPush, StrategyRun
+from deepcee.runtime.replicas import SegmentParams, allreduce_gradients, mean_in_order, star_mean
+
+if TYPE_CHECKING:
+    from deepcee.runtime.trainer import Trainer
+
+log = logging.getLogger(__name__)
+
+ALLREDUCE_SYNCS = ("allreduce-ring", "allreduce-hier", "zero2")
+
+
+def segment_sync(plan: Plan, seg: Segment) -> str:
+    """The sync of a segment: its stages' own (HeteroG) or the plan's; replicas must agree."""
+    kinds = {plan.replicas[r].stages[s].sync or plan.sync for r, s in enumerate(seg.stages)}
+    if len(kinds) > 1:
+        raise RuntimeSetupError(f"layers [{seg.start}, {seg.stop}) are synchronised by {sorted(kinds)} in different "
+                                "replicas; their holders must use one")
+    return kinds.pop()
+
+
+def make_sync_groups(plan: Plan, topo: Topology, make_group: Callable[[tuple[int, ...]], Any]) -> dict[tuple, Any]:
+    """The gradient all-reduce groups of ``plan``; every rank calls this, in one order."""
+    groups: dict[tuple, Any] = {}
+    if plan.strategy.kind == "exact":
+        for j, seg in enumerate(topo.segments()):
+            if len(seg.ranks) > 1 and segment_sync(plan, seg) in ALLREDUCE_SYNCS:
+                groups[("segment", j)] = make_group(seg.ranks)
+        return groups
+    for r, rep in enumerate(plan.replicas):
+        for s in range(rep.num_stages):
+            if len(topo.stage_ranks(s, r)) > 1:
+                groups[("stage", r, s)] = make_group(topo.stage_ranks(s, r))
+    return groups
+
+
+def check_sync(plan: Plan, topo: Topology) -> None:
+    """Reject what cannot run: ``none`` on a layer with several holders, ties across replicas."""
+    shared = topo.segments() if plan.strategy.kind == "exact" else ()
+    for seg in shared:
+        if segment_sync(plan, seg) == "none" and len(seg.ranks) > 1:
+            raise RuntimeSetupError(f"plan has sync 'none' but layers [{seg.start}, {seg.stop}) are held by ranks "
+                                    f"{list(seg.ranks)}, whose copies would drift apart")
+    if plan.strategy.kind != "exact":
+        for r, rep in enumerate(plan.replicas):
+            for s, st in enumerate(rep.stages):
+                if (st.sync or plan.sync) == "none" and len(st.devices) > 1:
+                    raise RuntimeSetupError(f"plan has sync 'none' but replicas[{r}].stages[{s}] runs on "
+                                            f"{list(st.devices)}, whose copies would drift apart")
+
+
+# -- exact ----------------------------------------------------------------------------------
+
+
+def sync_exact(t: Trainer) -> float:
+    """Every segment this rank holds: gradients summed over all holders. Returns wall seconds."""
+    t0 = t.clock.wall()
+    for j, seg in t.my_segments:
+        kind = segment_sync(t.plan, seg.segment)
+        if len(seg.segment.ranks) == 1 or kind == "none":
+            continue
+        if kind == "ps":
+            push_pull_gradients(t.messenger, seg, server_rank_of(t.topo, t.cluster, t.placement.device))
+            continue
+        devices = tuple(t.topo.device_of(r) for r in seg.segment.ranks)
+        allreduce_gradients(seg, t.sync_groups[("segment", j)], timeout_s=t.cfg.timeout_s,
+                            describe=t.topo.describe(t.w.rank), clock=t.clock,
+                            pace=t.pace_for(devices, kind))
+    return t.clock.wall() - t0
+
+
+def serve_exact_step(t: Trainer) -> None:
+    """A server rank's part of one exact step: every ``ps`` segment, in layer order ([Note: ps sync])."""
+    servers = sorted(t.topo.server_ranks.values())
+    for seg in t.topo.segments():
+        if len(seg.ranks) == 1 or segment_sync(t.plan, seg) != "ps":
+            continue
+        holders = segment_holders_of_server(t.topo, t.cluster, seg, t.w.rank)
+        serve_ps_segment(t.messenger, SegmentParams.of(seg, t.blocks), holders, servers)
+
+
+# -- relaxed ----------------------------------------------------------------------------------
+
+
+def sync_in_replica(t: Trainer) -> float:
+    """Gradients summed over the devices of this rank's stage (its replica's batch mean)."""
+    p = t.placement
+    group = t.sync_groups.get(("stage", p.replica, p.stage))
+    if group is None:
+        return 0.0
+    t0 = t.clock.wall()
+    rep = t.plan.replicas[p.replica]
+    st = rep.stages[p.stage]
+    ranks = t.topo.stage_ranks(p.stage, p.replica)
+    seg = SegmentParams(segment=Segment(start=st.layer_start, stop=st.layer_stop, holders=(ranks,), stages=(p.stage,)),
+                        params=t.stage.params)
+    kind = st.sync or t.plan.sync
+    allreduce_gradients(seg, group, timeout_s=t.cfg.timeout_s, describe=t.topo.describe(t.w.rank), clock=t.clock,
+                        pace=t.pace_for(st.devices, kind if kind in ALLREDUCE_SYNCS else "allreduce-ring"))
+    return t.clock.wall() - t0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LocalStep:
+    """One local step of one rank under a relaxed strategy (wall seconds)."""
+
+    replica: int
+    step: int
+    metrics: RankMetrics
+    start_wall: float
+    end_wall: float
+    comm_s: float
+    """Averaging, pushing and pulling after the step (not in ``metrics.sync_s``)."""
+
+
+@dataclass(slots=True)
+class RelaxedRun:
+    """What one rank brings to the end-of-run gather under a relaxed strategy."""
+
+    rank: int
+    steps: list[LocalStep] = field(default_factory=list)
+    pushes: list[AppliedPush] = field(default_factory=list)
+    groups: list[coord.GroupRecord] = field(default_factory=list)
+    averages: int = 0
+
+
+class _Runner:
+    """The per-rank part of a relaxed strategy: what happens after a local step's gradients."""
+
+    def __init__(self, t: Trainer) -> None:
+        self.t = t
+        self.replica = t.placement.replica
+        self.averages = 0
+
+    def more(self, k: int) -> bool:
+        """Whether local step ``k`` runs."""
+        return k < self.t.cfg.steps
+
+    def zero_grad(self, k: int) -> None:
+        self.t.stage.zero_grad()
+
+    def after_step(self, k: int) -> float:
+        raise NotImplementedError
+
+    def finish(self, run: RelaxedRun) -> None:
+        run.averages = self.averages
+
+
+class ModelAveraging(_Runner):
+    """``model-averaging``: plain or outer Nesterov every ``period`` local steps."""
+
+    def __init__(self, t: Trainer) -> None:
+        super().__init__(t)
+        self.all = tuple(range(t.plan.num_replicas))
+        self.outer: dict[int, dict[str, torch.Tensor]] = {}
+
+    def after_step(self, k: int) -> float:
+        self.t.optimizer.step()
+        if (k + 1) % self.t.plan.strategy.period:
+            return 0.0
+        t0 = self.t.clock.wall()
+        for j, seg in self.t.my_segments:
+            combine = self._nesterov(j, seg) if self.t.plan.strategy.outer_optimizer == "nesterov" else None
+            seg.set_values(star_mean(self.t.messenger, seg.segment, self.all, seg.flat_values(), combine))
+        self.averages += 1
+        return self.t.clock.wall() - t0
+
+    def _nesterov(self, j: int, seg: SegmentParams) -> Callable[[list[torch.Tensor]], torch.Tensor]:
+        """[Note: outer nesterov] at the segment's root (called there only)."""
+        s = self.t.plan.strategy
+        state = self.outer.setdefault(j, {"anchor": self.t.initial_values[j].clone()})
+
+        def combine(thetas: list[torch.Tensor]) -> torch.Tensor:
+            delta = mean_in_order([state["anchor"] - th for th in thetas])
+            buf = state.get("buf")
+            buf = delta.clone() if buf is None else buf.mul_(s.outer_momentum).add_(delta)
+            state["buf"] = buf
+            state["anchor"] = state["anchor"] - s.outer_lr * (delta + s.outer_momentum * buf)
+            return state["anchor"]
+
+        return combine
+
+
+class AsgdGa(_Runner):
+    """``asgd-ga``: push every ``k`` local steps' gradients, pull the servers' model ([Note: asgd-ga])."""
+
+    def zero_grad(self, k: int) -> None:
+        if k % self.t.plan.strategy.accumulation_steps == 0:
+            self.t.stage.zero_grad()
+
+    def after_step(self, k: int) -> float:
+        acc = self.t.plan.strategy.accumulation_steps
+        if (k + 1) % acc and k + 1 < self.t.cfg.steps:
+            return 0.0
+        t0 = self.t.clock.wall()
+        sync_in_replica(self.t)
+        asgd_push_pull(self.t.messenger, [s for _, s in self.t.my_segments], self.replica, self.t.topo,
+                       steps_run=k % acc + 1, store=self.t.w.store, job=self.t.job.name, round_=k // acc)
+        self.averages += 1
+        return self.t.clock.wall() - t0
+
+
+class Partial(_Runner):
+    """``partial``: after every local step, average with the group the coordinator forms."""
+
+    def __init__(self, t: Trainer) -> None:
+        super().__init__(t)
+        self.stopped = False
+        self.leader = t.topo.replica_ranks(self.replica)[0]
+
+    def more(self, k: int) -> bool:
+        return not self.stopped
+
+    def after_step(self, k: int) -> float:
+        t = self.t
+        t.optimizer.step()
+        t0 = t.clock.wall()
+        if t.w.rank == self.leader:
+            coord.announce(t.w.store, t.job.name, self.replica, k, t.clock)
+        a = coord.assignment(t.w.store, t.job.name, self.replica, k, t.cfg.timeout_s)
+        if len(a.members) > 1:
+            for _, seg in t.my_segments:
+                seg.set_values(star_mean(t.messenger, seg.segment, a.members, seg.flat_values()))
+            self.averages += 1
+        self.stopped = a.final
+        return t.clock.wall() - t0
+
+
+RUNNERS: dict[str, type[_Runner]] = {"model-averaging": ModelAveraging, "asgd-ga": AsgdGa, "partial": Partial}
+
+
+def check_relaxed(t: Trainer) -> None:
+    """What relaxed runs do not support yet, refused with the reason."""
+    kind = t.plan.strategy.kind
+    if t.cfg.checkpoint_every or t.cfg.resume:
+        raise SpecError(f"checkpoints are not supported with the relaxed strategy {kind!r} yet (replicas hold "
+                        "different models, and asgd-ga/partial replicas are at different steps)", field="checkpoint")
+    if t.ties:
+        raise SpecError("tied parameters are not supported with several replicas yet", field="model")
+
+
+def run_relaxed(t: Trainer) -> RelaxedRun:
+    """This rank's whole run under a relaxed strategy (see the module docstring)."""
+    run = RelaxedRun(rank=t.w.rank)
+    coordinator = None
+    if t.plan.strategy.kind == "partial" and t.w.rank == 0:
+        coordinator = coord.Coordinator(store=t.w.store, job=t.job.name, num_replicas=t.plan.num_replicas,
+                                        steps=t.cfg.steps, strategy=t.plan.strategy, dilation=t.dilation,
+                                        timeout_s=t.cfg.timeout_s, clock=t.clock)
+        coordinator.start()
+    if t.topo.is_server(t.w.rank):
+        rounds = -(-t.cfg.steps // t.plan.strategy.accumulation_steps)
+        run.pushes = AsgdServer(t.messenger, t.topo, t.blocks, t.cfg.optimizer.build, t.plan.strategy, rounds,
+                                fixed_order=t.cfg.fixed_arrival_order, timeout_s=t.cfg.timeout_s, store=t.w.store,
+                                job=t.job.name).serve()
+        return run
+    runner = RUNNERS[t.plan.strategy.kind](t)
+    k = 0
+    while runner.more(k):
+        start = t.clock.wall()
+        runner.zero_grad(k)
+        rec = run_step(t.actions, t.stage, t.p2p, t.feeds(k), t.pacer, trace=t.cfg.trace)
+        sync_s = 0.0 if t.plan.strategy.kind == "asgd-ga" else sync_in_replica(t)
+        comm_s = runner.after_step(k)
+        run.steps.append(LocalStep(replica=runner.replica, step=k, metrics=t.rank_metrics(rec, sync_s),
+                                   start_wall=start, end_wall=t.clock.wall(), comm_s=comm_s))
+        k += 1
+    runner.finish(run)
+    if coordinator is not None:
+        coordinator.join()
+        run.groups = list(coordinator.groups)
+    return run
+
+
+# -- what the run reports -------------------------------------------------------------------------
+
+
+def describe_sync(plan: Plan, topo: Topology) -> str:
+    """One line for the result: how gradients or parameters were combined."""
+    if plan.strategy.kind != "exact":
+        return f"{plan.strategy.kind} across {plan.num_replicas} replicas; gradients summed inside each stage"
+    kinds = sorted({segment_sync(plan, seg) for seg in topo.segments() if len(seg.ranks) > 1})
+    if not kinds:
+        return "none"
+    what = {"ps": "parameter servers (push to the island's server, servers combine, pull)"}
+    return "; ".join(what.get(k, f"{k} (gloo/nccl SUM)") for k in kinds) + (
+        " over each layer segment's holders in every replica" if plan.num_replicas > 1 else
+        " over each stage's devices")
+
+
+def relaxed_records(gathered: list[RelaxedRun | None], t: Trainer) -> tuple[list[StepMetrics], StrategyRun]:
+    """Rank 0: one record per local step index (the replicas that ran it) and the run's summary."""
+    runs = [g for g in gathered if g is not None]
+    plan, epoch = t.plan, t.epoch
+    by_k: dict[int, list[LocalStep]] = {}
+    for run in runs:
+        for ls in run.steps:
+            by_k.setdefault(ls.step, []).append(ls)
+    records = []
+    for k in sorted(by_k):
+        steps = by_k[k]
+        reps = sorted({x.replica for x in steps})
+        # the same replicas' previous step (a slow replica's step k-1 may end after a fast one's k)
+        before = [x.end_wall for x in by_k.get(k - 1, ()) if x.replica in reps]
+        prev = max(before) if before else min(x.start_wall for x in steps)
+        batch = sum(plan.replicas[r].batch for r in reps)
+        ranks = [replace(x.metrics, sync_s=x.metrics.sync_s + x.comm_s) for x in steps]
+        rec = step_metrics(k, ranks, max(x.end_wall for x in steps) - prev, global_batch=batch, emulation=t.info,
+                           epoch=epoch if t.cfg.trace else None, strategy=plan.strategy)
+        loss = sum(plan.replicas[x.replica].batch / batch * x.metrics.loss for x in steps)
+        records.append(replace(rec, loss=loss))
+    return records, _strategy_run(runs, t)
+
+
+def _strategy_run(runs: list[RelaxedRun], t: Trainer) -> StrategyRun:
+    plan, d, epoch = t.plan, t.dilation, t.epoch
+    ends: dict[tuple[int, int], float] = {}
+    combines = [0] * plan.num_replicas
+    for run in runs:
+        for ls in run.steps:
+            ends[(ls.replica, ls.step)] = max(ends.get((ls.replica, ls.step), 0.0), ls.end_wall)
+        if run.steps:
+            combines[run.steps[0].replica] = max(combines[run.steps[0].replica], run.averages)
+    local = [sum(1 for r, _ in ends if r == q) for q in range(plan.num_replicas)]
+    t_a = max(ends.get((q, 0), float("inf")) for q in range(plan.num_replicas))
+    t_b = max(ends.values(), default=float("nan"))
+    done = sum(plan.replicas[r].batch for (r, _), end in ends.items() if t_a < end <= t_b)
+    window = (t_b - t_a) / d
+    groups = [ReplicaGroup(round=g.round, members=g.members, full=g.full, open_s=(g.open_wall - epoch) / d,
+                           close_s=(g.close_wall - epoch) / d, arrivals=g.arrivals)
+              for run in runs for g in run.groups]
+    pushes = [ServerPush(server=t.topo.device_of(run.rank), replica=p.replica, version=p.version,
+                         staleness=p.staleness, applied_s=(p.applied_s - epoch) / d)
+              for run in runs for p in run.pushes]
+    return StrategyRun(kind=plan.strategy.kind, local_steps=tuple(local),
+                       samples=tuple(n * rep.batch for n, rep in zip(local, plan.replicas, strict=True)),
+                       combines=tuple(combines), window_s=window if window > 0 else float("nan"),
+                       samples_per_s=done / window if window > 0 else float("nan"),
+                       groups=tuple(groups), pushes=tuple(pushes))

@@ -1,0 +1,297 @@
+"""The one timing interpreter of lowered schedules (torch-free).
+
+Three programs time a lowered schedule, and all three run it here, on different cost tables
+(:class:`Tables`):
+
+- the simulator (:mod:`deepcee.simulator.engine`): per-device compute times from the cluster
+  and the model, every send split into one piece per sample overlap with the peer stage's
+  devices, over the cluster's real links (shared resources, bandwidth traces);
+- the dry run (:func:`deepcee.schedule.passes.dry_run`) and the validator's deadlock check:
+  given per-stage costs, one device per stage, one FIFO link per boundary direction
+  (:func:`stage_tables`);
+- the planner's cost model (:mod:`deepcee.planner.cost_model`): the dry run's tables filled
+  with its stage-level costs, without recording.
+
+Model (times in seconds on one clock):
+
+- Every device of stage ``s`` runs the lowered row ``s`` in order, starting at ``t0``; it
+  never reorders or skips ahead. ``F``/``I``/``W``/``B`` occupy the device for its duration.
+- ``SEND`` takes no device time: it issues every piece of that send. A piece issued at ``t``
+  on a link resource starts serialising at ``max(t, resource free)`` (first in, first out per
+  resource, in issue-time order), serialises for ``nbytes / bandwidth`` (integrated over a
+  bandwidth trace: :func:`deepcee.comm.serialise_end_s`) and is delivered ``latency_s``
+  after its serialisation ends.
+- ``RECV`` takes no device time but blocks until every piece of that microbatch and
+  direction arrived: the device continues at ``max(reached, last delivery)``.
+- If no device can continue and some have actions left, the schedule deadlocks
+  (:class:`Deadlock`, naming each stuck action).
+
+Events are processed in time order (a heap of ``(time, sequence, device)``), so pieces of
+different devices that share a resource queue in the order they were issued. A device keeps
+running without going through the heap while its next event is strictly earlier than every
+queued one: the order of events, and so every time, is the same either way. When every
+resource carries the pieces of one sending device only (always so for :func:`stage_tables`)
+and nothing is recorded, the order of devices cannot change any time, and each device runs
+until it blocks on a receive (the free run the dry run always had).
+
+With ``record=True`` the interpreter keeps, for the simulator's critical path and timeline,
+one segment per compute action, transfer piece and receive wait (see :data:`Segment`, each
+naming the segment that released it), and for the dry run each action's ``(start, end,
+delivered)`` (:attr:`Execution.stamps`).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from deepcee.cluster import BandwidthTrace
+from deepcee.comm import serialise_end_s
+from deepcee.errors import ScheduleError
+from deepcee.schedule.ir import ActionKind, Schedule
+
+K = ActionKind
+_CODE = {K.F: 0, K.I: 1, K.W: 2, K.B: 3, K.SEND_F: 4, K.SEND_B: 5, K.RECV_F: 6, K.RECV_B: 7}
+"""Dispatch codes: compute kinds index a device's durations; then sends, then receives."""
+
+COMPUTE, TRANSFER, WAIT = 0, 1, 2
+"""Segment kinds recorded here (the simulator adds its own after these)."""
+
+Piece = tuple[int, float, float, float, BandwidthTrace | None, int]
+"""One transfer a send issues: ``(receiving device, nbytes, latency_s, bandwidth_bytes_per_s,
+trace, resource)``. Given costs use ``nbytes = serialization_s`` and a bandwidth of 1."""
+
+Segment = tuple
+"""``(kind, where, action, start, end, pred, nbytes, extra)``: ``where`` is a device index (a
+resource index for transfers), ``pred`` the index of the segment that released this one (-1
+at the very start) and ``extra`` ``(src, dst, issued, serialised)`` for transfers."""
+
+LinkCost = tuple[float, float]
+"""``(latency_s, serialization_s)`` of one transfer over a directed boundary link."""
+
+
+class Deadlock(ScheduleError):
+    """No device can continue and some have actions left."""
+
+    def __init__(self, message: str, stuck: Sequence[tuple[int, int]]) -> None:
+        super().__init__(message)
+        self.stuck = tuple(stuck)
+        """``(device, index in its row)`` of every stuck action."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Tables:
+    """What the interpreter needs to time one lowered schedule on a set of devices."""
+
+    rows: Schedule
+    """The lowered action list of each stage."""
+    stage_of: tuple[int, ...]
+    """Stage of each device (devices are numbered ``0..n-1``)."""
+    durations: tuple[tuple[float, float, float, float], ...]
+    """Per device, the duration of ``F``, ``I``, ``W`` and ``B``."""
+    pieces: tuple[tuple[tuple[Piece, ...], tuple[Piece, ...]], ...]
+    """Per device, the pieces a ``SEND_F`` and a ``SEND_B`` issue."""
+    expected: tuple[tuple[int, int], ...]
+    """Per device, how many pieces a ``RECV_F`` and a ``RECV_B`` wait for."""
+    num_resources: int
+    """Link resources are numbered ``0..num_resources-1``."""
+    names: tuple[str, ...]
+    """Each device's name in error messages."""
+    num_microbatches: int
+    """``1 +`` the largest microbatch id in ``rows``."""
+
+    def __post_init__(self) -> None:
+        n = len(self.stage_of)
+        for field, value in (("durations", self.durations), ("pieces", self.pieces),
+                             ("expected", self.expected), ("names", self.names)):
+            if len(value) != n:
+                raise ScheduleError(f"interpreter tables: {field} has {len(value)} entries for {n} devices")
+        if any(not 0 <= s < len(self.rows) for s in self.stage_of):
+            raise ScheduleError(f"interpreter tables: stage_of {self.stage_of} outside 0..{len(self.rows) - 1}")
+
+
+def stage_tables(rows: Schedule, forward_s: Sequence[float], input_grad_s: Sequence[float],
+                 weight_grad_s: Sequence[float], comm_forward: Sequence[LinkCost],
+                 comm_backward: Sequence[LinkCost], backward_s: Sequence[float] | None = None, *,
+                 num_microbatches: int | None = None) -> Tables:
+    """Given per-stage costs: device ``s`` is stage ``s``; boundary ``b`` has one resource per direction.
+
+    ``B`` takes ``backward_s`` (default ``I + W``). ``rows`` must be lowered
+    (:func:`deepcee.schedule.passes.lower`): the interpreter only moves data the list moves.
+    ``num_microbatches`` saves a pass over ``rows`` when the caller knows it.
+    """
+    n = len(rows)
+    if n > 1 and not any(a.kind is K.SEND_F for a in rows[0][:2]):
+        raise ScheduleError("the interpreter times lowered schedules: lower() it first")
+    back = backward_s if backward_s is not None else [i + w for i, w in zip(input_grad_s, weight_grad_s, strict=True)]
+    durations = tuple(zip(forward_s, input_grad_s, weight_grad_s, back, strict=True))
+    last = n - 1
+    pieces = tuple(
+        (((s + 1, comm_forward[s][1], comm_forward[s][0], 1.0, None, s),) if s < last else (),
+         ((s - 1, comm_backward[s - 1][1], comm_backward[s - 1][0], 1.0, None, last + s - 1),) if s > 0 else ())
+        for s in range(n))
+    expected = tuple((int(s > 0), int(s < last)) for s in range(n))
+    num_mb = num_microbatches or 1 + max((a.microbatch for row in rows for a in row), default=0)
+    return Tables(rows=rows, stage_of=tuple(range(n)), durations=durations, pieces=pieces, expected=expected,
+                  num_resources=2 * last if n > 1 else 0, names=tuple(f"stage {s}" for s in range(n)),
+                  num_microbatches=num_mb)
+
+
+class _Pass:
+    """The state of one pipeline pass: receive state per (direction, device, microbatch),
+    flattened, and per device its position, what released it, its finish and what it waits for."""
+
+    __slots__ = ("cause", "got", "heap", "list_end", "pcs", "ready", "ready_seg", "tick", "wait_from", "waiting")
+
+    def __init__(self, n: int, num_microbatches: int, t0: float, pred: int) -> None:
+        size = 2 * n * num_microbatches
+        self.got, self.ready, self.ready_seg = [0] * size, [0.0] * size, [-1] * size
+        self.pcs, self.cause, self.list_end = [0] * n, [pred] * n, [t0] * n
+        self.waiting, self.wait_from = [-1] * n, [0.0] * n
+        self.heap = [(t0, d, d) for d in range(n)]
+        self.tick = itertools.count(n).__next__
+        """Sequence numbers that keep the heap's order of equal times first come, first served."""
+
+
+class Execution:
+    """Runs :class:`Tables` one pipeline pass at a time; link queues carry over between passes.
+
+    Per device, ``busy_s`` sums compute and ``wait_s`` time blocked in receives over all
+    passes; ``compute_s`` is their total compute, summed in the order actions ran (so a free
+    run may differ from a time-ordered one in the last bit). With ``record``, ``segments`` and
+    ``stamps`` (per device, ``(start, end, delivered)`` of every action it ran, in order;
+    ``delivered`` is a send's last delivery, else ``end``) grow with every pass.
+    """
+
+    def __init__(self, tables: Tables, *, start_s: float = 0.0, record: bool = False) -> None:
+        n = len(tables.stage_of)
+        self.tables, self.record = tables, record
+        self.segments: list[Segment] = []
+        self.stamps: list[list[tuple[float, float, float]]] = [[] for _ in range(n)]
+        self.busy_s, self.wait_s = [0.0] * n, [0.0] * n
+        self.compute_s = 0.0
+        self.res_free = [start_s] * tables.num_resources
+        self.res_last = [-1] * tables.num_resources
+        senders: list[set[int]] = [set() for _ in range(tables.num_resources)]
+        for d, (forward, backward) in enumerate(tables.pieces):
+            for piece in forward + backward:
+                senders[piece[5]].add(d)
+        self.free_run = not record and all(len(s) <= 1 for s in senders)
+        """Whether devices may run until they block (see the module docstring)."""
+
+    def pipeline(self, t0: float, pred: int = -1) -> tuple[list[float], list[int]]:
+        """Run every device's row from ``t0``; returns when each finished and, when recording,
+        the index of the segment that ended it (``pred`` for a device that ran nothing)."""
+        tb, record, ordered = self.tables, self.record, not self.free_run
+        rows, stage_of, durations, pieces, expected = tb.rows, tb.stage_of, tb.durations, tb.pieces, tb.expected
+        n, m_count = len(stage_of), tb.num_microbatches
+        segs, stamps, busy, wait = self.segments, self.stamps, self.busy_s, self.wait_s
+        res_free, res_last = self.res_free, self.res_last
+        st = _Pass(n, m_count, t0, pred)
+        got, ready, ready_seg, waiting, wait_from = st.got, st.ready, st.ready_seg, st.waiting, st.wait_from
+        pcs, cause, list_end, heap, tick = st.pcs, st.cause, st.list_end, st.heap, st.tick
+        # a free run may take devices in any order: a stack is cheaper than the heap
+        push, pop = (heapq.heappush, heapq.heappop) if ordered else (list.append, list.pop)
+        code, compute = _CODE, 0.0
+        while heap:
+            t, _, d = pop(heap)
+            row, pc, dur = rows[stage_of[d]], pcs[d], durations[d]
+            end = len(row)
+            while pc < end:
+                a = row[pc]
+                c = code[a.kind]
+                if c < 4:  # F, I, W, B
+                    x = dur[c]
+                    if record:
+                        segs.append((COMPUTE, d, str(a), t, t + x, cause[d], 0.0, None))
+                        cause[d] = len(segs) - 1
+                        stamps[d].append((t, t + x, t + x))
+                    busy[d] += x
+                    compute += x
+                    pc += 1
+                    t += x
+                    if ordered and heap and heap[0][0] <= t:
+                        push(heap, (t, tick(), d))
+                        break
+                elif c < 6:  # SEND_F, SEND_B
+                    back = c - 4
+                    last = t
+                    for dst, nbytes, latency, bw, trace, res in pieces[d][back]:
+                        if res_free[res] > t:  # queued behind the transfer ahead on this resource
+                            begin, p = res_free[res], res_last[res]
+                        else:
+                            begin, p = t, cause[d]
+                        done = begin + nbytes / bw if trace is None else serialise_end_s(begin, nbytes, bw, trace)
+                        arrive = done + latency
+                        res_free[res] = done
+                        if record:
+                            segs.append((TRANSFER, res, str(a), begin, arrive, p, nbytes, (d, dst, t, done)))
+                            res_last[res] = len(segs) - 1
+                            last = arrive if arrive > last else last
+                        key = (back * n + dst) * m_count + a.microbatch
+                        got[key] += 1
+                        if arrive >= ready[key]:
+                            ready[key], ready_seg[key] = arrive, res_last[res]
+                        if waiting[dst] == key and got[key] == expected[dst][back]:
+                            # release the blocked receiver at the delivery (or where it got to, in a free run)
+                            waiting[dst], since = -1, wait_from[dst]
+                            r = ready[key] if ready[key] > since else since
+                            wait[dst] += r - since
+                            if record:
+                                self._waited(dst, pcs[dst], since, r, ready_seg[key], cause)
+                            pcs[dst] += 1
+                            push(heap, (r, tick(), dst))
+                    if record:
+                        stamps[d].append((t, t, last))
+                    pc += 1
+                else:  # RECV_F, RECV_B
+                    back = c - 6
+                    key = (back * n + d) * m_count + a.microbatch
+                    if got[key] < expected[d][back]:
+                        waiting[d], wait_from[d] = key, t
+                        break
+                    pc += 1
+                    r = ready[key]
+                    if r <= t:
+                        if record:
+                            stamps[d].append((t, t, t))
+                        continue
+                    wait[d] += r - t
+                    if record:
+                        self._waited(d, pc - 1, t, r, ready_seg[key], cause)
+                    if ordered and heap and heap[0][0] <= r:
+                        push(heap, (r, tick(), d))
+                        break
+                    t = r
+            pcs[d] = pc
+            if pc == end:
+                list_end[d] = t
+        self.compute_s += compute
+        self._check_finished(pcs, got)
+        return list_end, cause
+
+    def _waited(self, d: int, pc: int, since: float, until: float, seg: int, cause: list[int]) -> None:
+        """Record that device ``d`` sat in the receive at ``pc`` from ``since`` until ``until``
+        and that segment ``seg`` released it."""
+        row = self.tables.rows[self.tables.stage_of[d]]
+        self.segments.append((WAIT, d, str(row[pc]), since, until, seg, 0.0, None))
+        self.stamps[d].append((since, until, until))
+        cause[d] = seg  # the wait itself is idle time: the path runs through what ended it
+
+    def _check_finished(self, pcs: list[int], got: list[int]) -> None:
+        tb = self.tables
+        n, m_count = len(tb.stage_of), tb.num_microbatches
+        stuck, text = [], []
+        for d, pc in enumerate(pcs):
+            row = tb.rows[tb.stage_of[d]]
+            if pc == len(row):
+                continue
+            a = row[pc]
+            stuck.append((d, pc))
+            back = a.kind is K.RECV_B
+            have, need = got[(back * n + d) * m_count + a.microbatch], tb.expected[d][back]
+            text.append(f"{tb.names[d]} at {a} ({have} of {need} pieces arrived)")
+        if stuck:
+            raise Deadlock("schedule deadlocks; stuck actions: " + "; ".join(text), stuck)
