@@ -7,7 +7,8 @@ is a lone activation placed as a whole stage on two devices, its ``TensorDataset
 epoch (reshuffled); a HuggingFace GPT-2 (tied embedding and LM head on the first and last
 stages) on right-padded text whose attention mask travels between stages; a Llama (position
 ids and rotary cos/sin carried, no gradient for them); a BERT masked LM; and a hand-written
-ResNet cut at split points. The HuggingFace cases need ``transformers`` and are left out
+ResNet cut at split points; and on plans of two replicas (each its share of every global batch),
+the MLP and the Llama. The HuggingFace cases need ``transformers`` and are left out
 without it. ``python -m deepcee.train`` under torchrun with ``--model`` and ``--data`` from an
 import path and a file is checked the same way.
 """
@@ -25,7 +26,7 @@ from pathlib import Path
 import _own_models as own
 import pytest
 import torch
-from _runtime_helpers import load_captures, make_plan, reference
+from _runtime_helpers import load_captures, make_plan, make_replicas_plan, reference
 
 from deepcee import api
 from deepcee.plan import save_json_atomic
@@ -61,6 +62,13 @@ CASES = {
     "resnet": (own.build_resnet, lambda: Data(own.images()),
                make_plan("user", [(0, 1, (C0,), (4,)), (1, 2, (C1, E0), (1, 3)), (2, 4, (N0,), (4,))], 2, "1f1b"),
                ADAM, ("layer1", "layer2", "fc"), False),
+    # two replicas (exact strategy): each takes its own share of every global batch (4 + 3 samples)
+    "mlp-2-replicas": (own.build_mlp, lambda: Data(own.mlp_data(16), seed=3), make_replicas_plan("user", [
+        ([(0, 2, (C0,), (2,)), (2, 5, (C1,), (2,))], 2, "1f1b"),
+        ([(0, 1, (E0,), (3,)), (1, 5, (E1,), (3,))], 1, "gpipe")]), SGD, (), False),
+    "hf-llama-2-replicas": (own.build_llama, lambda: Data(own.token_rows()), make_replicas_plan("user", [
+        ([(0, 2, (C0,), (2,)), (2, 5, (C1,), (2,))], 2, "zb-h1"),
+        ([(0, 5, (E0, E1), (1, 2))], 1, "gpipe")]), ADAM, (), True),
 }
 RUN = [name for name, case in CASES.items() if HAVE_HF or not case[5]]
 
