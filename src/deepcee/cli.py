@@ -69,19 +69,11 @@ def _load_model(ref: str, profile: str | None = None, args: argparse.Namespace |
 
 
 def _counted_profile(ref: str, args: argparse.Namespace | None):
-    """The profile of a user's model counted from its blocks (:func:`deepcee.api.profile`)."""
-    data = getattr(args, "data", None)
-    if not data:
-        raise SpecError(f"a model of your own ({ref}) needs --data to count its profile on (or give --profile)",
-                        field="--data")
-    from deepcee import api
-    from deepcee.runtime.datafiles import load_data
-    from deepcee.userref import import_object
+    """The profile of a user's model counted from its blocks (:func:`deepcee.train.counted_profile`)."""
+    from deepcee.train import counted_profile
 
-    loss = import_object(args.loss, what="--loss") if getattr(args, "loss", None) else None
-    points = tuple(p for p in (getattr(args, "split_at", None) or "").split(",") if p)
     with _progress(f"counting the profile of {ref}"):
-        return api.profile(ref, load_data(data, seq_len=getattr(args, "seq_len", None)), loss_fn=loss, points=points)
+        return counted_profile(ref, args)
 
 
 def _write_json(path: str | Path, data: dict[str, Any]) -> None:

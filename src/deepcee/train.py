@@ -38,6 +38,7 @@ from deepcee.errors import DeepceeError, SpecError
 if TYPE_CHECKING:
     from deepcee.cluster import Cluster
     from deepcee.plan import Plan
+    from deepcee.profile import ModelProfile
     from deepcee.runtime.dist import TorchrunEnv
     from deepcee.runtime.job import Job, TrainConfig
     from deepcee.runtime.records import TrainResult
@@ -114,7 +115,7 @@ def add_model_data_arguments(p: argparse.ArgumentParser, *, model_help: str | No
                    "(model, loss_fn)); HuggingFace GPT-2, Llama and BERT models split by themselves")
     p.add_argument("--data", help="training data: package.module:name (a Dataset, IterableDataset, DataLoader or a "
                    "callable returning one) or a file: .pt/.npy/.npz (inputs and targets, or token ids), or text")
-    p.add_argument("--eval-data", help="evaluation data: a fraction (0.1) or a count of samples held out of --data, "
+    p.add_argument("--eval-data", type=str, help="evaluation data: a fraction (0.1) or a count of samples held out of --data, "
                    "or a dataset as for --data")
     p.add_argument("--seq-len", type=int, help="tokens per sample when --data is a token stream or text (default 64)")
     p.add_argument("--loss", help="loss function package.module:name (default: the model's, e.g. a HuggingFace LM's)")
@@ -208,8 +209,14 @@ def _plan_now(args: argparse.Namespace, cluster: Cluster, cluster_ref: str, *, u
     from deepcee.plan import save_json_atomic
     from deepcee.planner.search import PlannerOptions, plan_training
     from deepcee.profile import load_profile
+    from deepcee.userref import is_import_path
 
-    profile = load_profile(args.profile) if args.profile else get_model(args.model)
+    if args.profile:
+        profile = load_profile(args.profile)
+    elif is_import_path(args.model):
+        profile = counted_profile(args.model, args)
+    else:
+        profile = get_model(args.model)
     options = PlannerOptions(**({"schedules": tuple(args.schedules.split(","))} if args.schedules else {}))
     plan = plan_training(cluster, profile, args.global_batch, options=options).plan
     plan = plan.replace(cluster=cluster_ref, model=args.model)
@@ -218,6 +225,22 @@ def _plan_now(args: argparse.Namespace, cluster: Cluster, cluster_ref: str, *, u
     log.info("planned %s on %s for a global batch of %d: %d stages, schedule %s (%s)", args.model, cluster.name,
              args.global_batch, plan.num_stages, plan.schedule, path)
     return plan
+
+
+def counted_profile(ref: str, args: argparse.Namespace) -> ModelProfile:
+    """The profile of a user's model (``package.module:name``) counted from its blocks on
+    ``--data`` (:func:`deepcee.api.profile`), for planning it."""
+    if not getattr(args, "data", None):
+        raise SpecError(f"a model of your own ({ref}) needs --data to count its profile on (or give --profile)",
+                        field="--data")
+    from deepcee import api
+    from deepcee.runtime.datafiles import load_data
+    from deepcee.userref import import_object
+
+    loss = import_object(args.loss, what="--loss") if getattr(args, "loss", None) else None
+    points = tuple(p for p in (getattr(args, "split_at", None) or "").split(",") if p)
+    return api.profile(ref, load_data(args.data, seq_len=getattr(args, "seq_len", None)), loss_fn=loss,
+                       points=points)
 
 
 def _config(args: argparse.Namespace, cluster: Cluster | None = None) -> TrainConfig:

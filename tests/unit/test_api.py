@@ -19,7 +19,7 @@ import deepcee.profile
 import deepcee.train
 from deepcee import _callable, api, cli
 from deepcee.errors import SpecError
-from deepcee.plan import Plan
+from deepcee.plan import Plan, load_plan
 from deepcee.profile import ModelProfile
 
 torch.set_num_threads(1)
@@ -100,3 +100,14 @@ def test_command_line_errors_are_one_line_and_exit_2(tmp_path, capsys):
     assert "model: cannot import 'no_such_pkg.models'" in capsys.readouterr().err
     assert cli.main(["plan", "--scenario", "local-small", "--model", "torch.nn:Identity", "--global-batch", "8"]) == 2
     assert "needs --data" in capsys.readouterr().err
+
+
+def test_train_plans_a_users_model_first(tmp_path, capsys):
+    """``deepcee train --global-batch`` without a plan file counts a user's model on its data and plans it."""
+    torch.save(_data().tensors, tmp_path / "d.pt")
+    assert cli.main(["train", "--model", "test_api:_mlp", "--data", str(tmp_path / "d.pt"), "--loss",
+                     "torch.nn.functional:mse_loss", "--global-batch", "4", "--run-dir", str(tmp_path / "run"),
+                     "--dry-run"]) == 0
+    assert "F0" in capsys.readouterr().out
+    plan = load_plan(tmp_path / "run" / "plan.json")
+    assert plan.model == "test_api:_mlp" and plan.num_layers == 3
