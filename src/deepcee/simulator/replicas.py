@@ -48,32 +48,16 @@ from deepcee.profile import ModelProfile
 from deepcee.simulator.engine import Event, simulate
 from deepcee.simulator.network import Loop, NetEvent, Network
 from deepcee.simulator.pipelines import ReplicaPipeline, layer_segments, segment_sync
+from deepcee.simulator.strategies import (
+    GroupRecord,
+    PushRecord,
+    run_asgd_ga,
+    run_exact,
+    run_model_averaging,
+    run_partial,
+)
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class GroupRecord:
-    """One round of ``partial``: who averaged, and when the round opened and closed."""
-
-    round: int
-    members: tuple[int, ...]
-    full: bool
-    open_s: float
-    close_s: float
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class PushRecord:
-    """One ``asgd-ga`` push a server applied."""
-
-    server: str
-    replica: int
-    version: int
-    """The server's version before the push."""
-    staleness: int
-    """Server updates since the replica pulled the model its gradient was computed on."""
-    applied_s: float
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -258,12 +242,10 @@ def simulate_replicas(plan: Plan, cluster: Cluster, model: ModelProfile, *, step
         cluster.device(s.device)
     if plan.num_replicas == 1 and plan.strategy.kind == "exact":
         return _one_pipeline(plan, cluster, model, steps, stragglers, start_s, record)
-    from deepcee.simulator import strategies
-
     check_syncs(plan)
     run = Run(plan, cluster, model, stragglers=stragglers, record=record, start_s=start_s)
-    runner = {"exact": strategies.run_exact, "model-averaging": strategies.run_model_averaging,
-              "asgd-ga": strategies.run_asgd_ga, "partial": strategies.run_partial}[plan.strategy.kind]
+    runner = {"exact": run_exact, "model-averaging": run_model_averaging,
+              "asgd-ga": run_asgd_ga, "partial": run_partial}[plan.strategy.kind]
     runner(run, steps)
     run.loop.run()
     for r, ends in enumerate(run.step_ends):

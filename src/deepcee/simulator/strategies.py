@@ -42,16 +42,45 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from deepcee.simulator.network import Graph, Node
 from deepcee.simulator.pipelines import StepTimes, segment_sync
-from deepcee.simulator.replicas import GroupRecord, PushRecord, Run
+
+if TYPE_CHECKING:  # replicas.py calls the run_* functions with its Run; only the type is needed here
+    from deepcee.simulator.replicas import Run
 
 SUM_FLOPS_PER_PARAMETER = 1.0
 """One addition per parameter for every input a server or root sums."""
 OUTER_FLOPS_PER_PARAMETER = 6.0
 """DiLoCo's outer Nesterov step: the change, the momentum update and the step (about six
 multiply-adds per parameter)."""
+
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GroupRecord:
+    """One round of ``partial``: who averaged, and when the round opened and closed."""
+
+    round: int
+    members: tuple[int, ...]
+    full: bool
+    open_s: float
+    close_s: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PushRecord:
+    """One ``asgd-ga`` push a server applied."""
+
+    server: str
+    replica: int
+    version: int
+    """The server's version before the push."""
+    staleness: int
+    """Server updates since the replica pulled the model its gradient was computed on."""
+    applied_s: float
 
 
 def _chains(g: Graph, ready: Mapping[str, float]) -> dict[str, int]:
