@@ -63,19 +63,24 @@ def _load_cluster(ref: str | None, scenario: str | None, fallback: str | None = 
     raise SpecError(f"unknown scenario or cluster file {name!r} ({known})", field="--scenario")
 
 
-def _load_model(ref: str | None, profile: str | None = None, *, plan_file: str | None = None, **shape: Any):
-    """A model profile: measured JSON if given, else a built-in analytic profile. With
-    ``plan_file``, ``ref`` is that plan's ``model`` field and errors name it."""
+def _load_model(ref: str | None, profile: str | None = None, args: argparse.Namespace | None = None, *,
+                plan_file: str | None = None, **shape: Any):
+    """A model profile: measured JSON if given, a user's model (``package.module:name``) counted
+    from its blocks on ``--data``, else a built-in analytic profile. With ``plan_file``, ``ref``
+    is that plan's ``model`` field and errors name it."""
     from deepcee.errors import ProfileError
     from deepcee.profile import load_profile
+    from deepcee.userref import is_import_path
 
-    if profile:
-        return load_profile(profile), profile
+    if profile:  # the plan names a model of your own by its import path, which `deepcee train` builds
+        return load_profile(profile), ref if ref and is_import_path(ref) else profile
     if not ref:
-        raise SpecError("give a model (a built-in name, see `deepcee models`) or a measured --profile",
-                        field="--model")
+        raise SpecError("give a model (a built-in name, see `deepcee models`), your own as package.module:name, "
+                        "or a measured --profile", field="--model")
     if ref.endswith(".json"):
         return load_profile(ref), ref
+    if is_import_path(ref):
+        return _counted_profile(ref, args), ref
     from deepcee.models import get_model, parse_model_ref
 
     field = "model" if plan_file else "--model"
@@ -87,6 +92,14 @@ def _load_model(ref: str | None, profile: str | None = None, *, plan_file: str |
     except ProfileError as exc:  # name where the reference came from, and the reference
         message = str(exc).removeprefix(f"{exc.field}: ") if exc.field else str(exc)
         raise ProfileError(f"{ref!r}: {message}", file=plan_file, field=field) from None
+
+
+def _counted_profile(ref: str, args: argparse.Namespace | None):
+    """The profile of a user's model counted from its blocks (:func:`deepcee.train.counted_profile`)."""
+    from deepcee.train import counted_profile
+
+    with _progress(f"counting the profile of {ref}"):
+        return counted_profile(ref, args)
 
 
 def _write_json(path: str | Path, data: dict[str, Any]) -> None:
@@ -156,7 +169,7 @@ def _figures(plan, cluster, model, args: argparse.Namespace):
 
 def cmd_plan(args: argparse.Namespace) -> int:
     cluster, cluster_ref = _load_cluster(args.cluster, args.scenario)
-    model, model_ref = _load_model(args.model, args.profile, seq_len=args.seq_len, image_size=args.image_size)
+    model, model_ref = _load_model(args.model, args.profile, args, seq_len=args.seq_len, image_size=args.image_size)
     from deepcee.planner.search import PlannerOptions, plan_training
 
     if args.budget is not None and args.objective != "cost":
@@ -191,7 +204,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
     plan = load_plan(args.plan)
     cluster, _ = _load_cluster(args.cluster, None, fallback=plan.cluster, plan_file=args.plan)
-    model, _ = _load_model(plan.model, args.profile, plan_file=args.plan)
+    model, _ = _load_model(plan.model, args.profile, args, plan_file=args.plan)
     plan.check_against(num_layers=model.num_layers, device_names=cluster.device_names, file=args.plan)
     if args.adapt:
         return _simulate_adaptive(args, plan, cluster, model)
@@ -295,7 +308,7 @@ def _simulate_adaptive(args: argparse.Namespace, plan, cluster, model) -> int:
 
 def cmd_compare(args: argparse.Namespace) -> int:
     cluster, _ = _load_cluster(args.cluster, args.scenario)
-    model, _ = _load_model(args.model, args.profile, seq_len=args.seq_len, image_size=args.image_size)
+    model, _ = _load_model(args.model, args.profile, args, seq_len=args.seq_len, image_size=args.image_size)
     from deepcee.planner.compare import compare, format_table, plot_crossover
 
     with _progress(f"planning deepcee and baselines for {model.name} on {cluster.name}"):
@@ -342,11 +355,24 @@ def cmd_profile(args: argparse.Namespace) -> int:
     cluster, _ = _load_cluster(args.cluster, args.scenario)
     _check_net(args.model)
     from deepcee.profiler.run import profile_cluster
+    from deepcee.train import model_and_data
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     mode = "real devices and network" if args.real else f"emulated ({cluster.emulation or 'declared speeds'})"
     print(f"profiling {len(cluster.devices)} devices of {cluster.name} for {args.model}: {mode}")
-    result = profile_cluster(cluster, args.model, args.output, emulated=not args.real, deadline_s=args.deadline)
+    fields = model_and_data(args, args.model)
+    quick = {}
+    if args.quick:
+        from deepcee.profiler.network import NetworkBudget
+        from deepcee.profiler.probes import ProbeConfig
+
+        # one device pair per node pair, two message sizes large enough to resolve a 100 Mbit/s
+        # link's bandwidth; two microbatch sizes and three rounds per layer
+        quick = {"network_budget": NetworkBudget(max_full_ranks=1, min_bytes=256 << 10, max_bytes=1 << 20, growth=4,
+                                                 repeats=2, max_s_per_pair=8.0),
+                 "device_config": ProbeConfig(microbatch_sizes=(1, 4), warmup=1, repeats=3, score_repeats=1)}
+    result = profile_cluster(cluster, fields["model"], args.output, emulated=not args.real, deadline_s=args.deadline,
+                             loss_fn=fields["loss_fn"], dataset=fields["dataset"], name=args.model, **quick)
     print(result.grouping.describe(), end="")
     for name, path in result.files.items():
         print(f"wrote {path} ({name})")
@@ -409,11 +435,15 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def _add_model_args(p: argparse.ArgumentParser, default: str | None = None) -> None:
     p.add_argument("--model", default=default,
-                   help="built-in model name (see `deepcee models`), optionally name:key=value,...; "
-                   "needed unless --profile is given")
+                   help="built-in model name (see `deepcee models`), optionally name:key=value,..., or your own "
+                   "model as package.module:name (with --data); needed unless --profile is given")
     p.add_argument("--profile", help="measured profile JSON (from `deepcee profile`) instead of the analytic one")
     p.add_argument("--seq-len", type=number(SEQ_LEN), help="sequence length for transformer models")
     p.add_argument("--image-size", type=number(IMAGE_SIZE), help="image side for convolutional models")
+    p.add_argument("--data", help="with a model of your own (package.module:name): data to count its profile on "
+                   "(a file or package.module:name, as for `deepcee train`)")
+    p.add_argument("--loss", help="with a model of your own: its loss function, package.module:name")
+    p.add_argument("--split-at", help="with a model of your own: comma-separated split points")
 
 
 def _add_cluster_args(p: argparse.ArgumentParser) -> None:
@@ -468,11 +498,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("profile", help="measure every device (per-layer F/I/W) and link of a cluster")
     _add_cluster_args(p)
-    p.add_argument("--model", default="gpt-tiny", help="net to time per layer: gpt-tiny or resnet-tiny")
+    from deepcee.train import add_model_data_arguments
+
+    add_model_data_arguments(p, model_help="net to time per layer: gpt-tiny, resnet-tiny (default), or your own "
+                             "(package.module:name, with --data)")
+    p.set_defaults(model="gpt-tiny", seed=0)
     p.add_argument("-o", "--output", default="measured", help="output folder (cluster.json, profile.json, ...)")
     p.add_argument("--real", action="store_true", help="measure the real transport instead of emulated links "
                    "and devices")
     p.add_argument("--deadline", type=number(DEADLINE), default=900.0, help="hard limit for the whole profile, seconds")
+    p.add_argument("--quick", action="store_true", help="a small probe budget (two microbatch sizes, three rounds; "
+                   "one device pair per node pair, two message sizes): a first look in about a minute")
     p.set_defaults(func=cmd_profile)
 
     p = sub.add_parser("group", help="print the two-level groups (islands by network, groups by speed)")

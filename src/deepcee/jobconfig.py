@@ -23,7 +23,7 @@ from typing import Any, Literal
 from deepcee.errors import SpecError
 from deepcee.inputs import read_toml as inputs_read_toml
 
-PathKind = Literal["input", "output", "cluster", "trace", ""]
+PathKind = Literal["input", "output", "cluster", "trace", "data", ""]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -32,7 +32,8 @@ class Field:
     """The train option's ``argparse`` destination."""
     path: PathKind = ""
     """``input``: a file read, relative to the config's folder; ``output``: relative to the
-    working directory; ``cluster``/``trace``: a built-in name, else an input path."""
+    working directory; ``cluster``/``trace``: a built-in name, else an input path; ``data``: an
+    input path when that file exists, else as written (an import path ``package.module:name``)."""
 
 
 def _f(dest: str, path: PathKind = "") -> Field:
@@ -41,7 +42,9 @@ def _f(dest: str, path: PathKind = "") -> Field:
 
 FIELDS: dict[str, dict[str, Field]] = {
     "cluster": {"name": _f("cluster", "cluster")},
-    "model": {"name": _f("model")},
+    "model": {"name": _f("model"), "loss": _f("loss"), "split_at": _f("split_at")},
+    "data": {"train": _f("data", "data"), "eval": _f("eval_data", "data"), "seq_len": _f("seq_len"),
+             "no_shuffle": _f("no_shuffle")},
     "plan": {"file": _f("plan", "input"), "global_batch": _f("global_batch"),
              "schedules": _f("schedules"), "profile": _f("profile", "input")},
     "training": {"steps": _f("steps"), "seed": _f("seed"), "dtype": _f("dtype"), "mode": _f("mode"),
@@ -123,6 +126,8 @@ def _resolve(value: Any, kind: PathKind, base: Path) -> Any:
         if value in trace_names():
             return value
     p = Path(value)
+    if kind == "data" and not (base / p).exists():
+        return value  # an import path, a fraction or a count, or a file relative to the working directory
     return value if p.is_absolute() else str(base / p)
 
 

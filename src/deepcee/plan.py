@@ -573,3 +573,8 @@ def load_plan(path: str | Path) -> Plan:
 __all__ = ["ESTIMATE_SOURCES", "EXACT", "OUTER_OPTIMIZERS", "SCHEDULES", "STRATEGIES", "SYNCS", "Estimate",
            "EstimateSource", "Plan", "ReplicaPlan", "Semantics", "StagePlan", "Strategy", "load_plan",
            "plan_from_dict", "save_json_atomic", "share_overlaps", "share_ranges"]
+
+
+from deepcee._callable import make_callable  # noqa: E402  [Note: callable modules]
+
+make_callable(__name__)

@@ -361,3 +361,8 @@ def _hyper(f: Fields) -> dict[str, Any]:
 def load_profile(path: str | Path) -> ModelProfile:
     """The profile in the JSON file at ``path``; see :func:`profile_from_dict`."""
     return profile_from_dict(read_json(path, ProfileError), file=str(path))
+
+
+from deepcee._callable import make_callable  # noqa: E402  [Note: callable modules]
+
+make_callable(__name__)

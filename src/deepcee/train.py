@@ -31,7 +31,7 @@ import logging
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from deepcee.cliargs import (
     CLIP_NORM,
@@ -55,11 +55,13 @@ from deepcee.cliargs import (
     straggler_flag,
 )
 from deepcee.errors import DeepceeError, SpecError
+from deepcee.inputs.limits import SEQ_LEN
 from deepcee.plan import SCHEDULES
 
 if TYPE_CHECKING:
     from deepcee.cluster import Cluster
     from deepcee.plan import Plan
+    from deepcee.profile import ModelProfile
     from deepcee.runtime.dist import TorchrunEnv
     from deepcee.runtime.job import Job, TrainConfig
     from deepcee.runtime.records import TrainResult
@@ -75,7 +77,6 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
                    "(docs/file-formats.md, examples/job.toml)")
     p.add_argument("--plan", help="plan.json written by `deepcee plan` (without it: --global-batch plans one)")
     p.add_argument("--cluster", help="cluster file or scenario name (default: the plan's cluster scenario)")
-    p.add_argument("--model", help="built-in net (default: the plan's model): gpt-tiny, resnet-tiny")
     p.add_argument("--global-batch", type=number(GLOBAL_BATCH),
                    help="no --plan: plan for this global batch first (local launch only)")
     p.add_argument("--schedules", type=name_list(SCHEDULES), help="no --plan: comma-separated schedules the planner "
@@ -129,6 +130,22 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
                         "since training started; default the whole run); repeatable")
     p.add_argument("--profile", help="measured profile.json for planning and the adapter's predictions "
                    "(default: analytic)")
+    add_model_data_arguments(p)
+
+
+def add_model_data_arguments(p: argparse.ArgumentParser, *, model_help: str | None = None) -> None:
+    """The model and data options (``deepcee train``, ``python -m deepcee.train``, ``deepcee profile``)."""
+    p.add_argument("--model", help=model_help or "a built-in net (gpt-tiny, resnet-tiny; default: the plan's model) "
+                   "or your own: package.module:name, a module, a list of blocks or a callable returning one (or "
+                   "(model, loss_fn)); HuggingFace GPT-2, Llama and BERT models split by themselves")
+    p.add_argument("--data", help="training data: package.module:name (a Dataset, IterableDataset, DataLoader or a "
+                   "callable returning one) or a file: .pt/.npy/.npz (inputs and targets, or token ids), or text")
+    p.add_argument("--eval-data", type=str, help="evaluation data: a fraction (0.1) or a count of samples held out of --data, "
+                   "or a dataset as for --data")
+    p.add_argument("--seq-len", type=number(SEQ_LEN), help="tokens per sample when --data is a token stream or text (default 64)")
+    p.add_argument("--loss", help="loss function package.module:name (default: the model's, e.g. a HuggingFace LM's)")
+    p.add_argument("--split-at", help="comma-separated submodule names where a new block begins (split points)")
+    p.add_argument("--no-shuffle", action="store_true", help="read a map-style dataset in order every epoch")
 
 
 def train(args: argparse.Namespace) -> int:
@@ -223,8 +240,14 @@ def _plan_now(args: argparse.Namespace, cluster: Cluster, cluster_ref: str, *, u
     from deepcee.plan import save_json_atomic
     from deepcee.planner.search import PlannerOptions, plan_training
     from deepcee.profile import load_profile
+    from deepcee.userref import is_import_path
 
-    profile = load_profile(args.profile) if args.profile else get_model(args.model)
+    if args.profile:
+        profile = load_profile(args.profile)
+    elif is_import_path(args.model):
+        profile = counted_profile(args.model, args)
+    else:
+        profile = get_model(args.model)
     options = PlannerOptions(**({"schedules": tuple(args.schedules.split(","))} if args.schedules else {}))
     plan = plan_training(cluster, profile, args.global_batch, options=options).plan
     plan = plan.replace(cluster=cluster_ref, model=args.model)
@@ -233,6 +256,22 @@ def _plan_now(args: argparse.Namespace, cluster: Cluster, cluster_ref: str, *, u
     log.info("planned %s on %s for a global batch of %d: %d stages, schedule %s (%s)", args.model, cluster.name,
              args.global_batch, plan.num_stages, plan.schedule, path)
     return plan
+
+
+def counted_profile(ref: str, args: argparse.Namespace) -> ModelProfile:
+    """The profile of a user's model (``package.module:name``) counted from its blocks on
+    ``--data`` (:func:`deepcee.api.profile`), for planning it."""
+    if not getattr(args, "data", None):
+        raise SpecError(f"a model of your own ({ref}) needs --data to count its profile on (or give --profile)",
+                        field="--data")
+    from deepcee import api
+    from deepcee.runtime.datafiles import load_data
+    from deepcee.userref import import_object
+
+    loss = import_object(args.loss, what="--loss") if getattr(args, "loss", None) else None
+    points = tuple(p for p in (getattr(args, "split_at", None) or "").split(",") if p)
+    return api.profile(ref, load_data(args.data, seq_len=getattr(args, "seq_len", None)), loss_fn=loss,
+                       points=points)
 
 
 def _config(args: argparse.Namespace, cluster: Cluster | None = None) -> TrainConfig:
@@ -256,6 +295,46 @@ def _config(args: argparse.Namespace, cluster: Cluster | None = None) -> TrainCo
     )
 
 
+def model_and_data(args: argparse.Namespace, default_model: str) -> dict[str, Any]:
+    """The job's ``model``, ``loss_fn`` and ``dataset`` from ``--model``, ``--data``, ``--eval-data``,
+    ``--seq-len``, ``--loss``, ``--split-at``: a built-in net travels by name; a user's model is
+    built here, seeded by ``--seed`` (under torchrun every rank builds it, and start-up checks they
+    agree)."""
+    from deepcee import nets
+    from deepcee.nets.split import build_user_model
+    from deepcee.runtime.datafiles import load_data
+    from deepcee.userref import import_object
+
+    ref = args.model or default_model
+    data = None
+    if args.data is not None:
+        data = load_data(args.data, seq_len=args.seq_len, seed=args.seed, shuffle=not args.no_shuffle,
+                         eval=_eval_ref(args))
+    loss = import_object(args.loss, what="--loss") if args.loss else None
+    if ref in nets.NET_NAMES:
+        return {"model": ref, "loss_fn": loss, "dataset": data}
+    if data is None:
+        raise DeepceeError(f"--model {ref}: a model of your own needs --data")
+    points = tuple(p for p in (args.split_at or "").split(",") if p)
+    split = build_user_model(ref, seed=args.seed, points=points)
+    loss = loss or split.loss_fn
+    if loss is None:
+        raise DeepceeError(f"--model {ref}: the model ({split.how}) has no default loss; give --loss")
+    return {"model": list(split.blocks), "loss_fn": loss, "dataset": data}
+
+
+def _eval_ref(args: argparse.Namespace) -> Any:
+    """``--eval-data`` as a fraction, a count, or a dataset reference."""
+    ref = args.eval_data
+    if ref is None:
+        return None
+    try:
+        number = float(ref)
+    except ValueError:
+        return ref  # a file or an import path (load_data resolves it)
+    return int(number) if number >= 1 and number.is_integer() else number
+
+
 def _job(args: argparse.Namespace, plan: Plan, cluster: Cluster, *, run_id: str = "") -> Job:
     """The one job every rank runs. Its name, which namespaces the start-up keys, comes from what
     is trained (:func:`~deepcee.runtime.job.job_name`), never from how a path is spelled."""
@@ -264,20 +343,20 @@ def _job(args: argparse.Namespace, plan: Plan, cluster: Cluster, *, run_id: str 
     model = args.model or plan.model
     name = job_name(plan, model, run_id=run_id)
     _check_inputs(args, plan, cluster, model)
+    fields = model_and_data(args, plan.model)
     if not (args.adapt or args.link_trace):
         from deepcee.runtime.job import Job
 
-        return Job(name=name, plan=plan, cluster=cluster, model=model, config=_config(args, cluster),
-                   run_dir=args.run_dir,
-                   checkpoint_dir=args.checkpoint_dir)
+        return Job(name=name, plan=plan, cluster=cluster, config=_config(args, cluster), run_dir=args.run_dir,
+                   checkpoint_dir=args.checkpoint_dir, **fields)
     from deepcee.adapter.controller import adaptive_job
     from deepcee.profile import load_profile
     from deepcee.traces import load_named_trace
 
     trace = load_named_trace(args.link_trace, field="--link-trace") if args.link_trace else None
-    return adaptive_job(plan, cluster, config=_config(args, cluster), run_dir=args.run_dir, model=model, name=name,
+    return adaptive_job(plan, cluster, config=_config(args, cluster), run_dir=args.run_dir, name=name,
                         adapt=args.adapt, link_trace=trace, trace_time_scale=args.trace_time_scale,
-                        profile=load_profile(args.profile) if args.profile else None)
+                        profile=load_profile(args.profile) if args.profile else None, **fields)
 
 
 def _check_inputs(args: argparse.Namespace, plan: Plan, cluster: Cluster, model: str) -> None:
@@ -332,6 +411,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"deepcee.train: error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
 
+
+from deepcee._callable import make_callable  # noqa: E402  [Note: callable modules]
+
+make_callable(__name__)
 
 if __name__ == "__main__":
     sys.exit(main())

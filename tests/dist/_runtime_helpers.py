@@ -18,6 +18,7 @@ from torch.nn import functional as F
 
 from deepcee import nets
 from deepcee.plan import EXACT, Plan, ReplicaPlan, StagePlan, Strategy
+from deepcee.runtime import boundary
 from deepcee.runtime import dist as rdist
 from deepcee.runtime.data import Batch, dataset_for
 from deepcee.runtime.job import OptimizerConfig
@@ -87,10 +88,10 @@ def reference(model, plan: Plan, steps: int, opt: OptimizerConfig, *, loss_fn=No
     losses, grads0 = [], None
     for step in range(steps):
         batch = dataset.batch(step, plan.global_batch)
-        x = batch.inputs.to(dtype) if batch.inputs.is_floating_point() else batch.inputs
+        x = boundary.to_device(batch.inputs, "cpu", dtype)  # tensors or structures of them
         for b in blocks:
             x = b(x)
-        loss = loss_fn(x, batch.targets.to(dtype) if batch.targets.is_floating_point() else batch.targets)
+        loss = loss_fn(x, boundary.to_device(batch.targets, "cpu", dtype))
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         losses.append(loss.item())

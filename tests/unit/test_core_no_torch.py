@@ -20,7 +20,8 @@ OPTIONAL = [
     "deepcee.models", "deepcee.schedule.compact", "deepcee.simulator.engine", "deepcee.simulator.trace",
     "deepcee.planner", "deepcee.planner.search", "deepcee.planner.grouping", "deepcee.planner.cost_model",
     "deepcee.planner.baselines", "deepcee.planner.bound", "deepcee.planner.compare", "deepcee.adapter.policy", "deepcee.adapter.monitor", "deepcee.adapter.simloop", "deepcee.traces",
-    "deepcee.profiler.probes", "deepcee.cli", "deepcee.train", "deepcee.jobconfig", "deepcee.runtime.machines",
+    "deepcee.profiler.probes", "deepcee.cli", "deepcee.train", "deepcee.api", "deepcee.userref", "deepcee._callable",
+    "deepcee.jobconfig", "deepcee.runtime.machines",
     "deepcee.runtime.lr", "deepcee.runtime.runlock", "deepcee.runtime.checkpoint",
 ]
 

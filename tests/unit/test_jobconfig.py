@@ -102,3 +102,18 @@ def test_train_flags_are_not_prefixes_of_torchrun_options():
 def test_plan_or_global_batch_is_required(tmp_path, capsys):
     assert cli.main(["train", "--run-dir", str(tmp_path)]) == 2
     assert "--plan: give --plan (a plan file), or --global-batch to plan first" in capsys.readouterr().err
+
+
+def test_own_model_and_data_keys(tmp_path):
+    """``[model]``/``[data]``: a data file relative to the config when it is there, an import
+    path as written; a numeric ``eval`` is a fraction held out."""
+    (tmp_path / "d.pt").write_bytes(b"")
+    cfg = tmp_path / "job.toml"
+    cfg.write_text('[model]\nname = "mypkg.models:build"\nsplit_at = "layer1,fc"\nloss = "mypkg.losses:ce"\n'
+                   '[data]\ntrain = "d.pt"\neval = 0.1\nseq_len = 32\nno_shuffle = true\n')
+    a = jobconfig.parse_with_config(_parser(), ["--config", str(cfg)])
+    assert (a.model, a.split_at, a.loss) == ("mypkg.models:build", "layer1,fc", "mypkg.losses:ce")
+    assert (a.data, a.eval_data, a.seq_len, a.no_shuffle) == (str(tmp_path / "d.pt"), "0.1", 32, True)
+    cfg.write_text('[data]\ntrain = "mypkg.data:train_set"\neval = "mypkg.data:eval_set"\n')
+    a = jobconfig.parse_with_config(_parser(), ["--config", str(cfg)])
+    assert (a.data, a.eval_data) == ("mypkg.data:train_set", "mypkg.data:eval_set")

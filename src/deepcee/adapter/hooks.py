@@ -61,6 +61,7 @@ from deepcee.adapter.policy import DecisionKind
 from deepcee.cluster import Cluster
 from deepcee.errors import RuntimeSetupError, SpecError
 from deepcee.plan import Plan
+from deepcee.runtime import boundary
 from deepcee.runtime.job import Job
 from deepcee.runtime.partition import Topology
 from deepcee.runtime.records import (
@@ -247,13 +248,11 @@ def _warm_up(t: Trainer) -> None:
         return
     buffers = [(b, b.detach().clone()) for block in t.blocks for b in block.buffers()]
     batch = t.dataset.batch(0, 2)
-    x = batch.inputs.to(t.w.device)
     dtype = getattr(torch, t.cfg.dtype)
-    x = x.to(dtype) if x.is_floating_point() else x
+    x = boundary.to_device(batch.inputs, t.w.device, dtype)  # tensors or structures of them
     for block in t.blocks:
         x = block(x)
-    targets = batch.targets.to(t.w.device)
-    t.loss_fn(x, targets.to(dtype) if targets.is_floating_point() else targets).backward()
+    t.loss_fn(x, boundary.to_device(batch.targets, t.w.device, dtype)).backward()
     with torch.no_grad():
         for block in t.blocks:
             for p in block.parameters():

@@ -1,8 +1,10 @@
 """Small torch models as lists of blocks (a pipeline stage is a contiguous slice).
 
 ``build(name, seed)`` returns ``(blocks, loss_fn)`` for a built-in net (``gpt-tiny``,
-``resnet-tiny``); ``as_blocks(obj)`` turns a user's ``nn.Sequential`` or list of modules
-into blocks. A ``loss_fn(output, targets)`` must return the *mean* loss over the samples
+``resnet-tiny``); :func:`split_model` (:mod:`deepcee.nets.split`) turns a user's model into
+blocks: an ``nn.Sequential``/``nn.ModuleList``'s children, a list of modules, a HuggingFace
+GPT-2/Llama/BERT model (:mod:`deepcee.nets.hf`), or any module cut at split points
+(``points=[...]`` or :func:`pipe_split` in its ``forward``); ``as_blocks(obj)`` is its block list. A ``loss_fn(output, targets)`` must return the *mean* loss over the samples
 it is given: the runtime weights each slice by ``samples / global_batch`` so that the sum
 over devices and microbatches is the mean over the global batch.
 
@@ -21,6 +23,7 @@ from torch import nn
 
 from deepcee.errors import SpecError
 from deepcee.nets import gpt_tiny, resnet_tiny
+from deepcee.nets.split import SplitModel, build_user_model, pipe_split, split_model
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -67,19 +70,13 @@ def build(name: str, seed: int = 0, *, dtype: torch.dtype = torch.float32) -> tu
 
 
 def as_blocks(obj: nn.Module | Iterable[nn.Module]) -> list[nn.Module]:
-    """Blocks of a user model: an ``nn.Sequential``/``nn.ModuleList``'s children, or a list of modules."""
-    if isinstance(obj, (nn.Sequential, nn.ModuleList)):
-        blocks = list(obj.children())
-    elif isinstance(obj, nn.Module):
-        blocks = [obj]
-    else:
-        blocks = list(obj)
-    for i, b in enumerate(blocks):
-        if not isinstance(b, nn.Module):
-            raise SpecError(f"block {i} is a {type(b).__name__}, not a torch.nn.Module", field="model")
-    if not blocks:
-        raise SpecError("a model needs at least one block", field="model")
-    return blocks
+    """Blocks of a user model (:func:`split_model`): an ``nn.Sequential``/``nn.ModuleList``'s
+    children, a list of modules, a supported HuggingFace model's blocks, a module cut at its
+    :func:`pipe_split` calls, or the module itself."""
+    if not isinstance(obj, (nn.Module, SplitModel)):
+        obj = list(obj)
+    return list(split_model(obj).blocks)
 
 
-__all__ = ["NET_NAMES", "NETS", "LossFn", "NetSpec", "as_blocks", "block_names", "build", "net_spec"]
+__all__ = ["NET_NAMES", "NETS", "LossFn", "NetSpec", "SplitModel", "as_blocks", "block_names", "build",
+           "build_user_model", "net_spec", "pipe_split", "split_model"]

@@ -40,17 +40,20 @@ class NetSource:
     name: str
     blocks: Sequence[nn.Module]
     block_names: tuple[str, ...]
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-    batch: Callable[[int], tuple[torch.Tensor, torch.Tensor]]
-    """``n -> (inputs, targets)`` with ``n`` samples."""
+    loss_fn: Callable[[Any, Any], torch.Tensor]
+    batch: Callable[[int], tuple[Any, Any]]
+    """``n -> (inputs, targets)`` with ``n`` samples (tensors or structures of tensors)."""
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def net_source(model: str | Sequence[nn.Module], *, loss_fn: Callable | None = None, dataset: Any = None,
+def net_source(model: Any, *, loss_fn: Callable | None = None, dataset: Any = None,
                seed: int = 0, name: str | None = None) -> NetSource:
-    """A built-in net by name, or a user's blocks (then ``loss_fn`` and ``dataset`` are required)."""
+    """A built-in net by name, or a user's model: blocks, an ``nn.Sequential``, a
+    :class:`~deepcee.nets.split.SplitModel` (its names and loss) or anything
+    :func:`deepcee.nets.split_model` splits; ``dataset`` anything :func:`deepcee.runtime.sources.as_source` takes."""
     from deepcee import nets
     from deepcee.runtime.data import dataset_for
+    from deepcee.runtime.sources import as_source
 
     if isinstance(model, str):
         blocks, default_loss = nets.build(model, seed)
@@ -59,14 +62,15 @@ def net_source(model: str | Sequence[nn.Module], *, loss_fn: Callable | None = N
         loss = loss_fn or default_loss
         label = model
     else:
-        blocks = nets.as_blocks(model)
-        if loss_fn is None or dataset is None:
-            raise SpecError("a user's blocks need a loss_fn and a dataset (batch(step, n))", field="model")
-        ds, loss, label = dataset, loss_fn, name or "user"
-        names = tuple(f"layer{i}" for i in range(len(blocks)))
+        split = nets.split_model(model if isinstance(model, nn.Module | nets.SplitModel) else list(model))
+        blocks, names, loss = list(split.blocks), split.names, loss_fn or split.loss_fn
+        if loss is None or dataset is None:
+            raise SpecError("a user's blocks need a loss_fn and a dataset", field="model")
+        ds, label = dataset, name or "user"
+    source = as_source(ds, seed=seed)
 
-    def batch(n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        b = ds.batch(0, n)
+    def batch(n: int) -> tuple[Any, Any]:
+        b = source.batch(0, n)
         return b.inputs, b.targets
 
     return NetSource(name=label, blocks=blocks, block_names=tuple(names), loss_fn=loss, batch=batch)

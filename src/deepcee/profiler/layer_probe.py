@@ -55,6 +55,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
+from typing import Any
 
 import torch
 from torch import nn
@@ -71,32 +72,47 @@ from deepcee.profiler.probes import (
     pass_fit,
 )
 from deepcee.profiler.timing import ProbeTimer
+from deepcee.runtime import boundary
 from deepcee.runtime.emulation import DevicePacer
 from deepcee.runtime.stage import StageRunner
 
 log = logging.getLogger(__name__)
 
 
-def _layer_inputs(blocks: Sequence[nn.Module], inputs: torch.Tensor) -> list[torch.Tensor]:
-    """The input of every block for ``inputs`` (no autograd)."""
-    xs, x = [], inputs
-    with torch.no_grad():
-        for b in blocks:
-            xs.append(x)
-            x = b(x)
-    return xs
+def _layer_inputs(blocks: Sequence[nn.Module], inputs: Any) -> tuple[list[Any], list[tuple[bool, ...] | None]]:
+    """The input of every block for ``inputs`` (detached), and which of its tensors get a gradient
+    in a pipeline ([Note: boundary gradients]: the previous block's outputs autograd tracks)."""
+    xs: list[Any] = []
+    masks: list[tuple[bool, ...] | None] = []
+    x, mask = inputs, None
+    with torch.enable_grad():
+        for i, b in enumerate(blocks):
+            xs.append(boundary.map_tensors(torch.Tensor.detach, x))
+            masks.append(mask)
+            it = iter(mask or ())
+            x = b(boundary.map_tensors(
+                lambda t, it=it, first=i == 0: t.detach().requires_grad_(not first and next(it, False)), x))
+            mask = tuple(t.requires_grad for t in boundary.tensors(x))
+    return xs, masks
 
 
-def _fresh_grad(out: torch.Tensor, seed: int) -> torch.Tensor:
+def _fresh_grad(out: Any, seed: int, mask: tuple[bool, ...] | None) -> Any:
+    """A random gradient for the tensors of ``out`` that get one."""
     g = torch.Generator(device="cpu").manual_seed(seed)
-    return torch.randn(out.shape, generator=g, dtype=out.dtype).to(out.device)
+    if mask is None:  # a plain floating tensor (the nets probed before boundaries had structure)
+        mask = tuple(t.is_floating_point() for t in boundary.tensors(out))
+    return boundary.grads_for(out, mask, lambda t: torch.randn(t.shape, generator=g, dtype=t.dtype).to(t.device))
+
+
+def _bytes(x: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in boundary.tensors(x))
 
 
 def _param_bytes(module: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in module.parameters())
 
 
-def _memory(runner: StageRunner, x: torch.Tensor, targets: torch.Tensor | None, n: int) -> tuple[float, float]:
+def _memory(runner: StageRunner, x: Any, targets: Any, n: int, out_mask: tuple[bool, ...] | None) -> tuple[float, float]:
     """``(peak bytes, saved activation bytes per sample)`` for one F/I/W at ``n`` samples."""
     params = _param_bytes(runner.module)
     param_ptrs = {p.data_ptr() for p in runner.module.parameters()}
@@ -115,8 +131,8 @@ def _memory(runner: StageRunner, x: torch.Tensor, targets: torch.Tensor | None, 
         torch.cuda.reset_peak_memory_stats(runner.device)
         base = torch.cuda.memory_allocated(runner.device)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = runner.forward(-1, x[:n], None if targets is None else targets[:n])
-    g = None if runner.is_last else _fresh_grad(out, 0)
+        out = runner.forward(-1, boundary.take(x, 0, n), None if targets is None else boundary.take(targets, 0, n))
+    g = None if runner.is_last else _fresh_grad(out, 0, out_mask)
     dx = runner.backward_input(-1, g)
     runner.backward_weight(-1)
     act = float(sum(saved.values()))
@@ -124,8 +140,8 @@ def _memory(runner: StageRunner, x: torch.Tensor, targets: torch.Tensor | None, 
         torch.cuda.synchronize(runner.device)
         peak = float(torch.cuda.max_memory_allocated(runner.device) - base + params)
     else:
-        extra = out.numel() * out.element_size() * (1 if runner.is_last else 2)
-        extra += 0 if dx is None else dx.numel() * dx.element_size()
+        extra = _bytes(out) * (1 if runner.is_last else 2)
+        extra += 0 if dx is None else _bytes(dx)
         peak = float(2 * params + act + extra)
     runner.zero_grad()
     return peak, act / n
@@ -136,31 +152,34 @@ class _Subject:
     """One runner the probe times: a layer inside a stage, a layer in a first stage, or a range."""
 
     runner: StageRunner
-    x: torch.Tensor
+    x: Any
     """Its input at the largest size."""
-    targets: torch.Tensor | None
+    targets: Any
     key: object
     """Pacing key (the layer index, or the range)."""
     times: dict[Pass, list[list[float]]]
     """Pass -> per size -> the measured rounds' times."""
-    grads: dict[int, torch.Tensor | None] = field(default_factory=dict)
+    out_mask: tuple[bool, ...] | None = None
+    """Which output tensors get a gradient."""
+    grads: dict[int, Any] = field(default_factory=dict)
     """Output gradient per size, made once."""
 
 
-def _subject(runner: StageRunner, x: torch.Tensor, targets: torch.Tensor | None, key: object,
-             sizes: Sequence[int]) -> _Subject:
+def _subject(runner: StageRunner, x: Any, targets: Any, key: object, sizes: Sequence[int],
+             out_mask: tuple[bool, ...] | None) -> _Subject:
     return _Subject(runner=runner, x=x, targets=targets if runner.is_last else None, key=key,
-                    times={p: [[] for _ in sizes] for p in PASSES})
+                    times={p: [[] for _ in sizes] for p in PASSES}, out_mask=out_mask)
 
 
 def _microbatches(s: _Subject, timer: ProbeTimer, mb: int, n: int) -> dict[Pass, list[float]]:
     """Two microbatches of ``n`` samples through ``s``: ``F, I, W`` (split) and ``F, B`` (fused); their times."""
-    runner, x, targets = s.runner, s.x[:n], None if s.targets is None else s.targets[:n]
+    runner, x = s.runner, boundary.take(s.x, 0, n)
+    targets = None if s.targets is None else boundary.take(s.targets, 0, n)
     out, tf = timer.run(partial(runner.forward, mb, x, targets), s.key)
     if runner.is_last:
         grad = None
     elif s.grads.get(n) is None:
-        grad = s.grads[n] = _fresh_grad(out, n)
+        grad = s.grads[n] = _fresh_grad(out, n, s.out_mask)
     else:
         grad = s.grads[n]
     _, ti = timer.run(partial(runner.backward_input, mb, grad), s.key)
@@ -196,8 +215,8 @@ def _fits(s: _Subject, sizes: Sequence[int]) -> dict[Pass, PassFit]:
     return {p: pass_fit(sizes, s.times[p]) for p in PASSES}
 
 
-def probe_blocks(blocks: Sequence[nn.Module], *, inputs: torch.Tensor, targets: torch.Tensor,
-                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+def probe_blocks(blocks: Sequence[nn.Module], *, inputs: Any, targets: Any,
+                 loss_fn: Callable[[Any, Any], torch.Tensor],
                  names: Sequence[str] | None = None, device: torch.device | str = "cpu",
                  dtype: torch.dtype = torch.float32, config: ProbeConfig | None = None,
                  pacer: DevicePacer | None = None) -> tuple[tuple[LayerProbe, ...], tuple[RangeProbe, ...], TimerName]:
@@ -210,34 +229,36 @@ def probe_blocks(blocks: Sequence[nn.Module], *, inputs: torch.Tensor, targets: 
     cfg = config or ProbeConfig()
     device = torch.device(device)
     sizes, n_max = cfg.microbatch_sizes, max(cfg.microbatch_sizes)
-    if inputs.shape[0] < n_max or targets.shape[0] < n_max:
-        raise ProfileError(f"need >= {n_max} samples of inputs and targets, got {inputs.shape[0]}, {targets.shape[0]}")
+    have = (boundary.num_samples(inputs), boundary.num_samples(targets))
+    if min(have) < n_max:
+        raise ProfileError(f"need >= {n_max} samples of inputs and targets, got {have[0]}, {have[1]}")
     names = list(names) if names is not None else [f"layer{i}" for i in range(len(blocks))]
     if len(names) != len(blocks):
         raise ProfileError(f"{len(names)} names for {len(blocks)} blocks")
     timer = ProbeTimer(device, cfg.cpu_timer, pacer)
-    x0 = inputs[:n_max].to(device)
-    if x0.is_floating_point():
-        x0 = x0.to(dtype)
+    x0 = boundary.to_device(boundary.take(inputs, 0, n_max), device, dtype)
     moved = [b.to(device=device, dtype=dtype) for b in blocks]
-    xs, tg = _layer_inputs(moved, x0), targets[:n_max].to(device)
+    (xs, masks), tg = _layer_inputs(moved, x0), boundary.to_device(boundary.take(targets, 0, n_max), device)
     num = len(moved)
+    masks.append(None)  # after the last block: the loss
 
     def runner(a: int, b: int, first: bool) -> StageRunner:
-        return StageRunner(moved[a:b], stage=a, is_first=first, is_last=b == num, loss_fn=loss_fn, device=device,
-                           dtype=dtype)
+        r = StageRunner(moved[a:b], stage=a, is_first=first, is_last=b == num, loss_fn=loss_fn, device=device,
+                        dtype=dtype)
+        r.input_grads = masks[a]
+        return r
 
-    layers = [[_subject(runner(i, i + 1, i == 0), xs[i], tg, i, sizes)] for i in range(num)]
+    layers = [[_subject(runner(i, i + 1, i == 0), xs[i], tg, i, sizes, masks[i + 1])] for i in range(num)]
     if cfg.first_stage:
         for i in range(1, num):
-            layers[i].append(_subject(runner(i, i + 1, True), xs[i], tg, i, sizes))
-    ranges = [_subject(runner(a, num, a == 0), xs[a], tg, (a, num), sizes)
+            layers[i].append(_subject(runner(i, i + 1, True), xs[i], tg, i, sizes, masks[i + 1]))
+    ranges = [_subject(runner(a, num, a == 0), xs[a], tg, (a, num), sizes, None)
               for a in ((1, 0) if cfg.stage_ranges else ()) if num - a >= 2]
     rounds = _time_subjects([s for subs in layers for s in subs] + ranges, timer, cfg)
     out = []
     for i, (name, subs) in enumerate(zip(names, layers, strict=True)):
         fits = [_fits(s, sizes) for s in subs]
-        peak, act = _memory(subs[0].runner, xs[i], subs[0].targets, n_max)
+        peak, act = _memory(subs[0].runner, xs[i], subs[0].targets, n_max, masks[i + 1])
         log.debug("layer %d %s: F %s", i, name, fits[0]["F"])
         out.append(LayerProbe(name=name, microbatch_sizes=tuple(sizes), passes=fits[0],
                               first_stage=fits[-1] if len(fits) > 1 or i == 0 else None, rounds=rounds,

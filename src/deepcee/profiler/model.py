@@ -54,6 +54,7 @@ from deepcee.models import get_model, model_names
 from deepcee.profile import LayerProfile, LayerTiming, ModelProfile
 from deepcee.profiler.device import NetSource
 from deepcee.profiler.probes import PASSES, DeviceProbe
+from deepcee.runtime import boundary
 from deepcee.runtime.stage import StageRunner
 
 _FIELDS = {"F": "forward", "I": "input_grad", "W": "weight_grad", "B": "backward"}
@@ -278,13 +279,16 @@ def _flops(fn: Callable[[], Any]) -> tuple[float, Any]:
 
 def profile_from_blocks(source: NetSource, *, samples: int = 2, dtype: torch.dtype = torch.float32) -> ModelProfile:
     """Layer costs counted on the blocks: FLOPs of the runtime's F, I and W actions
-    (``FlopCounterMode``), saved-tensor bytes and output bytes, all per sample."""
+    (``FlopCounterMode``), saved-tensor bytes and output bytes (every tensor crossing the
+    boundary after the block), all per sample. Inputs and outputs may be structures of tensors
+    (:mod:`deepcee.runtime.boundary`); a block's outputs get gradients as in a pipeline."""
     inputs, targets = source.batch(samples)
-    x = inputs.to(dtype) if inputs.is_floating_point() else inputs
+    x, mask = boundary.to_device(inputs, "cpu", dtype), None
     layers = []
     for i, (name, block) in enumerate(zip(source.block_names, source.blocks, strict=True)):
         last = i == len(source.blocks) - 1
         runner = StageRunner([block], stage=i, is_first=i == 0, is_last=last, loss_fn=source.loss_fn, dtype=dtype)
+        runner.input_grads = mask
         saved: dict[int, int] = {}
         params = {p.data_ptr() for p in runner.module.parameters()}
 
@@ -295,20 +299,23 @@ def profile_from_blocks(source: NetSource, *, samples: int = 2, dtype: torch.dty
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             f, out = _flops(partial(runner.forward, 0, x, targets if last else None))
-        fi, _ = _flops(partial(runner.backward_input, 0, None if last else torch.ones_like(out)))
+        mask = None if last else runner.output_grad_mask(0)
+        grad = None if last else boundary.grads_for(out, mask, torch.ones_like)
+        fi, _ = _flops(partial(runner.backward_input, 0, grad))
         fw, _ = _flops(partial(runner.backward_weight, 0))
         layers.append(LayerProfile(
             name=name, forward_flops=f / samples, input_grad_flops=fi / samples, weight_grad_flops=fw / samples,
             parameter_count=sum(p.numel() for p in runner.params),
             activation_bytes=sum(saved.values()) / samples,
-            output_bytes=out.numel() * out.element_size() / samples,
+            output_bytes=sum(t.numel() * t.element_size() for t in boundary.tensors(out)) / samples,
         ))
         runner.zero_grad()
-        with torch.no_grad():
-            x = runner.module(x)
+        x = out
     nbytes = torch.empty((), dtype=dtype).element_size()
+    first = boundary.take(inputs, 0, 1)
     return ModelProfile(
-        name=source.name, layers=tuple(layers), input_bytes=inputs[:1].numel() * inputs.element_size(),
+        name=source.name, layers=tuple(layers),
+        input_bytes=sum(t.numel() * t.element_size() for t in boundary.tensors(first)),
         dtype={4: "fp32", 8: "fp64", 2: "fp16"}.get(nbytes, str(dtype)), gradient_bytes_per_parameter=float(nbytes),
         state_bytes_per_parameter=16.0, hyper={"counted_from": "torch.utils.flop_counter on the blocks"},
         source="counted from the blocks",

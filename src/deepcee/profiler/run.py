@@ -50,6 +50,7 @@ from deepcee.cluster import Cluster, Device, DeviceKind, Node
 from deepcee.errors import ProfileError
 from deepcee.inputs import Fields, read_json
 from deepcee.inputs.limits import MAX_DEVICES
+from deepcee.nets.split import SplitModel
 from deepcee.plan import save_json_atomic
 from deepcee.planner.grouping import (
     DEFAULT_ISLAND_THRESHOLD_S,
@@ -90,7 +91,7 @@ class ProfileJob:
     """What every rank of a profiling run needs (pickled to the spawned processes)."""
 
     cluster: Cluster
-    model: str | Sequence[nn.Module]
+    model: str | Sequence[nn.Module] | SplitModel
     raw_dir: str
     emulated: bool
     dilation: float
@@ -240,14 +241,19 @@ def probes_dict(cluster: Cluster, model: ModelProfile, probes: Sequence[DevicePr
     }
 
 
-def profile_cluster(cluster: Cluster, model: str | Sequence[nn.Module] = "gpt-tiny", out_dir: str | Path = "profile",
+def profile_cluster(cluster: Cluster, model: str | Sequence[nn.Module] | SplitModel = "gpt-tiny",
+                    out_dir: str | Path = "profile",
                     *, emulated: bool = True, cores: float = DEFAULT_CORES, device_config: ProbeConfig | None = None,
                     network_budget: NetworkBudget | None = None, network_dilation: float | None = None,
                     deadline_s: float = 600.0,
                     loss_fn: Callable | None = None, dataset: Any = None, use_cuda: bool = False,
                     island_threshold_s: float = DEFAULT_ISLAND_THRESHOLD_S,
-                    speed_ratio: float = DEFAULT_SPEED_RATIO) -> ProfileResult:
-    """Profile every device and link of ``cluster`` for ``model``; write the files into ``out_dir``."""
+                    speed_ratio: float = DEFAULT_SPEED_RATIO, name: str | None = None) -> ProfileResult:
+    """Profile every device and link of ``cluster`` for ``model``; write the files into ``out_dir``.
+
+    ``model``: a built-in net's name or a user's model (blocks, a
+    :class:`~deepcee.nets.split.SplitModel`, ...; with ``loss_fn`` unless the split has one, and
+    ``dataset``), named ``name`` in the profile."""
     t0 = time.monotonic()
     out = Path(out_dir)
     raw = out / "raw"
@@ -270,7 +276,7 @@ def profile_cluster(cluster: Cluster, model: str | Sequence[nn.Module] = "gpt-ti
     probes, fits, mode = _read_raw(raw, world)
     log.info("%d devices and %d directed links probed in %.1f s; building the measured profile and cluster",
              len(probes), len(fits), time.monotonic() - t0)
-    source = net_source(model, loss_fn=loss_fn, dataset=dataset)
+    source = net_source(model, loss_fn=loss_fn, dataset=dataset, name=name)
     how = "emulated devices" if emulated else "real devices"
     profile = measured_profile(base_profile(source), probes,
                                source=f"measured by deepcee profile on {cluster.name} ({how}, {probes[0].timer})")

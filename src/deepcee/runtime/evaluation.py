@@ -26,6 +26,8 @@ import torch
 import torch.distributed as dist
 
 from deepcee.errors import RuntimeSetupError
+from deepcee.runtime import boundary
+from deepcee.runtime.boundary import num_samples
 from deepcee.runtime.data import Batch
 from deepcee.runtime.executor import Feeds, run_step
 from deepcee.schedule.ir import Action, ActionKind
@@ -38,7 +40,10 @@ log = logging.getLogger(__name__)
 
 
 def eval_source(dataset: Any) -> Callable[[int], Sequence[Batch]] | None:
-    """The dataset's ``eval_batches`` (see [Note: evaluation data]), or ``None``."""
+    """The dataset's ``eval_batches`` (see [Note: evaluation data]), or ``None`` (also for a
+    :class:`~deepcee.runtime.sources.Data` without evaluation data)."""
+    if not getattr(dataset, "has_eval", True):
+        return None
     fn = getattr(dataset, "eval_batches", None)
     return fn if callable(fn) else None
 
@@ -52,8 +57,8 @@ def forward_schedule(num_stages: int, num_microbatches: int, stage: int) -> tupl
 def _feeds(t: Trainer, batch: Batch) -> Feeds:
     r = t.w.rank
 
-    def piece(x: torch.Tensor) -> Callable[[int], torch.Tensor]:
-        return lambda m: x[slice(*t.topo.global_samples(r, m))]
+    def piece(x: Any) -> Callable[[int], Any]:
+        return lambda m: boundary.take(x, *t.topo.global_samples(r, m))  # a tensor or a structure
 
     return Feeds(inputs=piece(batch.inputs) if t.stage.is_first else None,
                  targets=piece(batch.targets) if t.stage.is_last else None,
@@ -61,8 +66,8 @@ def _feeds(t: Trainer, batch: Batch) -> Feeds:
 
 
 def _check(batch: Any, want: int) -> Batch:
-    if not isinstance(batch, Batch) or batch.inputs.shape[0] != want or batch.targets.shape[0] != want:
-        got = type(batch).__name__ if not isinstance(batch, Batch) else f"{batch.inputs.shape[0]} samples"
+    if not isinstance(batch, Batch) or num_samples(batch.inputs) != want or num_samples(batch.targets) != want:
+        got = type(batch).__name__ if not isinstance(batch, Batch) else f"{num_samples(batch.inputs)} samples"
         raise RuntimeSetupError(f"dataset.eval_batches({want}) must yield Batch objects of {want} samples, got {got}")
     return batch
 

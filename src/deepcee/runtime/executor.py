@@ -96,8 +96,10 @@ def run_step(actions: Sequence[Action], stage: StageLike, transport: TransportLi
                     rec.loss += float(result)
                 else:
                     outs[m] = result
-            elif a.kind in (K.I, K.B) and result is not None and feeds.inputs is None:
-                grads_out[m] = result  # the first stage has nobody to send its input gradient to
+            elif a.kind in (K.I, K.B) and feeds.inputs is None:
+                # the first stage has nobody to send its input gradient to; a later stage sends
+                # it even when it is None (an input that gets no gradient: a header-only message)
+                grads_out[m] = result
             rec.peak_in_flight = max(rec.peak_in_flight, getattr(stage, "in_flight", 0))
         rec.actions += 1
         if trace:
@@ -127,9 +129,9 @@ def _compute(a: Action, stage: StageLike, feeds: Feeds, acts: dict[int, torch.Te
     if a.kind == K.W:
         stage.backward_weight(m)
         return None
-    g = grads_in.pop(m, None)
-    if feeds.targets is None and g is None:
+    if feeds.targets is None and m not in grads_in:
         raise ScheduleError(f"{a}: no output gradient received (missing RECV_B before it)")
+    g = grads_in.pop(m, None)
     if a.kind == K.I:
         return stage.backward_input(m, g)
     return stage.backward(m, g)

@@ -4,9 +4,12 @@ Who sends what follows [Note: share-based resharding] (:class:`deepcee.runtime.p
 computes the pieces): for microbatch ``m``, sender ``i`` of stage ``s`` sends receiver ``j``
 of stage ``s+1`` exactly the samples they share, and the gradients go back the same way.
 
-Wire format: one ``uint8`` message per piece, the tensor's bytes followed by a 16-byte
-header (``float64`` delivery time, ``float64`` send time, both wall seconds of the run's
-shared clock). The receiver hands the piece over no earlier than its delivery time, which
+A boundary is a tensor or a small fixed structure of tensors (:mod:`deepcee.runtime.boundary`);
+forward messages carry every tensor of it, backward messages the gradients of the tensors that
+get one ([Note: boundary gradients]). Wire format: one ``uint8`` message per piece, each
+carried tensor's bytes of the piece's samples (each starting at a multiple of
+:data:`ALIGN_BYTES`) followed by a 16-byte header (``float64`` delivery time, ``float64`` send
+time, both wall seconds of the run's shared clock). The receiver hands the piece over no earlier than its delivery time, which
 is "now" for real links and the emulated arrival for emulated links
 (:class:`deepcee.runtime.emulation.LinkShaper`). Shapes and dtypes are agreed once at
 start-up through the store (:func:`exchange_metadata`), so buffers are sized without
@@ -31,15 +34,17 @@ import json
 import logging
 import socket
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from deepcee.cluster import Cluster
-from deepcee.errors import RuntimeSetupError
+from deepcee.errors import RuntimeSetupError, SpecError
+from deepcee.runtime.boundary import BoundaryMeta, TensorMeta
 from deepcee.runtime.emulation import Clock, LinkShaper
 from deepcee.runtime.partition import Piece, Topology
 from deepcee.schedule.ir import Action, ActionKind
@@ -47,37 +52,15 @@ from deepcee.schedule.ir import Action, ActionKind
 log = logging.getLogger(__name__)
 K = ActionKind
 HEADER_BYTES = 16
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class TensorMeta:
-    """Per-sample shape and dtype of a tensor crossing a stage boundary."""
-
-    shape: tuple[int, ...]
-    dtype: str
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return getattr(torch, self.dtype)
-
-    @property
-    def bytes_per_sample(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n * torch.empty((), dtype=self.torch_dtype).element_size()
-
-    @staticmethod
-    def of(t: torch.Tensor) -> TensorMeta:
-        return TensorMeta(shape=tuple(t.shape[1:]), dtype=str(t.dtype).removeprefix("torch."))
-
-    def to_json(self) -> str:
-        return json.dumps({"shape": list(self.shape), "dtype": self.dtype})
-
-    @staticmethod
-    def from_json(text: str) -> TensorMeta | None:
-        d = json.loads(text)
-        return None if d is None else TensorMeta(shape=tuple(d["shape"]), dtype=d["dtype"])
+ALIGN_BYTES = 16
+"""Each tensor's bytes in a message start at a multiple of this (so they view as any dtype)."""
+Meta = TensorMeta | BoundaryMeta
+AGREE_HINTS = {
+    "data": "a data stream must give every rank the same samples (seed its shuffling)",
+    "model": "every rank must build the same model (a builder must be deterministic: deepcee seeds torch's RNG "
+             "from the run's seed before calling it)",
+}
+"""Why each digest of :func:`exchange_metadata`'s ``agree`` must be the same on every rank."""
 
 
 def _store_get(store: dist.Store, key: str, timeout_s: float, what: str) -> str:
@@ -89,18 +72,21 @@ def _store_get(store: dist.Store, key: str, timeout_s: float, what: str) -> str:
 
 
 def exchange_metadata(store: dist.Store, topology: Topology, rank: int, *, job: str, plan_digest: str,
-                      output_meta: Callable[[TensorMeta | None], TensorMeta | None],
-                      timeout_s: float, same_host: bool = False) -> tuple[TensorMeta | None, TensorMeta | None]:
+                      output_meta: Callable[[Meta | None], Meta | None],
+                      timeout_s: float, same_host: bool = False,
+                      agree: Mapping[str, str | None] | None = None) -> tuple[Meta | None, Meta | None]:
     """Agree on the plan and on boundary shapes; returns ``(input meta, output meta)`` of this rank.
 
     Every active rank publishes the digest of its plan; then, stage by stage, each rank takes
     the per-sample output meta of its forward peers, checks they agree, dry-runs its stage
     (``output_meta``) and publishes its own. Problems name the peer rank and device. With
-    ``same_host`` (emulation: one shared clock), every rank must run on this machine.
+    ``same_host`` (emulation: one shared clock), every rank must run on this machine. Every
+    digest in ``agree`` must be the same on every rank (:data:`AGREE_HINTS` says why each matters).
     """
     me = topology.describe(rank)
     host = socket.gethostname()
-    store.set(f"{job}/hello/{rank}", json.dumps({"plan": plan_digest, "device": topology.device_of(rank), "host": host}))
+    store.set(f"{job}/hello/{rank}", json.dumps({"plan": plan_digest, "device": topology.device_of(rank), "host": host,
+                                                  "agree": dict(agree or {})}))
     # the plan's ranks through the topology (not 0..n-1: an adaptive run keeps each device's
     # rank whatever plan is in force)
     peers = list(topology.active_ranks)  # every replica's computing ranks
@@ -111,6 +97,11 @@ def exchange_metadata(store: dist.Store, topology: Topology, rank: int, *, job: 
                 f"{me}: {topology.describe(peer)} runs a different plan (digest {hello['plan']} device "
                 f"{hello['device']!r}, mine {plan_digest})"
             )
+        for key, mine in (agree or {}).items():
+            theirs = hello.get("agree", {}).get(key)
+            if theirs != mine:
+                raise RuntimeSetupError(f"{me}: {topology.describe(peer)} has another {key} (digest {theirs}, mine "
+                                        f"{mine}): {AGREE_HINTS.get(key, 'every rank must have the same')}")
         if same_host and hello.get("host", host) != host:
             raise RuntimeSetupError(
                 f"{me}: emulation needs every rank on one machine (one clock), but {topology.describe(peer)} "
@@ -157,11 +148,33 @@ class _Pending:
     what: str
 
 
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN_BYTES) * ALIGN_BYTES
+
+
+@dataclass(frozen=True, slots=True)
+class _Wire:
+    """The tensors one direction's messages carry: forward, every tensor of the boundary;
+    backward, the gradients of those that get one ([Note: boundary gradients] in
+    :mod:`deepcee.runtime.boundary`)."""
+
+    meta: BoundaryMeta
+    carried: tuple[int, ...]
+    """Indices (among the boundary's tensors) of the tensors in each message, in order."""
+
+    def message_bytes(self, samples: int) -> int:
+        """Padded payload bytes of a piece of ``samples`` samples (without the header)."""
+        return sum(_aligned(samples * self.meta.tensors[i].bytes_per_sample) for i in self.carried)
+
+
 class P2P:
-    """Sends and receives the pieces of one rank. See the module docstring."""
+    """Sends and receives the pieces of one rank. See the module docstring.
+
+    A message holds each carried tensor's bytes of the piece's samples, each starting at a
+    multiple of :data:`ALIGN_BYTES`, then the header."""
 
     def __init__(self, *, topology: Topology, rank: int, device: torch.device, timeout_s: float,
-                 in_meta: TensorMeta | None, out_meta: TensorMeta | None, cluster: Cluster | None = None,
+                 in_meta: Meta | None, out_meta: Meta | None, cluster: Cluster | None = None,
                  shaper: LinkShaper | None = None, clock: Clock | None = None, prepost: bool = True) -> None:
         self.topo, self.rank, self.device, self.timeout_s = topology, rank, device, timeout_s
         self.in_meta, self.out_meta = in_meta, out_meta
@@ -176,20 +189,22 @@ class P2P:
         self.stats = LinkStats()
 
     # -- receives ------------------------------------------------------------------------
-    def _meta(self, kind: ActionKind) -> TensorMeta:
+    def _wire(self, kind: ActionKind) -> _Wire:
         # Forward pieces carry the previous stage's output; backward pieces carry the
         # gradient of this stage's output, which has this stage's output meta.
         meta = self.in_meta if kind in (K.RECV_F, K.SEND_B) else self.out_meta
         if meta is None:
             raise RuntimeSetupError(f"{self.topo.describe(self.rank)}: no agreed shape for {kind} pieces")
-        return meta
+        meta = BoundaryMeta.coerce(meta)
+        forward = kind in (K.RECV_F, K.SEND_F)
+        return _Wire(meta=meta, carried=tuple(i for i, t in enumerate(meta.tensors) if forward or t.gets_grad))
 
     def _post(self, kind: ActionKind, m: int) -> list[_Pending]:
-        meta = self._meta(kind)
+        wire = self._wire(kind)
         tag = 2 * m + (kind == K.RECV_B)
         out = []
         for p in self.pieces[kind]:
-            buf = torch.empty(p.samples * meta.bytes_per_sample + HEADER_BYTES, dtype=torch.uint8, device=self.device)
+            buf = torch.empty(wire.message_bytes(p.samples) + HEADER_BYTES, dtype=torch.uint8, device=self.device)
             work = dist.irecv(buf, src=p.peer_rank, tag=tag)
             what = "activation" if kind == K.RECV_F else "gradient"
             out.append(_Pending(work=work, buf=buf, piece=p, what=f"{what} of microbatch {m}"))
@@ -214,24 +229,29 @@ class P2P:
                 f"did not complete within {self.timeout_s:g} s ({str(exc).splitlines()[0][:160]})"
             ) from None
 
-    def _receive(self, kind: ActionKind, m: int) -> torch.Tensor:
+    def _receive(self, kind: ActionKind, m: int) -> Any:
         pending = self._recvs.pop((kind, m), None) or self._post(kind, m)
-        meta = self._meta(kind)
+        wire = self._wire(kind)
         t0 = self.clock.wall()
-        out = torch.empty((self.me.share, *meta.shape), dtype=meta.torch_dtype, device=self.device)
+        outs = {i: torch.empty((self.me.share, *wire.meta.tensors[i].shape), dtype=wire.meta.tensors[i].torch_dtype,
+                               device=self.device) for i in wire.carried}
         deliver = float("-inf")
         for p in pending:
             self._wait(p, "receiving")
-            n = p.buf.numel() - HEADER_BYTES
-            out[p.piece.local] = p.buf[:n].view(meta.torch_dtype).view(p.piece.samples, *meta.shape)
-            at, sent = (float(v) for v in p.buf[n:].cpu().view(torch.float64))
+            n, off = 0, 0
+            for i in wire.carried:
+                meta = wire.meta.tensors[i]
+                size = p.piece.samples * meta.bytes_per_sample
+                outs[i][p.piece.local] = p.buf[off:off + size].view(meta.torch_dtype).view(p.piece.samples, *meta.shape)
+                n, off = n + size, off + _aligned(size)
+            at, sent = (float(v) for v in p.buf[off:].cpu().view(torch.float64))
             deliver = max(deliver, at)
             arrived = at if self.shaper is not None else self.clock.wall()
             self.stats.transfers.append((self._resource(p.piece.peer_device), n, sent, arrived))
         if self.shaper is not None:  # only emulated runs share one clock across processes
             self.clock.sleep_until(deliver)
         self.stats.recv_wait_s += self.clock.wall() - t0
-        return out
+        return wire.meta.build([outs.get(i) for i in range(len(wire.meta.tensors))])
 
     def _resource(self, src_device: str) -> str:
         """The link resource a piece from ``src_device`` to this device travels on."""
@@ -239,34 +259,56 @@ class P2P:
             return f"{src_device}->{self.me.device}"
         return self.cluster.link(src_device, self.me.device).resource
 
-    def recv_forward(self, m: int) -> torch.Tensor:
+    def recv_forward(self, m: int) -> Any:
         return self._receive(K.RECV_F, m)
 
-    def recv_backward(self, m: int) -> torch.Tensor:
+    def recv_backward(self, m: int) -> Any:
         return self._receive(K.RECV_B, m)
 
     # -- sends ---------------------------------------------------------------------------
-    def _send(self, kind: ActionKind, m: int, tensor: torch.Tensor) -> None:
+    def _payload(self, wire: _Wire, value: Any, kind: ActionKind) -> list[torch.Tensor]:
+        """The carried tensors of ``value`` (a boundary value or its gradient structure)."""
+        try:
+            leaves = wire.meta.pick(value)
+        except SpecError as exc:
+            raise RuntimeSetupError(f"{self.topo.describe(self.rank)}: {kind} of a value that is not the agreed "
+                                    f"boundary: {exc}") from None
+        missing = [i for i in wire.carried if leaves[i] is None]
+        if missing:
+            raise RuntimeSetupError(f"{self.topo.describe(self.rank)}: {kind} lacks boundary tensors {missing} "
+                                    f"({wire.meta.describe()})")
+        return [leaves[i] for i in wire.carried]
+
+    def _send(self, kind: ActionKind, m: int, value: Any) -> None:
         tag = 2 * m + (kind == K.SEND_B)
+        wire = self._wire(kind)
+        carried = self._payload(wire, value, kind)
         for p in self.pieces[kind]:
-            payload = tensor[p.local].detach().contiguous().view(-1).view(torch.uint8)
+            parts, n = [], 0
+            for t in carried:
+                payload = t[p.local].detach().contiguous().view(-1).view(torch.uint8)
+                n += payload.numel()
+                parts.append(payload)
+                pad = _aligned(payload.numel()) - payload.numel()
+                if pad:
+                    parts.append(torch.zeros(pad, dtype=torch.uint8, device=payload.device))
             now = self.clock.wall()
             deliver = now
             if self.shaper is not None and self.cluster is not None:
                 link = self.cluster.link(self.me.device, p.peer_device)
-                deliver = self.shaper.deliver_at(link, payload.numel(), now)
+                deliver = self.shaper.deliver_at(link, n, now)
             header = torch.tensor([deliver, now], dtype=torch.float64).view(torch.uint8).to(self.device)
-            buf = torch.cat([payload, header])
+            buf = torch.cat([*parts, header])
             work = dist.isend(buf, dst=p.peer_rank, tag=tag)
             what = "activation" if kind == K.SEND_F else "gradient"
             self._sends.append(_Pending(work=work, buf=buf, piece=p, what=f"{what} of microbatch {m}"))
-            self.stats.bytes_sent[f"{self.me.device}->{p.peer_device}"] += payload.numel()
+            self.stats.bytes_sent[f"{self.me.device}->{p.peer_device}"] += n
 
-    def send_forward(self, m: int, tensor: torch.Tensor) -> None:
-        self._send(K.SEND_F, m, tensor)
+    def send_forward(self, m: int, value: Any) -> None:
+        self._send(K.SEND_F, m, value)
 
-    def send_backward(self, m: int, tensor: torch.Tensor) -> None:
-        self._send(K.SEND_B, m, tensor)
+    def send_backward(self, m: int, value: Any) -> None:
+        self._send(K.SEND_B, m, value)
 
     def end_step(self) -> LinkStats:
         """Wait for this step's sends (their receivers have them by then); returns the step's stats."""
@@ -277,3 +319,4 @@ class P2P:
             left = sorted(f"{k}{m}" for k, m in self._recvs)
             raise RuntimeSetupError(f"{self.topo.describe(self.rank)}: receives posted but never used: {left}")
         return self.stats
+

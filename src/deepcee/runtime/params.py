@@ -41,6 +41,7 @@ as long as the forward does not update it in place.
 from __future__ import annotations
 
 import copy
+import hashlib
 import io
 import logging
 from collections import defaultdict
@@ -132,6 +133,17 @@ class PackedModel:
     def unpack(self) -> list[nn.Module]:
         """A fresh copy of the blocks (every call), on the CPU."""
         return torch.load(io.BytesIO(self.data), map_location="cpu", weights_only=False)
+
+
+def model_digest(blocks: Sequence[nn.Module]) -> str:
+    """A digest of every parameter and buffer of the blocks (names, dtypes, shapes, values): ranks
+    that build a user's model themselves (under torchrun) compare it at start-up."""
+    h = hashlib.sha256()
+    for i, block in enumerate(blocks):
+        for name, t in (*block.named_parameters(), *block.named_buffers()):
+            h.update(f"{i}.{name}:{t.dtype}:{tuple(t.shape)}".encode())
+            h.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
 
 
 def model_ties(model: str | PackedModel | nn.Module | Iterable[nn.Module]) -> tuple[Tie, ...]:

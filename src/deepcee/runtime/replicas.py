@@ -133,6 +133,8 @@ class SegmentParams:
         return sum(p.numel() for p in self.params)
 
     def flat_grads(self) -> torch.Tensor:
+        if not self.params:  # layers without parameters (a lone activation)
+            return torch.zeros(0)
         return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in self.params])
 
     def set_grads(self, flat: torch.Tensor) -> None:
@@ -142,6 +144,8 @@ class SegmentParams:
             offset += p.numel()
 
     def flat_values(self) -> torch.Tensor:
+        if not self.params:
+            return torch.zeros(0)
         return torch.cat([p.detach().reshape(-1) for p in self.params])
 
     def set_values(self, flat: torch.Tensor) -> None:
@@ -156,6 +160,8 @@ def allreduce_gradients(seg: SegmentParams, group: Any, *, timeout_s: float, des
                         pace: Callable[[int, float], None] | None, clock: Clock) -> None:
     """SUM all-reduce of ``seg``'s gradients over ``group`` ([Note: loss weighting] in
     :mod:`deepcee.runtime.trainer`); ``pace(nbytes, t0)`` then waits for the modelled time."""
+    if not seg.params:  # every holder of parameter-less layers skips it alike
+        return
     t0 = clock.wall()
     flat = seg.flat_grads()
     work = dist.all_reduce(flat, group=group, async_op=True)

@@ -35,12 +35,14 @@ import logging
 from collections import defaultdict, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
 from torch.autograd.graph import GradientEdge, Node
 
 from deepcee.errors import ScheduleError
+from deepcee.runtime import boundary
 
 log = logging.getLogger(__name__)
 
@@ -152,17 +154,29 @@ def _weight_groups(params: Sequence[nn.Parameter], input_nodes: Sequence[Node],
 class MicrobatchState:
     """What a microbatch leaves on a stage between its actions."""
 
-    input: torch.Tensor
-    output: torch.Tensor
+    input: Any
+    """The prepared input (a tensor or a structure, :mod:`deepcee.runtime.boundary`)."""
+    output: Any
     """Stage output, or the weighted loss on the last stage (autograd graph attached)."""
-    output_grad: torch.Tensor | None = None
+    outs: list[torch.Tensor] = field(default_factory=list)
+    """The output tensors that get a gradient, and :attr:`output_grads` their gradients (set by I/B)."""
+    output_grads: list[torch.Tensor] = field(default_factory=list)
     groups: list[WeightGroup] | None = None
     uncovered: list[nn.Parameter] = field(default_factory=list)
     input_grad_done: bool = False
 
+    @property
+    def ins(self) -> list[torch.Tensor]:
+        """The input tensors that get a gradient."""
+        return [t for t in boundary.tensors(self.input) if t.requires_grad]
+
 
 class StageRunner:
-    """Runs ``F``/``I``/``W``/``B`` for one device of a stage. See the module docstring."""
+    """Runs ``F``/``I``/``W``/``B`` for one device of a stage. See the module docstring.
+
+    Inputs, outputs and their gradients may be structures of tensors ([Note: boundary
+    gradients] in :mod:`deepcee.runtime.boundary`): the gradient of a structure has a tensor
+    where the value gets a gradient and ``None`` elsewhere."""
 
     def __init__(self, blocks: Sequence[nn.Module], *, stage: int, is_first: bool, is_last: bool,
                  loss_fn: LossFn | None = None, device: torch.device | str = "cpu",
@@ -176,6 +190,9 @@ class StageRunner:
         self.loss_fn = loss_fn
         self.device, self.dtype = torch.device(device), dtype
         self.params = [p for p in self.module.parameters() if p.requires_grad]
+        self.input_grads: tuple[bool, ...] | None = None
+        """Per input tensor, whether it gets a gradient (the agreed input meta's
+        :attr:`~deepcee.runtime.boundary.BoundaryMeta.grad_mask`); ``None``: every floating one."""
         self._state: dict[int, MicrobatchState] = {}
 
     # -- helpers -------------------------------------------------------------------------
@@ -185,15 +202,21 @@ class StageRunner:
         except KeyError:
             raise ScheduleError(f"stage {self.stage}: {action} of microbatch {microbatch} before its F") from None
 
-    def prepare_input(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` on this stage's device and dtype, detached; a leaf requiring grad unless first stage."""
-        x = x.to(self.device)
-        if x.is_floating_point():
-            x = x.to(self.dtype)
-        x = x.detach()
-        if not self.is_first and x.is_floating_point():
-            x.requires_grad_(True)
-        return x
+    def prepare_input(self, x: Any) -> Any:
+        """``x`` on this stage's device and dtype, detached; unless on the first stage, floating
+        tensors that get a gradient are leaves requiring it."""
+        spec, leaves = boundary.flatten(x)
+        out, k = [], 0
+        for t in leaves:
+            if t is not None:
+                t = t.to(self.device)
+                t = (t.to(self.dtype) if t.is_floating_point() else t).detach()
+                wanted = self.input_grads is None or (k < len(self.input_grads) and self.input_grads[k])
+                if not self.is_first and t.is_floating_point() and wanted:
+                    t.requires_grad_(True)
+                k += 1
+            out.append(t)
+        return boundary.unflatten(spec, out)
 
     @property
     def in_flight(self) -> int:
@@ -204,13 +227,16 @@ class StageRunner:
         for p in self.params:
             p.grad = None
 
+    def output_grad_mask(self, microbatch: int) -> tuple[bool, ...]:
+        """Per output tensor of a microbatch in flight, whether it gets a gradient (autograd tracks it)."""
+        return tuple(t.requires_grad for t in boundary.tensors(self._get(microbatch, "mask").output))
+
     def discard(self) -> None:
         """Drop every microbatch's state (after forward-only work such as an evaluation)."""
         self._state.clear()
 
     # -- actions -------------------------------------------------------------------------
-    def forward(self, microbatch: int, inputs: torch.Tensor, targets: torch.Tensor | None = None,
-                loss_scale: float = 1.0) -> torch.Tensor:
+    def forward(self, microbatch: int, inputs: Any, targets: Any = None, loss_scale: float = 1.0) -> Any:
         """``F``: returns the output to send (detached), or the weighted loss on the last stage."""
         if microbatch in self._state:
             raise ScheduleError(f"stage {self.stage}: F of microbatch {microbatch} twice")
@@ -220,35 +246,61 @@ class StageRunner:
             if self.is_last:
                 if targets is None:
                     raise ScheduleError(f"stage {self.stage}: last stage F of microbatch {microbatch} without targets")
-                out = self.loss_fn(out, targets.to(self.device)) * loss_scale
-        if self.autocast is not None and out.is_floating_point():
-            out = out.to(self.dtype)  # boundaries in the stage dtype: the shapes agreed at start-up
+                out = self.loss_fn(out, boundary.to_device(targets, self.device)) * loss_scale
+        if self.autocast is not None:  # boundaries in the stage dtype: the shapes agreed at start-up
+            out = boundary.map_tensors(lambda t: t.to(self.dtype) if t.is_floating_point() else t, out)
         self._state[microbatch] = MicrobatchState(input=x, output=out)
-        return out.detach()
+        return boundary.map_tensors(torch.Tensor.detach, out)
 
-    def _output_grad(self, st: MicrobatchState, output_grad: torch.Tensor | None) -> torch.Tensor:
+    def _take_output_grad(self, st: MicrobatchState, output_grad: Any) -> None:
+        """Pair the output tensors that get a gradient with theirs (``st.outs``, ``st.output_grads``)."""
         if self.is_last:
-            return torch.ones_like(st.output)
-        if output_grad is None:
-            raise ScheduleError(f"stage {self.stage}: backward without the output gradient")
-        return output_grad.to(device=self.device, dtype=st.output.dtype)
+            st.outs, st.output_grads = [st.output], [torch.ones_like(st.output)]
+            return
+        outs = boundary.flatten(st.output)[1]
+        grads = [None] * len(outs) if output_grad is None else boundary.flatten(output_grad)[1]
+        if len(grads) != len(outs):
+            raise ScheduleError(f"stage {self.stage}: output gradient has {len(grads)} values, the output {len(outs)}")
+        for o, g in zip(outs, grads, strict=True):
+            if o is None or not o.requires_grad:
+                continue
+            if g is None:
+                raise ScheduleError(f"stage {self.stage}: backward without the output gradient")
+            st.outs.append(o)
+            st.output_grads.append(g.to(device=self.device, dtype=o.dtype))
 
-    def backward_input(self, microbatch: int, output_grad: torch.Tensor | None = None) -> torch.Tensor | None:
+    def _input_grad(self, st: MicrobatchState, grads: Sequence[torch.Tensor | None]) -> Any:
+        """The gradient of the stage input as a structure ([Note: boundary gradients]); zeros where
+        the input gets a gradient the output does not depend on; ``None`` on the first stage."""
+        if self.is_first:
+            return None
+        spec, leaves = boundary.flatten(st.input)
+        it = iter(grads)
+        out = []
+        for t in leaves:
+            if t is None or not t.requires_grad:
+                out.append(None)
+                continue
+            g = next(it, None)
+            out.append(torch.zeros_like(t) if g is None else g)
+        return boundary.unflatten(spec, out)
+
+    def backward_input(self, microbatch: int, output_grad: Any = None) -> Any:
         """``I``: the gradient of the stage input (``None`` on the first stage)."""
         st = self._get(microbatch, "I")
         if st.input_grad_done:
             raise ScheduleError(f"stage {self.stage}: I of microbatch {microbatch} twice")
-        st.output_grad = self._output_grad(st, output_grad)
+        self._take_output_grad(st, output_grad)
         st.input_grad_done = True
-        if not st.output.requires_grad:
+        ins = st.ins
+        if not any(o.requires_grad for o in st.outs):
             # Nothing the stage computed needs a gradient (parameter-less layers on an input
             # without gradient): no graph to walk, nothing for W.
             st.groups, st.uncovered = [], []
-            return self._no_graph_input_grad(st)
-        parents = _reverse_edges([grad_node(st.output)])
-        input_node = grad_node(st.input) if st.input.requires_grad else None
-        st.groups, st.uncovered = _weight_groups(self.params, [input_node] if input_node else [], parents)
-        if input_node is None:
+            return self._input_grad(st, [])
+        parents = _reverse_edges([grad_node(o) for o in st.outs])
+        st.groups, st.uncovered = _weight_groups(self.params, [grad_node(t) for t in ins], parents)
+        if not ins:
             return None
         handles = []
         for g in st.groups:
@@ -256,11 +308,11 @@ class StageRunner:
             for i, node in enumerate(g.intermediates):
                 handles.append(node.register_prehook(_saver(g.saved, i)))
         try:
-            (dinput,) = torch.autograd.grad(st.output, st.input, st.output_grad, retain_graph=True)
+            dinputs = torch.autograd.grad(st.outs, ins, st.output_grads, retain_graph=True, allow_unused=True)
         finally:
             for h in handles:
                 h.remove()
-        return dinput
+        return self._input_grad(st, dinputs)
 
     def backward_weight(self, microbatch: int) -> None:
         """``W``: accumulate parameter gradients from what ``I`` saved; frees the microbatch."""
@@ -270,29 +322,22 @@ class StageRunner:
         if st.uncovered:
             # Without groups (the first stage) this is the whole backward: let autograd free
             # the graph as it goes, exactly like B.
-            torch.autograd.backward(st.output, st.output_grad, inputs=st.uncovered, retain_graph=bool(st.groups))
+            torch.autograd.backward(st.outs, st.output_grads, inputs=st.uncovered, retain_graph=bool(st.groups))
         for g in st.groups or ():
             _group_backward(g)
         del self._state[microbatch]
 
-    def backward(self, microbatch: int, output_grad: torch.Tensor | None = None) -> torch.Tensor | None:
+    def backward(self, microbatch: int, output_grad: Any = None) -> Any:
         """``B``: input and parameter gradients in one pass; frees the microbatch."""
         st = self._get(microbatch, "B")
         if st.input_grad_done:
             raise ScheduleError(f"stage {self.stage}: B of microbatch {microbatch} after its I")
-        grad = self._output_grad(st, output_grad)
-        if st.output.requires_grad:
-            torch.autograd.backward(st.output, grad)
+        self._take_output_grad(st, output_grad)
+        live = [(o, g) for o, g in zip(st.outs, st.output_grads, strict=True) if o.requires_grad]
+        if live:
+            torch.autograd.backward([o for o, _ in live], [g for _, g in live])
         del self._state[microbatch]
-        if not st.output.requires_grad:  # see backward_input
-            return self._no_graph_input_grad(st)
-        return st.input.grad if st.input.requires_grad else None
-
-    @staticmethod
-    def _no_graph_input_grad(st: MicrobatchState) -> torch.Tensor | None:
-        """Input gradient of a microbatch whose output has no autograd graph: none for an input
-        without gradient; zeros for one with (the output does not depend on it differentiably)."""
-        return torch.zeros_like(st.input) if st.input.requires_grad else None
+        return self._input_grad(st, [t.grad for t in st.ins])
 
 
 def _saver(saved: list, i: int) -> Callable:

@@ -54,6 +54,7 @@ from deepcee.runtime import params as rparams
 from deepcee.runtime import persist, runlock
 from deepcee.runtime import state as rstate
 from deepcee.runtime import strategies as rstrat
+from deepcee.runtime.boundary import BoundaryMeta, num_samples
 from deepcee.runtime.data import dataset_for
 from deepcee.runtime.emulation import (
     PACED_MODES,
@@ -69,7 +70,7 @@ from deepcee.runtime.executor import Feeds, StepRecord, run_step
 from deepcee.runtime.hooks import FixedPlan, TrainerHooks
 from deepcee.runtime.job import Job, plan_digest
 from deepcee.runtime.optstep import OptimizerStep, StepOutcome, norm_owned
-from deepcee.runtime.p2p import P2P, TensorMeta, exchange_metadata
+from deepcee.runtime.p2p import P2P, Meta, TensorMeta, exchange_metadata
 from deepcee.runtime.partition import replica_plan
 from deepcee.runtime.progress import RunLog, gather_rank_infos
 from deepcee.runtime.realnet.relay import RelayControl
@@ -82,6 +83,7 @@ from deepcee.runtime.records import (
     train_result,
 )
 from deepcee.runtime.replicas import Messenger, SegmentParams
+from deepcee.runtime.sources import as_source
 from deepcee.runtime.stage import StageRunner
 from deepcee.schedule.program import lowered_schedule
 
@@ -196,11 +198,14 @@ class Trainer:
         shaping or the relay's trace epoch, the shared epoch) and, on an active rank, its stage
         (resumed from the newest intact checkpoint when asked)."""
         self.blocks, self.loss_fn = self._blocks()
+        self.model_digest = rparams.model_digest(self.blocks)
         self.state_names = self._state_names()
-        self.dataset = self.job.dataset or dataset_for(self.job.model, self.cfg.seed)
+        # [Note: data by step] in deepcee.runtime.sources: every rank fetches only its rows
+        self.dataset = as_source(self.job.dataset if self.job.dataset is not None
+                                 else dataset_for(self.job.model, self.cfg.seed), seed=self.cfg.seed)
         if self.cfg.eval_every and eval_source(self.dataset) is None:
-            raise SpecError("the dataset has no held-out batches (an eval_batches(batch_size) method; "
-                            "see docs/running.md)", field="eval_every")
+            raise SpecError("the dataset has no held-out batches (an eval_batches(batch_size) method, or "
+                            "evaluation data; see docs/running.md)", field="eval_every")
         if self.cfg.init_from:
             persist.init_weights(self, self.cfg.init_from)
         paced = self.cfg.mode in PACED_MODES
@@ -243,7 +248,7 @@ class Trainer:
                                     f"socket in the environment ({rdist.RELAY_CONTROL_ENV})")
         return RelayControl(path, timeout_s=self.cfg.timeout_s)
 
-    def build_stage(self, key: str, metas: tuple[TensorMeta | None, TensorMeta | None] | None = None) -> None:
+    def build_stage(self, key: str, metas: tuple[Meta | None, Meta | None] | None = None) -> None:
         """This rank's stage of the plan in force, its schedule row and optimizer; boundary shapes
         agreed with its peers under store prefix ``key`` unless ``metas`` are given."""
         self._check_sync()
@@ -266,8 +271,13 @@ class Trainer:
         self.metas = metas or exchange_metadata(
             self.w.store, self.topo, self.w.rank, job=key, plan_digest=self.digest,
             output_meta=self._dry_run, timeout_s=self.cfg.timeout_s, same_host=self.cfg.mode in PACED_MODES,
+            agree={"data": self.dataset.digest(self.plan.global_batch), "model": self.model_digest},
         )
-        self.optimizer = self.cfg.optimizer.build(self.stage.params)
+        if self.metas[0] is not None:
+            self.stage.input_grads = BoundaryMeta.coerce(self.metas[0]).grad_mask
+        # a stage of parameter-less blocks (a lone activation): one empty group, since torch
+        # refuses an empty parameter list; the optimizer then steps nothing
+        self.optimizer = self.cfg.optimizer.build(self.stage.params or [{"params": []}])
 
     def reshard(self) -> None:
         """Same stage, other sample ranges, microbatches or schedule (a re-tune of the plan in
@@ -284,17 +294,25 @@ class Trainer:
                    in_meta=in_meta, out_meta=out_meta, cluster=self.cluster, shaper=self.shaper, clock=self.clock,
                    prepost=self.w.device.type != "cuda")
 
-    def _dry_run(self, in_meta: TensorMeta | None) -> TensorMeta | None:
-        """Per-sample output meta of this stage (``None`` on the last), from a one-sample forward."""
+    def _dry_run(self, in_meta: TensorMeta | BoundaryMeta | None) -> TensorMeta | BoundaryMeta | None:
+        """Per-sample output meta of this stage (``None`` on the last), from a forward of two
+        samples with autograd on ([Note: boundary gradients] in :mod:`deepcee.runtime.boundary`)."""
+        n = min(2, self.plan.global_batch)
         if self.stage.is_first:
-            x = self.dataset.batch(0, 1).inputs
+            x = self.dataset.rows(0, self.plan.global_batch, 0, n).inputs
         else:
-            x = torch.zeros((1, *in_meta.shape), dtype=in_meta.torch_dtype)
-            if x.is_floating_point() and x.dtype != self.stage.dtype:
-                raise RuntimeSetupError(f"receives {in_meta.dtype}, runs {self.stage.dtype}")
-        with torch.no_grad():
-            out = self.stage.module(self.stage.prepare_input(x))
-        return None if self.stage.is_last else TensorMeta.of(out)
+            meta = BoundaryMeta.coerce(in_meta)
+            for t in meta.tensors:
+                if t.torch_dtype.is_floating_point and t.torch_dtype != self.stage.dtype:
+                    raise RuntimeSetupError(f"receives {t.dtype}, runs {self.stage.dtype}")
+            self.stage.input_grads = meta.grad_mask
+            x = meta.zeros(n)
+        out = self.stage.module(self.stage.prepare_input(x))
+        if self.stage.is_last:
+            return None
+        if num_samples(out) != n:  # a tensor without the samples first would be sliced wrongly
+            raise RuntimeSetupError(f"stage output holds {num_samples(out)} samples for {n} inputs")
+        return BoundaryMeta.of(out)
 
     def _epoch(self) -> float:
         key = f"{self.job.name}/epoch"
@@ -315,15 +333,13 @@ class Trainer:
 
     # -- steps ---------------------------------------------------------------------------
     def feeds(self, step: int) -> Feeds:
-        """Inputs and targets of batch ``step`` for this rank (its replica's samples of it)."""
-        batch = self.dataset.batch(step, self.plan.global_batch)
-        r = self.w.rank
-
-        def piece(t: torch.Tensor) -> Callable[[int], torch.Tensor]:
-            return lambda m: t[slice(*self.topo.global_samples(r, m))]
-
-        return Feeds(inputs=piece(batch.inputs) if self.stage.is_first else None,
-                     targets=piece(batch.targets) if self.stage.is_last else None,
+        """This rank's rows (its replica's samples) of every microbatch of batch ``step``, fetched
+        before the step's actions (so data loading is not timed as compute)."""
+        r, first, last = self.w.rank, self.stage.is_first, self.stage.is_last
+        rows = {m: self.dataset.rows(step, self.plan.global_batch, *self.topo.global_samples(r, m))
+                for m in range(self.pipeline.num_microbatches)} if first or last else {}
+        return Feeds(inputs=(lambda m: rows[m].inputs) if first else None,
+                     targets=(lambda m: rows[m].targets) if last else None,
                      loss_scale=self.topo.loss_scale(r) * self.optstep.loss_scale)
 
     def _pace_allreduce(self, devices: Sequence[str], nbytes: int, t0: float, sync: str | None = None) -> None:
