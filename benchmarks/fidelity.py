@@ -30,7 +30,8 @@ import time
 from pathlib import Path
 
 from deepcee.cluster import load_cluster
-from deepcee.plan import plan_from_dict, save_json_atomic
+from deepcee.plan import save_json_atomic
+from deepcee.planfile import plan_from_dict
 from deepcee.profile import LayerTiming, ModelProfile, load_profile
 from deepcee.profiler.fidelity import FidelityReport, format_table, validate_cluster
 from deepcee.profiler.network import NetworkBudget

@@ -29,7 +29,8 @@ from typing import TYPE_CHECKING, Any
 
 from deepcee.cluster import Cluster
 from deepcee.errors import SpecError
-from deepcee.plan import Plan, load_plan
+from deepcee.plan import Plan
+from deepcee.planfile import load_plan
 from deepcee.profile import ModelProfile
 
 if TYPE_CHECKING:

@@ -198,7 +198,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def cmd_simulate(args: argparse.Namespace) -> int:
     from deepcee.inputs.work import check_simulation
-    from deepcee.plan import load_plan
+    from deepcee.planfile import load_plan
     from deepcee.simulator.engine import simulate
     from deepcee.simulator.trace import chrome_trace, plot_timeline
 

@@ -39,7 +39,6 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal, get_args
 
 from deepcee.errors import PlanError
@@ -554,25 +553,8 @@ def _replica(stages: Sequence[StagePlan], microbatch_size: int, num_microbatches
                         field=where + (exc.field or "")) from None
 
 
-def plan_from_dict(d: Any, *, file: str = "<plan.json>") -> Plan:
-    """A plan from its JSON form; schema 1 (one pipeline) and 2 (replicas) both load.
-
-    The reader is :func:`deepcee.planfile.plan_from_dict` (every field checked by the input layer)."""
-    from deepcee.planfile import plan_from_dict as read  # planfile builds Plans: import it here
-
-    return read(d, file=file)
-
-
-def load_plan(path: str | Path) -> Plan:
-    """The plan in the JSON file at ``path``; see :func:`plan_from_dict`."""
-    from deepcee.planfile import load_plan as load
-
-    return load(path)
-
-
 __all__ = ["ESTIMATE_SOURCES", "EXACT", "OUTER_OPTIMIZERS", "SCHEDULES", "STRATEGIES", "SYNCS", "Estimate",
-           "EstimateSource", "Plan", "ReplicaPlan", "Semantics", "StagePlan", "Strategy", "load_plan",
-           "plan_from_dict", "save_json_atomic", "share_overlaps", "share_ranges"]
+           "EstimateSource", "Plan", "ReplicaPlan", "Semantics", "StagePlan", "Strategy", "save_json_atomic", "share_overlaps", "share_ranges"]
 
 
 from deepcee._callable import make_callable  # noqa: E402  [Note: callable modules]

@@ -206,7 +206,7 @@ def _torchrun_rank(args: argparse.Namespace, env: TorchrunEnv, job: Job) -> Trai
 
 def _load(args: argparse.Namespace, *, under_torchrun: bool = False) -> tuple[Plan, Cluster]:
     from deepcee.cluster import load_cluster
-    from deepcee.plan import load_plan
+    from deepcee.planfile import load_plan
     from deepcee.scenarios import load_scenario, scenario_names
 
     if args.plan:

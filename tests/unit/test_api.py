@@ -19,7 +19,8 @@ import deepcee.profile
 import deepcee.train
 from deepcee import _callable, api, cli
 from deepcee.errors import SpecError
-from deepcee.plan import Plan, load_plan
+from deepcee.plan import Plan
+from deepcee.planfile import load_plan
 from deepcee.profile import ModelProfile
 
 torch.set_num_threads(1)

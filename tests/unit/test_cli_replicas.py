@@ -8,7 +8,7 @@ import pytest
 from test_planner_replicas import toy, trio
 
 from deepcee.cli import main
-from deepcee.plan import load_plan
+from deepcee.planfile import load_plan
 
 
 @pytest.fixture()

@@ -22,7 +22,7 @@ from deepcee.inputs.work import (
     planner_memory_bytes,
 )
 from deepcee.models import get_model, parse_model_ref
-from deepcee.plan import load_plan
+from deepcee.planfile import load_plan
 from deepcee.profile import load_profile
 from deepcee.scenarios import load_scenario, scenario_names
 from deepcee.traces import BUILTIN_TRACES, load_named_trace

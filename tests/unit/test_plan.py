@@ -7,7 +7,8 @@ import json
 import pytest
 
 from deepcee.errors import PlanError
-from deepcee.plan import Estimate, Plan, StagePlan, plan_from_dict, share_overlaps
+from deepcee.plan import Estimate, Plan, StagePlan, share_overlaps
+from deepcee.planfile import plan_from_dict
 
 
 def make_plan(**kw) -> Plan:

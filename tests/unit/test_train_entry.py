@@ -8,7 +8,8 @@ import argparse
 import pytest
 
 from deepcee import cli, train
-from deepcee.plan import Plan, StagePlan, load_plan, save_json_atomic
+from deepcee.plan import Plan, StagePlan, save_json_atomic
+from deepcee.planfile import load_plan
 from deepcee.runtime.job import OptimizerConfig, TrainConfig
 from deepcee.scenarios import load_scenario
 

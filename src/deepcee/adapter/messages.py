@@ -21,7 +21,8 @@ from typing import Any
 from deepcee.adapter.policy import Decision, DecisionKind, same_stages
 from deepcee.cluster import Cluster
 from deepcee.errors import PlanError
-from deepcee.plan import Plan, plan_from_dict
+from deepcee.plan import Plan
+from deepcee.planfile import plan_from_dict
 from deepcee.runtime.partition import Placement, Topology
 
 

@@ -11,7 +11,8 @@ and :mod:`deepcee.units` converts at the edge.
   derived clusters (:meth:`Cluster.subset`, :meth:`Cluster.with_links`).
 - :mod:`~deepcee.cluster.routing`: the typed lookup tables (:class:`ClusterIndex`) and the
   resolution of a device pair to its :class:`Link` (below).
-- :mod:`~deepcee.cluster.files`: TOML and JSON readers, the JSON writer, trace files.
+- :mod:`~deepcee.cluster.files`: TOML and JSON readers, trace files.
+- :mod:`~deepcee.cluster.writer`: the JSON writer (:func:`cluster_to_dict`).
 
 Link model (alpha-beta): ``time = latency_s + bytes / bandwidth_bytes_per_s``.
 
@@ -32,10 +33,8 @@ bandwidth and the resource). Islands that no path joins are an error.
 from __future__ import annotations
 
 from deepcee.cluster.files import (
-    SCHEMA_VERSION,
     cluster_from_dict,
     cluster_from_toml_dict,
-    cluster_to_dict,
     load_cluster,
     load_trace,
 )
@@ -51,6 +50,7 @@ from deepcee.cluster.parts import (
     Node,
 )
 from deepcee.cluster.routing import ClusterIndex
+from deepcee.cluster.writer import SCHEMA_VERSION, cluster_to_dict
 
 __all__ = [
     "SCHEMA_VERSION", "BandwidthTrace", "Cluster", "ClusterIndex", "Device", "DeviceKind", "Island", "Link",

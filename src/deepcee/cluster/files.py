@@ -3,7 +3,8 @@
 Torch-free. Files use the units in their key names (``latency_ms``, ``bandwidth_mbit_per_s``,
 ``peak_tflops``, ``memory_gib``, ``per_layer_overhead_us``) and :mod:`deepcee.units`
 converts at the edge; JSON holds SI values (``deepcee.cluster`` schema version
-:data:`SCHEMA_VERSION`, written by :func:`cluster_to_dict`). Every file goes through the input
+:data:`~deepcee.cluster.writer.SCHEMA_VERSION`, written by
+:func:`~deepcee.cluster.writer.cluster_to_dict`). Every file goes through the input
 layer (:mod:`deepcee.inputs`: encoding, size, nesting, finite numbers) and every value through
 its field validator, with the ranges of :mod:`deepcee.inputs.limits`; every error names the
 file, the field and the value (:class:`~deepcee.errors.ClusterSpecError`).
@@ -24,6 +25,7 @@ from deepcee.cluster.parts import (
     LinkSpec,
     Node,
 )
+from deepcee.cluster.writer import FORMAT, SCHEMA_VERSION
 from deepcee.errors import ClusterSpecError
 from deepcee.inputs import Fields, read_json, read_toml
 from deepcee.inputs.fields import check_format
@@ -49,8 +51,6 @@ from deepcee.inputs.limits import (
 )
 from deepcee.units import GIB, rate_field_to_bytes_per_s, time_field_to_s
 
-SCHEMA_VERSION = 1
-FORMAT = "deepcee.cluster"
 TRACE_SCHEMA_VERSION = 1
 DEFAULT_NODE_LATENCY_S = 5e-6
 """A node's intra link when its ``[[nodes]]`` entry gives no ``latency_*``."""
@@ -198,64 +198,6 @@ def _build(file: str, **parts: Any) -> Cluster:
 
 
 # -- JSON (machine-written) ----------------------------------------------------------------
-
-
-def cluster_to_dict(cluster: Cluster) -> dict[str, Any]:
-    """The ``deepcee.cluster`` JSON form of ``cluster`` (SI values); read back by :func:`cluster_from_dict`."""
-    c = cluster
-    return {
-        "schema_version": SCHEMA_VERSION,
-        "format": FORMAT,
-        "name": c.name,
-        "description": c.description,
-        "emulation": c.emulation,
-        "kinds": {
-            k.name: {
-                "peak_flops_per_s": k.peak_flops_per_s,
-                "memory_bytes": k.memory_bytes,
-                "achievable_fraction": k.achievable_fraction,
-                "per_layer_overhead_s": k.per_layer_overhead_s,
-                "source": k.source,
-            }
-            for k in c.kinds.values()
-        },
-        "islands": [{"name": i.name, **_spec_to_json(i.intra), **_island_extras(i)} for i in c.islands],
-        "nodes": [
-            {"name": n.name, "island": n.island, "kind": n.kind, "devices": list(n.devices), **_spec_to_json(n.intra),
-             **({"host": n.host} if n.host else {}),
-             **({"node_rank": n.node_rank} if n.node_rank is not None else {})}
-            for n in c.nodes
-        ],
-        "devices": [
-            {"name": d.name, "kind": d.kind, "node": d.node, "island": d.island, "slowdown": d.slowdown}
-            for d in c.devices
-        ],
-        "links": [
-            {"between": [e.a, e.b], "directed": e.directed, **_spec_to_json(e.spec)} for e in c.links
-        ],
-    }
-
-
-ISLAND_EXTRAS = ("data_bytes", "device_usd_per_s", "egress_usd_per_byte")
-"""Optional island fields (data held, prices), written when stated."""
-
-
-def _island_extras(i: Island) -> dict[str, float]:
-    return {k: getattr(i, k) for k in ISLAND_EXTRAS if getattr(i, k) is not None}
-
-
-def _spec_to_json(s: LinkSpec) -> dict[str, Any]:
-    out: dict[str, Any] = {
-        "latency_s": s.latency_s,
-        "bandwidth_bytes_per_s": s.bandwidth_bytes_per_s,
-    }
-    if s.trace is not None:
-        out["trace"] = {
-            "name": s.trace.name,
-            "times_s": list(s.trace.times_s),
-            "bandwidth_bytes_per_s": list(s.trace.bandwidth_bytes_per_s),
-        }
-    return out
 
 
 def _spec_from_json(f: Fields) -> LinkSpec:

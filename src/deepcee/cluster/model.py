@@ -14,6 +14,7 @@ from typing import Any
 
 from deepcee.cluster.parts import Device, DeviceKind, Island, Link, LinkEntry, Node
 from deepcee.cluster.routing import ClusterIndex, build_index, resolve_link
+from deepcee.cluster.writer import cluster_to_dict
 from deepcee.errors import ClusterSpecError
 
 
@@ -136,7 +137,4 @@ class Cluster:
 
     def to_dict(self) -> dict[str, Any]:
         """The machine-written JSON form (``deepcee.cluster`` v1); see :func:`~deepcee.cluster.cluster_to_dict`."""
-        # files.py builds Clusters, so it imports this module: import it here, not at the top
-        from deepcee.cluster.files import cluster_to_dict
-
         return cluster_to_dict(self)

@@ -187,7 +187,7 @@ class Job:
     def __post_init__(self) -> None:
         if not isinstance(self.plan, Plan):
             raise SpecError(f"job {self.name!r}: plan must be a deepcee.plan.Plan, got {type(self.plan).__name__} "
-                            "(load a plan file with deepcee.plan.load_plan)", field="plan")
+                            "(load a plan file with deepcee.planfile.load_plan)", field="plan")
         if not isinstance(self.cluster, Cluster):
             raise SpecError(f"job {self.name!r}: cluster must be a deepcee.cluster.Cluster, got "
                             f"{type(self.cluster).__name__}", field="cluster")

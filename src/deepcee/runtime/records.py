@@ -23,7 +23,8 @@ from typing import Any
 
 from deepcee.errors import RunFileError
 from deepcee.inputs import read_json, read_json_lines
-from deepcee.plan import EXACT, Plan, Semantics, Strategy, plan_from_dict
+from deepcee.plan import EXACT, Plan, Semantics, Strategy
+from deepcee.planfile import plan_from_dict
 from deepcee.runtime.emulation import EmulationInfo
 from deepcee.runtime.replica_records import StrategyRun
 
