@@ -401,6 +401,39 @@ def cmd_validate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _int_list(text: str, flag: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise SpecError(f"must be comma-separated integers, got {text!r}", field=flag) from None
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    import logging
+
+    from deepcee.calibrate import CalibrationConfig, calibrate
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    cluster, ref = _load_cluster(args.cluster, args.scenario, "local-small")
+    profile, _ = _load_model(args.model, args.profile)
+    cfg = CalibrationConfig(model=args.model, global_batch=args.global_batch, target_loss=args.target_loss,
+                            eval_every=args.eval_every, max_steps=args.steps,
+                            periods=_int_list(args.periods, "--periods"),
+                            outer_optimizers=tuple(x for x in args.outer.split(",") if x), optimizer=args.optimizer,
+                            lr=args.lr, seed=args.seed, out_dir=args.output, deadline_s=args.deadline)
+    doc = calibrate(cluster, profile, cfg, cluster_ref=ref)
+    ref_ = doc["reference"]
+    print(f"reference (exact, global batch {ref_['global_batch']}): {ref_['samples_to_target']} samples "
+          f"({ref_['steps_to_target']} steps) to evaluation loss {doc['target_loss']:g}")
+    for e in doc["entries"]:
+        s = e["strategy"]
+        bound = "" if e["reached"] else "  (NOT reached: a lower bound)"
+        print(f"model-averaging H={s['period']} {s['outer_optimizer']}: {e['samples_to_target']} samples, "
+              f"multiplier x{e['multiplier']:.2f}{bound}")
+    print(f"wrote {Path(args.output) / 'efficiency.json'} (use: deepcee plan --sync relaxed --efficiency ...)")
+    return 0
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from deepcee.train import train
 
@@ -489,6 +522,24 @@ def build_parser() -> argparse.ArgumentParser:
                        description=DESCRIPTION)
     add_train_arguments(p)
     p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("calibrate", help="measure relaxed strategies' samples to a target loss against exact "
+                       "training (short real runs); writes the efficiency JSON the planner reads")
+    _add_cluster_args(p)
+    p.add_argument("--model", default="convnet-tiny", help="built-in net: gpt-tiny, resnet-tiny or convnet-tiny")
+    p.add_argument("--profile", help="measured profile JSON for the layout search (default: the analytic one)")
+    p.add_argument("--global-batch", type=int, default=32)
+    p.add_argument("--target-loss", type=float, required=True, help="evaluation loss every run trains to")
+    p.add_argument("--eval-every", type=int, default=10, help="evaluate every N steps (the granularity)")
+    p.add_argument("--steps", type=int, default=600, help="most steps of one run")
+    p.add_argument("--periods", default="4,16", help="model-averaging periods H to measure (comma-separated)")
+    p.add_argument("--outer", default="average", help="outer optimizers: average, nesterov or both (comma-separated)")
+    p.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--deadline", type=float, default=1800.0, help="seconds one run may take")
+    p.add_argument("-o", "--output", default="reports/calibrate", help="folder for the runs and efficiency.json")
+    p.set_defaults(func=cmd_calibrate)
 
     p = sub.add_parser("export", help="write a checkpoint as one plain state_dict (.pt, and .safetensors when "
                        "installed) that loads into the model with strict=True")
