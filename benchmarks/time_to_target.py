@@ -81,6 +81,9 @@ def task(model: str, out: Path, efficiency: str | None) -> dict:
 
     eff_model, ref = ttt.efficiency_of(eff)
     cands = ttt.candidates(prof.cluster, prof.profile, GLOBAL_BATCH, model, "local-small", eff_model)
+    out.mkdir(parents=True, exist_ok=True)
+    for name, c in cands.items():
+        (out / f"plan-{name}.json").write_text(json.dumps(c.plan.to_dict(), indent=1))
     results = ttt.train_all(cands, cluster, cfg)
     doc = ttt.report(cands, results, cfg, ref, eff)
     doc["timings_s"] = {"calibrate": t_cal, "profile": t_prof, "train": time.monotonic() - t0 - t_cal - t_prof}
