@@ -36,14 +36,9 @@ from pathlib import Path
 
 from deepcee.calibrate import CalibrationConfig, calibrate
 from deepcee.scenarios import load_scenario
-from deepcee.ttt import TttConfig, format_table
+from deepcee.ttt import TASKS, TttConfig, format_table, run
 
-TASKS = {
-    # target: well below chance (ln 6 = 1.79): most held-out shapes classified right
-    "convnet-tiny": dict(target_loss=0.5, lr=1e-2, eval_every=10, max_steps=800, periods=(4, 16)),
-    # target: well below the unigram entropy of the corpus' bytes (about 3.0 nats)
-    "gpt-tiny": dict(target_loss=2.3, lr=3e-3, eval_every=5, max_steps=200, periods=(4, 16)),
-}
+PERIODS = (4, 16)
 GLOBAL_BATCH = 32
 
 
@@ -51,19 +46,10 @@ def _calibrate(model: str, spec: dict, cluster, out: Path) -> str:
     from deepcee.models import get_model
 
     cfg = CalibrationConfig(model=model, global_batch=GLOBAL_BATCH, target_loss=spec["target_loss"],
-                            eval_every=spec["eval_every"], max_steps=spec["max_steps"], periods=spec["periods"],
+                            eval_every=spec["eval_every"], max_steps=spec["max_steps"], periods=PERIODS,
                             lr=spec["lr"], out_dir=str(out / "calibrate"))
     calibrate(cluster, get_model(model), cfg, cluster_ref="local-small")
     return str(out / "calibrate" / "efficiency.json")
-
-
-def _profile(model: str, cluster, out: Path):
-    from deepcee.profiler.network import NetworkBudget
-    from deepcee.profiler.run import profile_cluster
-
-    budget = NetworkBudget(max_full_ranks=1, min_bytes=256 << 10, max_bytes=1 << 20, growth=4, repeats=2,
-                           max_s_per_pair=8.0)
-    return profile_cluster(cluster, model, out / "profile", emulated=True, network_budget=budget, deadline_s=900)
 
 
 def task(model: str, out: Path, efficiency: str | None) -> dict:
@@ -72,25 +58,12 @@ def task(model: str, out: Path, efficiency: str | None) -> dict:
     t0 = time.monotonic()
     eff = efficiency or _calibrate(model, spec, cluster, out)
     t_cal = time.monotonic() - t0
-    prof = _profile(model, cluster, out)
-    t_prof = time.monotonic() - t0 - t_cal
     cfg = TttConfig(model=model, global_batch=GLOBAL_BATCH, target_loss=spec["target_loss"],
                     eval_every=spec["eval_every"], max_steps=spec["max_steps"], lr=spec["lr"], out_dir=str(out))
-    # plans from the measured profile and cluster; trained on the emulated scenario (as the main job)
-    from deepcee import ttt
-
-    eff_model, ref = ttt.efficiency_of(eff)
-    cands = ttt.candidates(prof.cluster, prof.profile, GLOBAL_BATCH, model, "local-small", eff_model)
-    out.mkdir(parents=True, exist_ok=True)
-    for name, c in cands.items():
-        (out / f"plan-{name}.json").write_text(json.dumps(c.plan.to_dict(), indent=1))
-    results = ttt.train_all(cands, cluster, cfg)
-    doc = ttt.report(cands, results, cfg, ref, eff)
-    doc["timings_s"] = {"calibrate": t_cal, "profile": t_prof, "train": time.monotonic() - t0 - t_cal - t_prof}
+    doc = run(cluster, cfg, cluster_ref="local-small", efficiency_file=eff)
+    doc["timings_s"]["calibrate"] = t_cal
     doc["efficiency_document"] = json.loads(Path(eff).read_text())
-    out.mkdir(parents=True, exist_ok=True)
     (out / "report.json").write_text(json.dumps(doc, indent=1))
-    ttt.plot(doc, out / "loss_vs_time.png")
     return doc
 
 

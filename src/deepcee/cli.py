@@ -27,6 +27,7 @@ from deepcee.cliargs import (
     RATIO,
     SEQ_LEN,
     STAGES,
+    TARGET_LOSS,
     THRESHOLD_MS,
     OneLineParser,
     name_list,
@@ -453,13 +454,39 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    if args.time_to_target:
+        return _demo_time_to_target(args)
     from deepcee.demo import DemoConfig, format_report, run_demo
 
-    _check_net(args.model)
-    cfg = DemoConfig(scenario=args.scenario, model=args.model, global_batch=args.global_batch, steps=args.steps,
+    model = args.model or "gpt-tiny"
+    _check_net(model)
+    cfg = DemoConfig(scenario=args.scenario, model=model, global_batch=args.global_batch, steps=args.steps,
                      out_dir=args.out, quick_profile=not args.full_profile)
     report = run_demo(cfg)
     print(format_report(report))
+    return 0
+
+
+def _demo_time_to_target(args: argparse.Namespace) -> int:
+    """``deepcee demo --time-to-target``: the four systems trained to one target loss (:mod:`deepcee.ttt`)."""
+    import logging
+
+    from deepcee import ttt
+    from deepcee.scenarios import load_scenario
+
+    logging.basicConfig(level=logging.WARNING)
+    model = args.model or "convnet-tiny"
+    if model not in ttt.TASKS:
+        raise SpecError(f"no time-to-target task for {model!r} (known: {', '.join(ttt.TASKS)})", field="--model")
+    task = ttt.TASKS[model]
+    cfg = ttt.TttConfig(model=model, global_batch=args.global_batch, target_loss=args.target_loss or
+                        task["target_loss"], eval_every=task["eval_every"], max_steps=task["max_steps"],
+                        lr=task["lr"], out_dir=args.out)
+    print(f"time to target: {model} to evaluation loss {cfg.target_loss:g} on {args.scenario} (emulated): profile, "
+          "plan (--sync relaxed), then train deepcee relaxed, deepcee sync, best single island, DDP ...")
+    doc = ttt.run(load_scenario(args.scenario), cfg, cluster_ref=args.scenario, efficiency_file=args.efficiency)
+    print(ttt.format_table(doc))
+    print(f"wrote {Path(args.out) / 'report.json'}, {Path(args.out) / 'loss_vs_time.png'}")
     return 0
 
 
@@ -509,11 +536,19 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="the main job: profile, group, plan and train on an emulated cluster "
                        "(deepcee vs DDP vs 1F1B)")
     p.add_argument("--scenario", default="local-small")
-    p.add_argument("--model", default="gpt-tiny", help="gpt-tiny or resnet-tiny")
+    p.add_argument("--model", help="gpt-tiny (default) or resnet-tiny; with --time-to-target: convnet-tiny "
+                   "(default) or gpt-tiny")
     p.add_argument("--global-batch", type=number(GLOBAL_BATCH), default=32)
     p.add_argument("--steps", type=number(DEMO_STEPS), default=20)
     p.add_argument("--out", default="reports/demo", help="report folder")
     p.add_argument("--full-profile", action="store_true", help="probe every device pair with the full budget")
+    p.add_argument("--time-to-target", action="store_true",
+                   help="train deepcee's relaxed all-island plan, synchronous deepcee, the best single island and "
+                        "DDP to one target loss (default model convnet-tiny); report predicted vs measured")
+    p.add_argument("--target-loss", type=number(TARGET_LOSS),
+                   help="with --time-to-target: the target (default: the task's)")
+    p.add_argument("--efficiency", help="with --time-to-target: a `deepcee calibrate` JSON (default: the "
+                   "conservative default, not measured)")
     p.set_defaults(func=cmd_demo)
 
     from deepcee.train import DESCRIPTION, add_train_arguments

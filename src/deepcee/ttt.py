@@ -47,6 +47,15 @@ from deepcee.profile import ModelProfile
 
 log = logging.getLogger(__name__)
 
+TASKS: dict[str, dict[str, Any]] = {
+    # convnet-tiny: well below chance (ln 6 = 1.79): most held-out shapes classified right
+    "convnet-tiny": {"target_loss": 0.5, "lr": 1e-2, "eval_every": 10, "max_steps": 800},
+    # gpt-tiny: nats per byte of held-out text, well below the untrained ln 256 = 5.5 (about 40-50
+    # synchronous steps of 32 samples)
+    "gpt-tiny": {"target_loss": 2.3, "lr": 3e-3, "eval_every": 5, "max_steps": 200},
+}
+"""The tasks' targets and settings (AdamW, global batch 32) used by the benchmark and the demo."""
+
 FORMAT = "deepcee.time-to-target"
 SCHEMA_VERSION = 1
 SYSTEMS = ("deepcee-relaxed", "deepcee-sync", "single-island", "ddp-all")
@@ -236,17 +245,36 @@ def efficiency_of(path: str | None) -> tuple[StatisticalEfficiency, float | None
     return eff, ref
 
 
-def run(cluster: Cluster, profile: ModelProfile, cfg: TttConfig, *, cluster_ref: str,
-        efficiency_file: str | None = None) -> dict[str, Any]:
-    """Plan, train every system to the target, write ``report.json`` and ``loss_vs_time.png``."""
-    eff, ref = efficiency_of(efficiency_file)
-    cands = candidates(cluster, profile, cfg.global_batch, cfg.model, cluster_ref, eff)
+def quick_profile(cluster: Cluster, model: str, out: Path) -> Any:
+    """Measured devices and links of the emulated cluster, with the main job's quick budget."""
+    from deepcee.profiler.network import NetworkBudget
+    from deepcee.profiler.run import profile_cluster
+
+    budget = NetworkBudget(max_full_ranks=1, min_bytes=256 << 10, max_bytes=1 << 20, growth=4, repeats=2,
+                           max_s_per_pair=8.0)
+    return profile_cluster(cluster, model, out / "profile", emulated=True, network_budget=budget, deadline_s=900)
+
+
+def run(cluster: Cluster, cfg: TttConfig, *, cluster_ref: str, efficiency_file: str | None = None,
+        profile: ModelProfile | None = None) -> dict[str, Any]:
+    """Profile (unless ``profile`` is given: then plan on it and ``cluster``), plan on the
+    measurements, train every system on ``cluster`` to the target; write ``report.json``, the
+    plans and ``loss_vs_time.png``."""
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    planned_on = cluster
+    if profile is None:
+        prof = quick_profile(cluster, cfg.model, out)
+        planned_on, profile = prof.cluster, prof.profile
+    t_prof = time.monotonic() - t0
+    eff, ref = efficiency_of(efficiency_file)
+    cands = candidates(planned_on, profile, cfg.global_batch, cfg.model, cluster_ref, eff)
     for name, c in cands.items():
         save_json_atomic(out / f"plan-{name}.json", c.plan.to_dict())
     results = train_all(cands, cluster, cfg)
     doc = report(cands, results, cfg, ref, efficiency_file)
+    doc["timings_s"] = {"profile_and_plan": t_prof, "train": time.monotonic() - t0 - t_prof}
     save_json_atomic(out / "report.json", doc)
     plot(doc, out / "loss_vs_time.png")
     return doc
@@ -277,5 +305,5 @@ def format_table(doc: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["SYSTEMS", "Candidate", "TttConfig", "candidates", "efficiency_of", "format_table", "plot", "report", "run",
+__all__ = ["SYSTEMS", "TASKS", "Candidate", "quick_profile", "TttConfig", "candidates", "efficiency_of", "format_table", "plot", "report", "run",
            "train_all"]
