@@ -19,14 +19,18 @@ from deepcee.cliargs import (
     DEADLINE,
     DEMO_STEPS,
     EPOCHS,
+    EVERY,
     GLOBAL_BATCH,
     IMAGE_SIZE,
     ITERATIONS,
+    LR,
     MICROBATCHES,
     PLANS,
     RATIO,
+    SEED,
     SEQ_LEN,
     STAGES,
+    STEPS,
     TARGET_LOSS,
     THRESHOLD_MS,
     OneLineParser,
@@ -563,16 +567,17 @@ def build_parser() -> argparse.ArgumentParser:
     _add_cluster_args(p)
     p.add_argument("--model", default="convnet-tiny", help="built-in net: gpt-tiny, resnet-tiny or convnet-tiny")
     p.add_argument("--profile", help="measured profile JSON for the layout search (default: the analytic one)")
-    p.add_argument("--global-batch", type=int, default=32)
-    p.add_argument("--target-loss", type=float, required=True, help="evaluation loss every run trains to")
-    p.add_argument("--eval-every", type=int, default=10, help="evaluate every N steps (the granularity)")
-    p.add_argument("--steps", type=int, default=600, help="most steps of one run")
+    p.add_argument("--global-batch", type=number(GLOBAL_BATCH), default=32)
+    p.add_argument("--target-loss", type=number(TARGET_LOSS), required=True,
+                   help="evaluation loss every run trains to")
+    p.add_argument("--eval-every", type=number(EVERY), default=10, help="evaluate every N steps (the granularity)")
+    p.add_argument("--steps", type=number(STEPS), default=600, help="most steps of one run")
     p.add_argument("--periods", default="4,16", help="model-averaging periods H to measure (comma-separated)")
     p.add_argument("--outer", default="average", help="outer optimizers: average, nesterov or both (comma-separated)")
     p.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--deadline", type=float, default=1800.0, help="seconds one run may take")
+    p.add_argument("--lr", type=number(LR), default=1e-3)
+    p.add_argument("--seed", type=number(SEED), default=0)
+    p.add_argument("--deadline", type=number(DEADLINE), default=1800.0, help="seconds one run may take")
     p.add_argument("-o", "--output", default="reports/calibrate", help="folder for the runs and efficiency.json")
     p.set_defaults(func=cmd_calibrate)
 

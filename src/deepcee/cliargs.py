@@ -77,7 +77,8 @@ DEMO_STEPS = Limit(name="demo steps", lo=2, hi=10**6, integer=True, fields="demo
                    why="the first step is warm-up; runs with progress and stops on Ctrl-C")
 
 CLI_LIMITS: tuple[Limit, ...] = (STEPS, ITERATIONS, STAGES, MICROBATCHES, DEADLINE, TIMEOUT, CORES, EVERY, LR,
-                                 WEIGHT_DECAY, MIN_LR_RATIO, CLIP_NORM, KEEP, EVAL_BATCHES, TARGET_LOSS, MOMENTUM, SEED, SCALE,
+                                 WEIGHT_DECAY, MIN_LR_RATIO, CLIP_NORM, KEEP, EVAL_BATCHES, TARGET_LOSS, MOMENTUM,
+                                 SEED, SCALE,
                                  THRESHOLD_MS, RATIO, PLANS, BUDGET, DATASET_SAMPLES, EPOCHS, DEMO_STEPS)
 
 
