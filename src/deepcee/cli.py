@@ -19,14 +19,19 @@ from deepcee.cliargs import (
     DEADLINE,
     DEMO_STEPS,
     EPOCHS,
+    EVERY,
     GLOBAL_BATCH,
     IMAGE_SIZE,
     ITERATIONS,
+    LR,
     MICROBATCHES,
     PLANS,
     RATIO,
+    SEED,
     SEQ_LEN,
     STAGES,
+    STEPS,
+    TARGET_LOSS,
     THRESHOLD_MS,
     OneLineParser,
     name_list,
@@ -401,6 +406,39 @@ def cmd_validate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _int_list(text: str, flag: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise SpecError(f"must be comma-separated integers, got {text!r}", field=flag) from None
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    import logging
+
+    from deepcee.calibrate import CalibrationConfig, calibrate
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    cluster, ref = _load_cluster(args.cluster, args.scenario, "local-small")
+    profile, _ = _load_model(args.model, args.profile)
+    cfg = CalibrationConfig(model=args.model, global_batch=args.global_batch, target_loss=args.target_loss,
+                            eval_every=args.eval_every, max_steps=args.steps,
+                            periods=_int_list(args.periods, "--periods"),
+                            outer_optimizers=tuple(x for x in args.outer.split(",") if x), optimizer=args.optimizer,
+                            lr=args.lr, seed=args.seed, out_dir=args.output, deadline_s=args.deadline)
+    doc = calibrate(cluster, profile, cfg, cluster_ref=ref)
+    ref_ = doc["reference"]
+    print(f"reference (exact, global batch {ref_['global_batch']}): {ref_['samples_to_target']} samples "
+          f"({ref_['steps_to_target']} steps) to evaluation loss {doc['target_loss']:g}")
+    for e in doc["entries"]:
+        s = e["strategy"]
+        bound = "" if e["reached"] else "  (NOT reached: a lower bound)"
+        print(f"model-averaging H={s['period']} {s['outer_optimizer']}: {e['samples_to_target']} samples, "
+              f"multiplier x{e['multiplier']:.2f}{bound}")
+    print(f"wrote {Path(args.output) / 'efficiency.json'} (use: deepcee plan --sync relaxed --efficiency ...)")
+    return 0
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from deepcee.train import train
 
@@ -420,13 +458,39 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    if args.time_to_target:
+        return _demo_time_to_target(args)
     from deepcee.demo import DemoConfig, format_report, run_demo
 
-    _check_net(args.model)
-    cfg = DemoConfig(scenario=args.scenario, model=args.model, global_batch=args.global_batch, steps=args.steps,
+    model = args.model or "gpt-tiny"
+    _check_net(model)
+    cfg = DemoConfig(scenario=args.scenario, model=model, global_batch=args.global_batch, steps=args.steps,
                      out_dir=args.out, quick_profile=not args.full_profile)
     report = run_demo(cfg)
     print(format_report(report))
+    return 0
+
+
+def _demo_time_to_target(args: argparse.Namespace) -> int:
+    """``deepcee demo --time-to-target``: the four systems trained to one target loss (:mod:`deepcee.ttt`)."""
+    import logging
+
+    from deepcee import ttt
+    from deepcee.scenarios import load_scenario
+
+    logging.basicConfig(level=logging.WARNING)
+    model = args.model or "convnet-tiny"
+    if model not in ttt.TASKS:
+        raise SpecError(f"no time-to-target task for {model!r} (known: {', '.join(ttt.TASKS)})", field="--model")
+    task = ttt.TASKS[model]
+    cfg = ttt.TttConfig(model=model, global_batch=args.global_batch, target_loss=args.target_loss or
+                        task["target_loss"], eval_every=task["eval_every"], max_steps=task["max_steps"],
+                        lr=task["lr"], out_dir=args.out)
+    print(f"time to target: {model} to evaluation loss {cfg.target_loss:g} on {args.scenario} (emulated): profile, "
+          "plan (--sync relaxed), then train deepcee relaxed, deepcee sync, best single island, DDP ...")
+    doc = ttt.run(load_scenario(args.scenario), cfg, cluster_ref=args.scenario, efficiency_file=args.efficiency)
+    print(ttt.format_table(doc))
+    print(f"wrote {Path(args.out) / 'report.json'}, {Path(args.out) / 'loss_vs_time.png'}")
     return 0
 
 
@@ -476,11 +540,19 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="the main job: profile, group, plan and train on an emulated cluster "
                        "(deepcee vs DDP vs 1F1B)")
     p.add_argument("--scenario", default="local-small")
-    p.add_argument("--model", default="gpt-tiny", help="gpt-tiny or resnet-tiny")
+    p.add_argument("--model", help="gpt-tiny (default) or resnet-tiny; with --time-to-target: convnet-tiny "
+                   "(default) or gpt-tiny")
     p.add_argument("--global-batch", type=number(GLOBAL_BATCH), default=32)
     p.add_argument("--steps", type=number(DEMO_STEPS), default=20)
     p.add_argument("--out", default="reports/demo", help="report folder")
     p.add_argument("--full-profile", action="store_true", help="probe every device pair with the full budget")
+    p.add_argument("--time-to-target", action="store_true",
+                   help="train deepcee's relaxed all-island plan, synchronous deepcee, the best single island and "
+                        "DDP to one target loss (default model convnet-tiny); report predicted vs measured")
+    p.add_argument("--target-loss", type=number(TARGET_LOSS),
+                   help="with --time-to-target: the target (default: the task's)")
+    p.add_argument("--efficiency", help="with --time-to-target: a `deepcee calibrate` JSON (default: the "
+                   "conservative default, not measured)")
     p.set_defaults(func=cmd_demo)
 
     from deepcee.train import DESCRIPTION, add_train_arguments
@@ -489,6 +561,25 @@ def build_parser() -> argparse.ArgumentParser:
                        description=DESCRIPTION)
     add_train_arguments(p)
     p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("calibrate", help="measure relaxed strategies' samples to a target loss against exact "
+                       "training (short real runs); writes the efficiency JSON the planner reads")
+    _add_cluster_args(p)
+    p.add_argument("--model", default="convnet-tiny", help="built-in net: gpt-tiny, resnet-tiny or convnet-tiny")
+    p.add_argument("--profile", help="measured profile JSON for the layout search (default: the analytic one)")
+    p.add_argument("--global-batch", type=number(GLOBAL_BATCH), default=32)
+    p.add_argument("--target-loss", type=number(TARGET_LOSS), required=True,
+                   help="evaluation loss every run trains to")
+    p.add_argument("--eval-every", type=number(EVERY), default=10, help="evaluate every N steps (the granularity)")
+    p.add_argument("--steps", type=number(STEPS), default=600, help="most steps of one run")
+    p.add_argument("--periods", default="4,16", help="model-averaging periods H to measure (comma-separated)")
+    p.add_argument("--outer", default="average", help="outer optimizers: average, nesterov or both (comma-separated)")
+    p.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
+    p.add_argument("--lr", type=number(LR), default=1e-3)
+    p.add_argument("--seed", type=number(SEED), default=0)
+    p.add_argument("--deadline", type=number(DEADLINE), default=1800.0, help="seconds one run may take")
+    p.add_argument("-o", "--output", default="reports/calibrate", help="folder for the runs and efficiency.json")
+    p.set_defaults(func=cmd_calibrate)
 
     p = sub.add_parser("export", help="write a checkpoint as one plain state_dict (.pt, and .safetensors when "
                        "installed) that loads into the model with strict=True")

@@ -30,7 +30,7 @@ from deepcee.inputs.limits import (
 __all__ = [
     "BUDGET", "DATASET_SAMPLES", "EPOCHS", "CLIP_NORM", "CLI_LIMITS", "CORES", "DEADLINE", "EVAL_BATCHES", "EVERY", "GLOBAL_BATCH", "IMAGE_SIZE", "ITERATIONS",
     "KEEP", "LR", "MICROBATCHES", "MIN_LR_RATIO", "MOMENTUM", "PLANS", "RATIO", "SCALE", "SEED", "SEQ_LEN", "STAGES",
-    "STEPS", "THRESHOLD_MS", "TIMEOUT", "WEIGHT_DECAY",
+    "STEPS", "TARGET_LOSS", "THRESHOLD_MS", "TIMEOUT", "WEIGHT_DECAY",
     "OneLineParser", "name_list", "name_pair", "number", "straggler_flag",
 ]
 
@@ -57,6 +57,8 @@ CLIP_NORM = Limit(name="gradient norm", lo=0, lo_open=True, hi=1e12, fields="--c
 KEEP = Limit(name="checkpoints kept", lo=0, hi=10**6, integer=True, fields="--keep-checkpoints", why="0 = all")
 EVAL_BATCHES = Limit(name="evaluation batches", lo=1, hi=10**6, integer=True, fields="--eval-batches",
                      why="held-out global batches per evaluation")
+TARGET_LOSS = Limit(name="target loss", lo=0, lo_open=True, hi=1e6, fields="--target-loss, [eval] target_loss",
+                    why="a finite positive evaluation loss")
 MOMENTUM = Limit(name="momentum", lo=0, hi=1, hi_open=True, fields="--momentum", why="a momentum is below 1")
 SEED = Limit(name="seed", lo=0, hi=2**32 - 1, integer=True, fields="--seed", why="numpy and torch seeds")
 SCALE = Limit(name="time scale", lo=0, lo_open=True, hi=1e6, fields="--trace-time-scale",
@@ -75,7 +77,8 @@ DEMO_STEPS = Limit(name="demo steps", lo=2, hi=10**6, integer=True, fields="demo
                    why="the first step is warm-up; runs with progress and stops on Ctrl-C")
 
 CLI_LIMITS: tuple[Limit, ...] = (STEPS, ITERATIONS, STAGES, MICROBATCHES, DEADLINE, TIMEOUT, CORES, EVERY, LR,
-                                 WEIGHT_DECAY, MIN_LR_RATIO, CLIP_NORM, KEEP, EVAL_BATCHES, MOMENTUM, SEED, SCALE,
+                                 WEIGHT_DECAY, MIN_LR_RATIO, CLIP_NORM, KEEP, EVAL_BATCHES, TARGET_LOSS, MOMENTUM,
+                                 SEED, SCALE,
                                  THRESHOLD_MS, RATIO, PLANS, BUDGET, DATASET_SAMPLES, EPOCHS, DEMO_STEPS)
 
 

@@ -57,7 +57,7 @@ FIELDS: dict[str, dict[str, Field]] = {
                     "min_lr_ratio": _f("min_lr_ratio"), "decay_steps": _f("decay_steps")},
     "checkpoint": {"every": _f("checkpoint_every"), "keep": _f("keep_checkpoints"), "resume": _f("resume"),
                    "dir": _f("checkpoint_dir", "output"), "init_from": _f("init_from", "input")},
-    "eval": {"every": _f("eval_every"), "batches": _f("eval_batches")},
+    "eval": {"every": _f("eval_every"), "batches": _f("eval_batches"), "target_loss": _f("target_loss")},
     "logging": {"every": _f("log_every"), "tensorboard": _f("tensorboard"), "trace": _f("trace")},
     "run": {"dir": _f("run_dir", "output"), "cluster_node": _f("cluster_node")},
     "adapter": {"adapt": _f("adapt"), "link_trace": _f("link_trace", "trace"),

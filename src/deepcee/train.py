@@ -47,6 +47,7 @@ from deepcee.cliargs import (
     SCALE,
     SEED,
     STEPS,
+    TARGET_LOSS,
     TIMEOUT,
     WEIGHT_DECAY,
     OneLineParser,
@@ -110,6 +111,9 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
                    "model's own names, or a checkpoint folder")
     p.add_argument("--eval-every", type=number(EVERY), default=0, help="held-out loss every N steps (0: never)")
     p.add_argument("--eval-batches", type=number(EVAL_BATCHES), default=4, help="held-out global batches per evaluation")
+    p.add_argument("--target-loss", type=number(TARGET_LOSS), default=None,
+                   help="stop at the first evaluation whose loss is <= this and report the time to it "
+                        "(needs --eval-every; --steps stays the cap)")
     p.add_argument("--log-every", type=number(EVERY), default=10, help="a progress line every N steps (0: none)")
     p.add_argument("--tensorboard", action="store_true", help="TensorBoard scalars in <run-dir>/tensorboard")
     p.add_argument("--timeout", type=number(TIMEOUT), default=120.0, help="seconds any receive or collective may wait")
@@ -291,6 +295,7 @@ def _config(args: argparse.Namespace, cluster: Cluster | None = None) -> TrainCo
         clip_grad_norm=args.clip_grad_norm, autocast=args.autocast,
         timeout_s=args.timeout, checkpoint_every=args.checkpoint_every, keep_checkpoints=args.keep_checkpoints,
         resume=args.resume, init_from=args.init_from, eval_every=args.eval_every, eval_batches=args.eval_batches,
+        target_loss=args.target_loss,
         log_every=args.log_every, tensorboard=args.tensorboard, trace=args.trace, use_cuda=args.cuda,
     )
 
@@ -382,6 +387,8 @@ def _summary(result: TrainResult, args: argparse.Namespace) -> None:
             if result.mode in ("emulated", "realnet") else "")
     print(f"steps {len(losses)}  loss {losses[0]:.4f} -> {losses[-1]:.4f}  {result.samples_per_s:.1f} samples/s{note}")
     print(f"semantics {result.semantics}: {result.strategy}")
+    if result.target is not None:
+        print(result.target.describe())
     if result.replicas is not None:
         print("local steps per replica: " + " ".join(map(str, result.replicas.local_steps)))
     print(f"metrics: {Path(args.run_dir) / 'metrics.jsonl'}")

@@ -5,7 +5,7 @@ BERT ``bert-small`` / ``bert-base`` (seq_len 128), a Llama-style decoder ``llama
 shape unless overridden) with presets ``llama-7b`` and ``llama-1b`` (TinyLlama-1.1B shape;
 seq_len 2048), ``resnet50`` / ``resnet101`` / ``efficientnet-b0`` (224x224, 1000 classes) and
 their ``-cifar`` variants (32x32, 10 classes; only the classifier's parameters differ), and the
-two tiny models that deepcee.nets also builds, ``gpt-tiny`` and ``resnet-tiny`` (fp32 by
+three tiny models that deepcee.nets also builds, ``gpt-tiny``, ``resnet-tiny`` and ``convnet-tiny`` (fp32 by
 default). How FLOPs, stashed activations and tied embeddings are counted is described in
 :mod:`deepcee.models.transformer` (see [Note: tied embeddings]) and :mod:`deepcee.models.cnn`.
 
@@ -71,9 +71,10 @@ _CNNS: dict[str, _Cnn] = {
     "resnet101-cifar": _Cnn("resnet101", 10, 32),
     "efficientnet-b0-cifar": _Cnn("efficientnet-b0", 10, 32),
     "resnet-tiny": _Cnn("resnet-tiny", 10, 32),
+    "convnet-tiny": _Cnn("convnet-tiny", 6, 16),
 }
 
-_DEFAULT_DTYPE: dict[str, str] = {"gpt-tiny": "fp32", "resnet-tiny": "fp32"}
+_DEFAULT_DTYPE: dict[str, str] = {"gpt-tiny": "fp32", "resnet-tiny": "fp32", "convnet-tiny": "fp32"}
 """Models whose default dtype is not fp16 (the tiny models train in fp32 on CPU)."""
 
 PUBLISHED_PARAMETER_COUNTS: dict[str, tuple[int, str]] = {

@@ -1,4 +1,5 @@
-"""Analytic per-layer costs of convolutional image classifiers (ResNet, EfficientNet, resnet-tiny).
+"""Analytic per-layer costs of convolutional image classifiers (ResNet, EfficientNet, resnet-tiny,
+convnet-tiny).
 
 Torch-free. Each architecture is written as the sequence of ops its PyTorch module runs
 (torchvision's ``resnet50``/``resnet101`` (v1.5: stride on the 3x3 conv) and
@@ -222,11 +223,20 @@ def _efficientnet_b0(t: _Tracer, x: _Map, num_classes: int) -> None:
     t.finish("head", t.linear(t.avg_pool(x), num_classes))
 
 
+def _convnet_tiny(t: _Tracer, x: _Map, num_classes: int) -> None:
+    # deepcee.nets convnet-tiny: conv + GroupNorm(4, C) + ReLU per block, then pool + linear.
+    x = t.finish("stem", t.relu(t.norm(t.conv(x, 16, 3))))
+    for cout, stride in ((32, 2), (32, 1), (64, 2)):
+        x = t.finish(t.block_name(), t.relu(t.norm(t.conv(x, cout, 3, stride))))
+    t.finish("head", t.linear(t.avg_pool(x), num_classes))
+
+
 ARCHITECTURES: dict[str, Callable[[_Tracer, _Map, int], None]] = {
     "resnet50": _resnet((3, 4, 6, 3)),
     "resnet101": _resnet((3, 4, 23, 3)),
     "efficientnet-b0": _efficientnet_b0,
     "resnet-tiny": _resnet_tiny,
+    "convnet-tiny": _convnet_tiny,
 }
 """Architecture name -> builder (tracer, image map, number of classes)."""
 

@@ -1,7 +1,7 @@
 """Small torch models as lists of blocks (a pipeline stage is a contiguous slice).
 
 ``build(name, seed)`` returns ``(blocks, loss_fn)`` for a built-in net (``gpt-tiny``,
-``resnet-tiny``); :func:`split_model` (:mod:`deepcee.nets.split`) turns a user's model into
+``resnet-tiny``, ``convnet-tiny``); :func:`split_model` (:mod:`deepcee.nets.split`) turns a user's model into
 blocks: an ``nn.Sequential``/``nn.ModuleList``'s children, a list of modules, a HuggingFace
 GPT-2/Llama/BERT model (:mod:`deepcee.nets.hf`), or any module cut at split points
 (``points=[...]`` or :func:`pipe_split` in its ``forward``); ``as_blocks(obj)`` is its block list. A ``loss_fn(output, targets)`` must return the *mean* loss over the samples
@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from deepcee.errors import SpecError
-from deepcee.nets import gpt_tiny, resnet_tiny
+from deepcee.nets import convnet_tiny, gpt_tiny, resnet_tiny
 from deepcee.nets.split import SplitModel, build_user_model, pipe_split, split_model
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -43,6 +43,8 @@ NETS: dict[str, NetSpec] = {
                         make_block=gpt_tiny.make_block, loss_fn=gpt_tiny.loss_fn),
     "resnet-tiny": NetSpec(name="resnet-tiny", block_names=resnet_tiny.BLOCK_NAMES,
                            make_block=resnet_tiny.make_block, loss_fn=resnet_tiny.loss_fn),
+    "convnet-tiny": NetSpec(name="convnet-tiny", block_names=convnet_tiny.BLOCK_NAMES,
+                            make_block=convnet_tiny.make_block, loss_fn=convnet_tiny.loss_fn),
 }
 NET_NAMES: tuple[str, ...] = tuple(NETS)
 

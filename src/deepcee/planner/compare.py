@@ -373,12 +373,12 @@ def format_table(report: CompareReport) -> str:
     if report.leave_out:
         lines.append(report.leave_out)
     semantics = any(r.semantics for r in report.rows)
-    extra = f" {'sem':<7} {'to target':>12}" if semantics else ""
+    extra = f" {'sem':<7} {'to target (predicted)':>21}" if semantics else ""
     header = (f"{'system':<18} {'iter (s)':>10} {'samples/s':>11} {'deepcee x':>10}{extra} {'peak mem':>16}  "
               "bottleneck")
     lines += [header, "-" * len(header)]
     for r in report.rows:
-        cols = f" {r.semantics:<7} {_to_target(r):>12}" if semantics else ""
+        cols = f" {r.semantics:<7} {_to_target(r):>21}" if semantics else ""
         if r.plan is None:
             lines.append(f"{r.system:<18} {'-':>10} {'-':>11} {'-':>10}{cols} {'-':>16}  {r.reason}")
             continue

@@ -204,6 +204,7 @@ def efficiency_from_dict(d: Any, *, file: str = "<efficiency.json>") -> Calibrat
     ref_batch = None if ref is None else ref.integer("global_batch", GLOBAL_BATCH, None)
     ref_steps = None if ref is None else ref.number("steps_to_target", STEPS_TO_TARGET, None)
     if ref is not None:
+        _run_details(ref)
         ref.done()
     f.done()
     return CalibratedEfficiency(model=model, entries=tuple(entries), file=file, target_loss=target,
@@ -219,9 +220,27 @@ STEPS_TO_TARGET = Limit(name="steps to target", lo=0, lo_open=True, hi=1e12, fie
                         why="a positive count")
 
 
+SAMPLES = Limit(name="samples to target", lo=0, hi=1e15, integer=True,
+                fields="entries[].samples_to_target, reference.samples_to_target", why="a count of samples")
+RUN_STEPS = Limit(name="calibration steps", lo=0, hi=1e12, integer=True, fields="entries[].steps", why="a count")
+WALL_S = Limit(name="calibration wall time", lo=0, hi=1e9, unit="s", fields="entries[].wall_s, reference.wall_s",
+               why="seconds a run took")
+
+
+def _run_details(f: Fields) -> None:
+    """What ``deepcee calibrate`` writes beside each figure (checked; the planner does not use it)."""
+    f.integer("samples_to_target", SAMPLES, None)
+    f.number("wall_s", WALL_S, None)
+
+
 def _measured(f: Fields) -> Measured:
     m = Measured(strategy=strategy_from_fields(f.record_of("strategy")), multiplier=f.number("multiplier", MULTIPLIER),
                  replicas=f.integer("replicas", COUNT, 0))
+    _run_details(f)
+    f.flag("reached", True)
+    f.integer("steps", RUN_STEPS, None)
+    if f.raw("final_eval_loss", None) is not None:
+        f.number("final_eval_loss", LOSS)
     f.done()
     return m
 

@@ -19,6 +19,9 @@ never contain.
   has a fixed colour grating (orientation, frequency, colour mix drawn from the seed); a
   sample is its class's grating, randomly shifted, at a random contrast, plus Gaussian noise.
   Held-out samples come from a random stream of their own (``eval_size`` of them).
+- :class:`ShapeImageDataset` (``convnet-tiny``): 3x16x16 images of 6 shape classes (square,
+  disc, triangle, plus, ring, cross), drawn procedurally at a random centre and size, lighter or
+  darker than a random background colour, plus Gaussian noise; held out as above.
 """
 
 from __future__ import annotations
@@ -222,10 +225,69 @@ class PatternImageDataset:
         return Batch(inputs=torch.from_numpy(images.astype(np.float32)), targets=torch.from_numpy(labels.astype(np.int64)))
 
 
+SHAPES = ("square", "disc", "triangle", "plus", "ring", "cross")
+
+
+def _shape_masks(labels: np.ndarray, cy: np.ndarray, cx: np.ndarray, r: np.ndarray, size: int) -> np.ndarray:
+    """``(n, size, size)`` bool masks of shape ``labels[i]`` centred at ``(cy, cx)`` of radius ``r``."""
+    yy, xx = np.mgrid[0:size, 0:size].astype(np.float32)
+    dy, dx = yy[None] - cy[:, None, None], xx[None] - cx[:, None, None]
+    r = r[:, None, None]
+    ay, ax, box = np.abs(dy), np.abs(dx), np.maximum(np.abs(dx), np.abs(dy)) <= r
+    dist = np.sqrt(dx * dx + dy * dy)
+    masks = np.stack([
+        box,                                                          # square
+        dist <= r,                                                    # disc
+        (ay <= r) & (ax <= (dy + r) / 2),                             # triangle, apex up
+        box & ((ax <= r / 3) | (ay <= r / 3)),                        # plus
+        (dist <= r) & (dist >= 0.55 * r),                             # ring
+        box & (np.abs(ax - ay) <= r / 3),                             # cross (x)
+    ])
+    return masks[labels, np.arange(len(labels))]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShapeImageDataset:
+    """Procedurally drawn shapes plus noise. See the module docstring."""
+
+    image_size: int = 16
+    noise_std: float = 0.35
+    seed: int = 0
+    eval_size: int = 512
+    """Held-out samples (:meth:`eval_batches`)."""
+
+    @property
+    def num_classes(self) -> int:
+        return len(SHAPES)
+
+    def batch(self, step: int, batch_size: int) -> Batch:
+        return self._draw(np.random.default_rng([self.seed, step, batch_size]), batch_size)
+
+    def eval_batches(self, batch_size: int) -> Iterator[Batch]:
+        """``eval_size`` held-out samples, from a random stream training never draws from."""
+        for i in range(max(1, self.eval_size // batch_size)):
+            yield self._draw(np.random.default_rng([self.seed, EVAL_STREAM, i, batch_size]), batch_size)
+
+    def _draw(self, rng: np.random.Generator, n: int) -> Batch:
+        size = self.image_size
+        labels = rng.integers(0, self.num_classes, size=n)
+        r = rng.uniform(0.2, 0.4, size=n).astype(np.float32) * size
+        cy, cx = (rng.uniform(r, size - 1 - r).astype(np.float32) for _ in range(2))
+        bg = rng.uniform(-0.5, 0.5, size=(n, 3, 1, 1)).astype(np.float32)
+        # the shape differs from the background by at least 0.7 in every channel, either way
+        step = rng.choice([-1.0, 1.0], size=(n, 1, 1, 1)) * rng.uniform(0.7, 1.2, size=(n, 3, 1, 1))
+        mask = _shape_masks(labels, cy, cx, r, size)[:, None].astype(np.float32)
+        images = bg + mask * step.astype(np.float32) + rng.normal(0.0, self.noise_std, size=(n, 3, size, size))
+        return Batch(inputs=torch.from_numpy(images.astype(np.float32)), targets=torch.from_numpy(labels.astype(np.int64)))
+
+
 def dataset_for(model: str, seed: int = 0) -> Dataset:
     """The shipped dataset of a built-in net."""
     if model == "gpt-tiny":
         return ByteTextDataset(seed=seed)
     if model == "resnet-tiny":
         return PatternImageDataset(seed=seed)
-    raise SpecError(f"no shipped dataset for model {model!r} (known: gpt-tiny, resnet-tiny)", field="model")
+    if model == "convnet-tiny":
+        return ShapeImageDataset(seed=seed)
+    raise SpecError(f"no shipped dataset for model {model!r} (known: gpt-tiny, resnet-tiny, convnet-tiny)",
+                    field="model")

@@ -62,7 +62,9 @@ def _feeds(t: Trainer, batch: Batch) -> Feeds:
 
     return Feeds(inputs=piece(batch.inputs) if t.stage.is_first else None,
                  targets=piece(batch.targets) if t.stage.is_last else None,
-                 loss_scale=t.topo.loss_scale(r))
+                 # share of the whole global batch under every strategy (a relaxed step weighs by its
+                 # replica's batch), so the sum over all ranks is the mean over the held-out batch
+                 loss_scale=t.topo.placement(r).share / t.plan.global_batch)
 
 
 def _check(batch: Any, want: int) -> Batch:

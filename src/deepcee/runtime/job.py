@@ -28,6 +28,7 @@ from deepcee.plan import Plan
 from deepcee.runtime.emulation import DEFAULT_CORES, MODES, PACED_MODES, Mode, Straggler
 from deepcee.runtime.lr import LRSchedule
 from deepcee.runtime.partition import rank_devices
+from deepcee.runtime.target import check_target_loss
 
 if TYPE_CHECKING:
     import torch
@@ -105,6 +106,9 @@ class TrainConfig:
     """Evaluation loss on the dataset's held-out batches every this many steps (0: never)."""
     eval_batches: int = 4
     """Held-out global batches per evaluation (at most)."""
+    target_loss: float | None = None
+    """Stop at the first evaluation whose loss is at or below this (needs ``eval_every``;
+    :mod:`deepcee.runtime.target`); ``None``: run every step."""
     log_every: int = 0
     """A progress line (step, loss, samples/s, ETA) through ``logging`` every this many steps (0: none)."""
     tensorboard: bool = False
@@ -144,6 +148,10 @@ class TrainConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise SpecError(f"must be an integer >= 0, got {v!r}", field=name)
+        check_target_loss(self.target_loss)
+        if self.target_loss is not None and not self.eval_every:
+            raise SpecError("a target loss is checked at evaluations: set eval_every (--eval-every) too",
+                            field="target_loss")
         if isinstance(self.eval_batches, bool) or not isinstance(self.eval_batches, int) or self.eval_batches < 1:
             raise SpecError(f"must be an integer >= 1, got {self.eval_batches!r}", field="eval_batches")
         if self.tensorboard and importlib.util.find_spec("tensorboard") is None:

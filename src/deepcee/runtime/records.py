@@ -27,6 +27,7 @@ from deepcee.plan import EXACT, Plan, Semantics, Strategy
 from deepcee.planfile import plan_from_dict
 from deepcee.runtime.emulation import EmulationInfo
 from deepcee.runtime.replica_records import StrategyRun
+from deepcee.runtime.target import TargetOutcome, clock_of, outcome
 
 METRICS_SCHEMA_VERSION = 1
 RESULT_FORMAT = "deepcee.train-result"
@@ -448,6 +449,9 @@ class TrainResult:
     """The update rule (:meth:`deepcee.plan.Strategy.describe`; results written before it were exact)."""
     replicas: StrategyRun | None = None
     """What a relaxed strategy did (``None`` for exact runs)."""
+    target: TargetOutcome | None = None
+    """Evaluation loss against time and samples, and the time to the target loss when one was set
+    ([Note: time to target] in :mod:`deepcee.runtime.target`; ``None``: no evaluations)."""
 
     @property
     def mode(self) -> str:
@@ -481,6 +485,8 @@ class TrainResult:
             out["resumed"] = self.resumed.to_dict()
         if self.replicas is not None:
             out["replicas"] = self.replicas.to_dict()
+        if self.target is not None:
+            out["target"] = self.target.to_dict()
         return out
 
     @staticmethod
@@ -498,7 +504,8 @@ class TrainResult:
             ranks=tuple(RankInfo.from_dict(r) for r in d.get("ranks", ())),
             resumed=None if d.get("resumed") is None else ResumeRecord.from_dict(d["resumed"]),
             semantics=d.get("semantics", "exact"), strategy=d.get("strategy", EXACT.describe()),
-            replicas=None if replicas is None else StrategyRun.from_dict(replicas))
+            replicas=None if replicas is None else StrategyRun.from_dict(replicas),
+            target=None if d.get("target") is None else TargetOutcome.from_dict(d["target"]))
 
     @staticmethod
     def from_run_dir(run_dir: str | Path) -> TrainResult:
@@ -518,9 +525,12 @@ def train_result(records: Sequence[StepMetrics], *, job: str, plan: Plan, plan_d
                  steps: int, sync: str, emulation: EmulationInfo, run_dir: str,
                  adapter: AdapterRun | None = None, ranks: Sequence[RankInfo] = (),
                  resumed: ResumeRecord | None = None,
-                 replicas: StrategyRun | None = None) -> TrainResult:
+                 replicas: StrategyRun | None = None, target_loss: float | None = None) -> TrainResult:
     """The result of a run from its steps' records (rank 0). A relaxed run's samples/s is
     :attr:`StrategyRun.samples_per_s` (its replicas do not keep one pace)."""
+    evaluated = any(r.eval_loss is not None for r in records)
+    target = outcome([(r.step, r.step_s, round(r.samples_per_s * r.step_s), r.eval_loss) for r in records],
+                     target_loss=target_loss, clock=clock_of(emulation.mode)) if evaluated or target_loss else None
     steady = [r.step_s for r in records[1:]] or [r.step_s for r in records]
     median = statistics.median(steady) if steady else float("nan")
     rate = plan.global_batch / median if steady else float("nan")
@@ -531,7 +541,7 @@ def train_result(records: Sequence[StepMetrics], *, job: str, plan: Plan, plan_d
         samples_per_s=rate if replicas is None else replicas.samples_per_s, emulation=emulation,
         run_dir=run_dir, metrics=tuple(records), adapter=adapter, ranks=tuple(ranks), resumed=resumed,
         eval_losses=tuple((r.step + 1, r.eval_loss) for r in records if r.eval_loss is not None),
-        semantics=plan.semantics, strategy=plan.strategy.describe(), replicas=replicas)
+        semantics=plan.semantics, strategy=plan.strategy.describe(), replicas=replicas, target=target)
 
 
 def read_step_metrics(path: str | Path) -> list[StepMetrics]:

@@ -42,6 +42,7 @@ import torch
 from deepcee.errors import RuntimeSetupError, SpecError
 from deepcee.plan import Plan
 from deepcee.runtime import coordinator as coord
+from deepcee.runtime.evaluation import evaluate
 from deepcee.runtime.executor import run_step
 from deepcee.runtime.partition import Segment, Topology
 from deepcee.runtime.ps import (
@@ -56,6 +57,7 @@ from deepcee.runtime.ps import (
 from deepcee.runtime.records import RankMetrics, StepMetrics, step_metrics
 from deepcee.runtime.replica_records import ReplicaGroup, ServerPush, StrategyRun
 from deepcee.runtime.replicas import SegmentParams, allreduce_gradients, mean_in_order, star_mean
+from deepcee.runtime.target import reached
 
 if TYPE_CHECKING:
     from deepcee.runtime.trainer import Trainer
@@ -166,6 +168,10 @@ class LocalStep:
     end_wall: float
     comm_s: float
     """Averaging, pushing and pulling after the step (not in ``metrics.sync_s``)."""
+    eval_loss: float | None = None
+    """The evaluation after this step (``model-averaging`` only, right after an average)."""
+    resume_wall: float = 0.0
+    """When the next local step could start: ``end_wall`` plus the evaluation (not counted)."""
 
 
 @dataclass(slots=True)
@@ -197,6 +203,10 @@ class _Runner:
     def after_step(self, k: int) -> float:
         raise NotImplementedError
 
+    def evaluates(self, k: int) -> bool:
+        """Whether an evaluation follows local step ``k`` (only where every replica holds the same model)."""
+        return False
+
     def finish(self, run: RelaxedRun) -> None:
         run.averages = self.averages
 
@@ -219,6 +229,13 @@ class ModelAveraging(_Runner):
             seg.set_values(star_mean(self.t.messenger, seg.segment, self.all, seg.flat_values(), combine))
         self.averages += 1
         return self.t.clock.wall() - t0
+
+    def evaluates(self, k: int) -> bool:
+        # right after an average (all replicas hold the same model), the first at or after each
+        # multiple of eval_every: every rank computes the same answer, so all evaluate together
+        every, period = self.t.cfg.eval_every, self.t.plan.strategy.period
+        done = k + 1
+        return bool(every) and done % period == 0 and done // every > (done - period) // every
 
     def _nesterov(self, j: int, seg: SegmentParams) -> Callable[[list[torch.Tensor]], torch.Tensor]:
         """[Note: outer nesterov] at the segment's root (called there only)."""
@@ -292,6 +309,10 @@ def check_relaxed(t: Trainer) -> None:
                         "different models, and asgd-ga/partial replicas are at different steps)", field="checkpoint")
     if t.ties:
         raise SpecError("tied parameters are not supported with several replicas yet", field="model")
+    if kind != "model-averaging" and (t.cfg.eval_every or t.cfg.target_loss is not None):
+        raise SpecError(f"evaluations and a target loss need every replica to hold the same model at some step; "
+                        f"under {kind!r} they never do at one step (supported: model-averaging, after its "
+                        "averages)", field="eval_every")
 
 
 def run_relaxed(t: Trainer) -> RelaxedRun:
@@ -317,9 +338,14 @@ def run_relaxed(t: Trainer) -> RelaxedRun:
         rec = run_step(t.actions, t.stage, t.p2p, t.feeds(k), t.pacer, trace=t.cfg.trace)
         sync_s = 0.0 if t.plan.strategy.kind == "asgd-ga" else sync_in_replica(t)
         comm_s = runner.after_step(k)
+        end = t.clock.wall()
+        eval_loss = evaluate(t) if runner.evaluates(k) else None
         run.steps.append(LocalStep(replica=runner.replica, step=k, metrics=t.rank_metrics(rec, sync_s),
-                                   start_wall=start, end_wall=t.clock.wall(), comm_s=comm_s))
+                                   start_wall=start, end_wall=end, comm_s=comm_s, eval_loss=eval_loss,
+                                   resume_wall=t.clock.wall()))
         k += 1
+        if reached(eval_loss, t.cfg.target_loss):
+            break  # the evaluation loss is all-reduced: every rank stops after the same step
     runner.finish(run)
     if coordinator is not None:
         coordinator.join()
@@ -356,12 +382,14 @@ def relaxed_records(gathered: list[RelaxedRun | None], t: Trainer) -> tuple[list
         steps = by_k[k]
         reps = sorted({x.replica for x in steps})
         # the same replicas' previous step (a slow replica's step k-1 may end after a fast one's k)
-        before = [x.end_wall for x in by_k.get(k - 1, ()) if x.replica in reps]
+        # (an evaluation after that step is not counted: it starts from its end)
+        before = [x.resume_wall for x in by_k.get(k - 1, ()) if x.replica in reps]
         prev = max(before) if before else min(x.start_wall for x in steps)
         batch = sum(plan.replicas[r].batch for r in reps)
         ranks = [replace(x.metrics, sync_s=x.metrics.sync_s + x.comm_s) for x in steps]
+        ev = next((x.eval_loss for x in steps if x.eval_loss is not None), None)
         rec = step_metrics(k, ranks, max(x.end_wall for x in steps) - prev, global_batch=batch, emulation=t.info,
-                           epoch=epoch if t.cfg.trace else None, strategy=plan.strategy)
+                           epoch=epoch if t.cfg.trace else None, strategy=plan.strategy, eval_loss=ev)
         loss = sum(plan.replicas[x.replica].batch / batch * x.metrics.loss for x in steps)
         records.append(replace(rec, loss=loss))
     return records, _strategy_run(runs, t)
@@ -380,7 +408,10 @@ def _strategy_run(runs: list[RelaxedRun], t: Trainer) -> StrategyRun:
     t_a = max(ends.get((q, 0), float("inf")) for q in range(plan.num_replicas))
     t_b = max(ends.values(), default=float("nan"))
     done = sum(plan.replicas[r].batch for (r, _), end in ends.items() if t_a < end <= t_b)
-    window = (t_b - t_a) / d
+    # evaluations (all ranks at once) are not training time
+    pauses = {ls.step: ls.resume_wall - ls.end_wall for run in runs for ls in run.steps
+              if ls.eval_loss is not None and t_a <= ls.end_wall < t_b}
+    window = (t_b - t_a - sum(pauses.values())) / d
     groups = [ReplicaGroup(round=g.round, members=g.members, full=g.full, open_s=(g.open_wall - epoch) / d,
                            close_s=(g.close_wall - epoch) / d, arrivals=g.arrivals)
               for run in runs for g in run.groups]

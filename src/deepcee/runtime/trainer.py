@@ -85,6 +85,7 @@ from deepcee.runtime.records import (
 from deepcee.runtime.replicas import Messenger, SegmentParams
 from deepcee.runtime.sources import as_source
 from deepcee.runtime.stage import StageRunner
+from deepcee.runtime.target import reached
 from deepcee.schedule.program import lowered_schedule
 
 log = logging.getLogger(__name__)
@@ -458,6 +459,8 @@ class Trainer:
                                             grad_norm=norm, eval_loss=eval_loss, strategy=self.plan.strategy))
                 writer.write(records[-1].to_dict())
                 runlog.step(records[-1])
+            if reached(eval_loss, self.cfg.target_loss):
+                break  # every rank has the same (all-reduced) evaluation loss: all stop here
             carried = self.hooks.apply(self)
         self._save_capture(capture)
         if writer is None:
@@ -468,7 +471,7 @@ class Trainer:
             records, job=self.job.name, plan=self.plan, plan_digest=self.digest, start_step=self.start_step,
             steps=self.cfg.steps, emulation=self.info, run_dir=str(self.run_dir), adapter=self.hooks.adapter_run(),
             sync=rstrat.describe_sync(self.plan, self.topo),
-            ranks=ranks or (), resumed=self.resumed)
+            ranks=ranks or (), resumed=self.resumed, target_loss=self.cfg.target_loss)
         save_json_atomic(self.run_dir / "result.json", result.to_dict())
         return result
 
@@ -494,7 +497,7 @@ class Trainer:
         result = train_result(
             records, job=self.job.name, plan=self.plan, plan_digest=self.digest, start_step=0, steps=self.cfg.steps,
             emulation=self.info, run_dir=str(self.run_dir), sync=rstrat.describe_sync(self.plan, self.topo),
-            replicas=replicas)
+            replicas=replicas, target_loss=self.cfg.target_loss)
         save_json_atomic(self.run_dir / "result.json", result.to_dict())
         return result
 
