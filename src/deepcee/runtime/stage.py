@@ -11,6 +11,16 @@ Actions (the compute kinds of :mod:`deepcee.schedule.ir`):
 
 Parameter gradients accumulate in ``.grad`` over microbatches; the caller zeroes them.
 
+[Note: recompute]
+With ``recompute=True`` (the plan's :attr:`deepcee.plan.StagePlan.recompute`), ``F`` runs the
+blocks without autograd and keeps only the stage input (and, on the last stage, the targets
+and loss scale) plus the random-number state it started with; the first of ``I`` or ``B``
+for that microbatch runs the forward again with autograd, from the same input and random
+state, so the graph and every gradient are those of a plain forward. ``I``/``W`` then
+proceed as in [Note: split backward] on the rebuilt graph. What a microbatch holds between
+its ``F`` and its backward is its input only; the rebuilt activations live from the re-run
+forward until its ``W`` (or the end of its ``B``).
+
 [Note: split backward]
 ``I`` walks the autograd graph of the microbatch once: the *input closure* is every node
 from which the stage input is reachable (the nodes ``I`` must run). For each parameter,
@@ -153,8 +163,11 @@ class MicrobatchState:
     """What a microbatch leaves on a stage between its actions."""
 
     input: torch.Tensor
-    output: torch.Tensor
-    """Stage output, or the weighted loss on the last stage (autograd graph attached)."""
+    output: torch.Tensor | None
+    """Stage output, or the weighted loss on the last stage (autograd graph attached); ``None``
+    while a recomputing stage holds only the input (see [Note: recompute])."""
+    replay: tuple | None = None
+    """Recomputing stage: ``(targets, loss_scale, random state)`` to run the forward again."""
     output_grad: torch.Tensor | None = None
     groups: list[WeightGroup] | None = None
     uncovered: list[nn.Parameter] = field(default_factory=list)
@@ -166,12 +179,14 @@ class StageRunner:
 
     def __init__(self, blocks: Sequence[nn.Module], *, stage: int, is_first: bool, is_last: bool,
                  loss_fn: LossFn | None = None, device: torch.device | str = "cpu",
-                 dtype: torch.dtype = torch.float32, autocast: torch.dtype | None = None) -> None:
+                 dtype: torch.dtype = torch.float32, autocast: torch.dtype | None = None,
+                 recompute: bool = False) -> None:
         if is_last and loss_fn is None:
             raise ValueError("the last stage needs a loss_fn")
         self.stage, self.is_first, self.is_last = stage, is_first, is_last
         self.autocast = autocast
         """Mixed-precision compute dtype (CUDA autocast); boundaries stay in ``dtype``."""
+        self.recompute = recompute
         self.module = nn.Sequential(*blocks).to(device=device, dtype=dtype)
         self.loss_fn = loss_fn
         self.device, self.dtype = torch.device(device), dtype
@@ -215,16 +230,35 @@ class StageRunner:
         if microbatch in self._state:
             raise ScheduleError(f"stage {self.stage}: F of microbatch {microbatch} twice")
         x = self.prepare_input(inputs)
+        if self.is_last and targets is None:
+            raise ScheduleError(f"stage {self.stage}: last stage F of microbatch {microbatch} without targets")
+        if not self.recompute:
+            out = self._run(x, targets, loss_scale)
+            self._state[microbatch] = MicrobatchState(input=x, output=out)
+            return out.detach()
+        rng = _rng_state(self.device)
+        with torch.no_grad():
+            out = self._run(x, targets, loss_scale)
+        self._state[microbatch] = MicrobatchState(input=x, output=None, replay=(targets, loss_scale, rng))
+        return out
+
+    def _run(self, x: torch.Tensor, targets: torch.Tensor | None, loss_scale: float) -> torch.Tensor:
         with torch.autocast(self.device.type, dtype=self.autocast, enabled=self.autocast is not None):
             out = self.module(x)
             if self.is_last:
-                if targets is None:
-                    raise ScheduleError(f"stage {self.stage}: last stage F of microbatch {microbatch} without targets")
                 out = self.loss_fn(out, targets.to(self.device)) * loss_scale
         if self.autocast is not None and out.is_floating_point():
             out = out.to(self.dtype)  # boundaries in the stage dtype: the shapes agreed at start-up
-        self._state[microbatch] = MicrobatchState(input=x, output=out)
-        return out.detach()
+        return out
+
+    def _rebuilt(self, st: MicrobatchState) -> MicrobatchState:
+        """``st`` with its graph: the forward run again from the kept input and random state
+        (see [Note: recompute]); unchanged when the stage does not recompute."""
+        if st.output is None:
+            targets, scale, rng = st.replay
+            with _replaying(self.device, rng):
+                st.output = self._run(st.input, targets, scale)
+        return st
 
     def _output_grad(self, st: MicrobatchState, output_grad: torch.Tensor | None) -> torch.Tensor:
         if self.is_last:
@@ -238,6 +272,7 @@ class StageRunner:
         st = self._get(microbatch, "I")
         if st.input_grad_done:
             raise ScheduleError(f"stage {self.stage}: I of microbatch {microbatch} twice")
+        st = self._rebuilt(st)
         st.output_grad = self._output_grad(st, output_grad)
         st.input_grad_done = True
         if not st.output.requires_grad:
@@ -280,6 +315,7 @@ class StageRunner:
         st = self._get(microbatch, "B")
         if st.input_grad_done:
             raise ScheduleError(f"stage {self.stage}: B of microbatch {microbatch} after its I")
+        st = self._rebuilt(st)
         grad = self._output_grad(st, output_grad)
         if st.output.requires_grad:
             torch.autograd.backward(st.output, grad)
@@ -293,6 +329,30 @@ class StageRunner:
         """Input gradient of a microbatch whose output has no autograd graph: none for an input
         without gradient; zeros for one with (the output does not depend on it differentiably)."""
         return torch.zeros_like(st.input) if st.input.requires_grad else None
+
+
+def _rng_state(device: torch.device) -> tuple:
+    """The random state a forward starts from (CPU, and the device's own on CUDA)."""
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return torch.get_rng_state(), cuda
+
+
+class _replaying:
+    """Run a block of code from a saved random state, then put the current one back."""
+
+    def __init__(self, device: torch.device, state: tuple) -> None:
+        self.device, self.state = device, state
+
+    def __enter__(self) -> None:
+        self.saved = _rng_state(self.device)
+        torch.set_rng_state(self.state[0])
+        if self.state[1] is not None:
+            torch.cuda.set_rng_state(self.state[1], self.device)
+
+    def __exit__(self, *exc: object) -> None:
+        torch.set_rng_state(self.saved[0])
+        if self.saved[1] is not None:
+            torch.cuda.set_rng_state(self.saved[1], self.device)
 
 
 def _saver(saved: list, i: int) -> Callable:
