@@ -62,7 +62,13 @@ import numpy as np
 from deepcee.cluster import Cluster
 from deepcee.errors import InfeasiblePlanError, PlanError
 from deepcee.plan import Plan
-from deepcee.planner.chains import ChainBounds, improve_chain, island_units, merged_units, search_chains
+from deepcee.planner.chains import (
+    ChainBounds,
+    improve_chain,
+    island_units,
+    merged_units,
+    search_chains,
+)
 from deepcee.planner.cost_model import AnalyticCostModel, SimulatorCostModel
 from deepcee.planner.explain import Counterfactual, explain
 from deepcee.planner.grouping import Grouping, group_devices
@@ -80,7 +86,6 @@ from deepcee.planner.space import (
     island_distances,
     island_orders,
     microbatch_sizes,
-    short_path,
 )
 from deepcee.planner.split import split_layers
 from deepcee.planner.steps import Candidate, Config, SearchState, final_rank_key, rank_key

@@ -30,6 +30,7 @@ import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
 import numpy as np
 
 from deepcee.cluster import Cluster

@@ -15,9 +15,10 @@ import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
 from deepcee.cluster import Cluster
-from deepcee.planner.chains import ChainResult
 from deepcee.plan import SCHEDULES, Estimate, Plan, StagePlan
+from deepcee.planner.chains import ChainResult
 from deepcee.planner.cost_model import AnalyticCostModel, CostModel
 from deepcee.planner.grouping import Grouping
 from deepcee.planner.options import PlannerOptions
@@ -30,7 +31,13 @@ from deepcee.planner.space import (
     compact_plan,
     schedule_in_flight,
 )
-from deepcee.planner.split import BoundaryArrays, SplitTables, boundary_arrays, in_flight_split, split_layers
+from deepcee.planner.split import (
+    BoundaryArrays,
+    SplitTables,
+    boundary_arrays,
+    in_flight_split,
+    split_layers,
+)
 from deepcee.profile import ModelProfile
 
 _INF = math.inf
