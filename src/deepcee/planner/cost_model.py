@@ -203,6 +203,26 @@ def boundary_cost(cluster: Cluster, src: StagePlan, dst: StagePlan, bytes_per_sa
                         link=f"{worst[0]} ({fmt_rate(worst[1][2])}, {worst[1][1] * 1e3:.3g} ms)")
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StageCosts:
+    """Per-stage compute and per-boundary link costs of one microbatch (terms 1 and 2 of the module
+    docstring), without timing the pipeline: what the compact builder needs."""
+
+    forward_s: tuple[float, ...]
+    input_grad_s: tuple[float, ...]
+    weight_grad_s: tuple[float, ...]
+    boundaries: tuple[BoundaryCost, ...]
+
+
+def stage_costs(plan: Plan, cluster: Cluster, model: ModelProfile) -> StageCosts:
+    """:class:`StageCosts` of ``plan``."""
+    fiw = [stage_pass_s(model, cluster, st, "FIW") for st in plan.stages]
+    bounds = tuple(boundary_cost(cluster, a, b, model.boundary_bytes(a.layer_stop))
+                   for a, b in zip(plan.stages, plan.stages[1:], strict=False))
+    return StageCosts(forward_s=tuple(x[0] for x in fiw), input_grad_s=tuple(x[1] for x in fiw),
+                      weight_grad_s=tuple(x[2] for x in fiw), boundaries=bounds)
+
+
 def pipeline_timing(lowered: Schedule, forward_s: Sequence[float], input_grad_s: Sequence[float],
                     weight_grad_s: Sequence[float], comm_forward: Sequence[LinkCost],
                     comm_backward: Sequence[LinkCost], backward_s: Sequence[float] | None = None, *,

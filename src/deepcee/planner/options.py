@@ -60,6 +60,9 @@ class PlannerOptions:
     refine_budget: int = 40_000
     """Work of boundary refinement in total, counted per cost-model evaluation as devices +
     stages x microbatches (what one evaluation costs); unlimited in effect for small clusters."""
+    score_budget: int = 150_000
+    """Stages x microbatches timed by the cost model in total (one evaluation times each stage's
+    list once); past it the search stops scoring new plans (the best are scored first)."""
     chain_budget: int = 400
     """Most island chains evaluated in full (closed form for every layout and microbatch size);
     chains are taken in increasing lower bound, so the budget only matters when many chains

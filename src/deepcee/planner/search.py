@@ -133,14 +133,23 @@ def _search_chains(search: SearchState, dist: np.ndarray) -> None:
     units = island_units(g, opts) if exact else merged_units(g, dist, opts.exhaustive_islands)
 
     def evaluate(chain: Chain) -> float:
-        return min((search.evaluate_layout(lay)[0] for lay in chain_layouts(g, chain, search.max_stages)),
+        # after the first chains, microbatch sizes within 4x of the best so far's (the closed form
+        # is smooth in the size; the best chains are laid out again with every size below)
+        sizes = search.sizes_near(4) if len(seen) >= 8 else None
+        seen.append(chain)
+        return min((search.evaluate_layout(lay, sizes)[0] for lay in chain_layouts(g, chain, search.max_stages)),
                    default=_INF)
+
+    seen: list[Chain] = []
 
     report = (lambda f: opts.progress("island chains", f)) if opts.progress else None
     result, done = search_chains(units, bounds, evaluate, budget=opts.chain_budget,
                                  allow_exclusion=opts.allow_exclusion, incumbent=lambda: search.best_closed_form,
                                  progress=report)
     search.chain_result = result
+    for _, chain in sorted(done)[:4]:  # the best chains with every microbatch size
+        for lay in chain_layouts(g, chain, search.max_stages):
+            search.evaluate_layout(lay)
     if not exact and done:
         keeps = [len(isl.groups) for isl in g.islands]
         for value, chain in sorted(done)[:2]:  # the two best merged chains seed the local search

@@ -36,7 +36,7 @@ import numpy as np
 from deepcee.cluster import Cluster
 from deepcee.errors import PlanError
 from deepcee.plan import Plan, StagePlan
-from deepcee.planner.cost_model import PlanCost
+from deepcee.planner.cost_model import StageCosts
 from deepcee.planner.grouping import Grouping, distance_s
 from deepcee.planner.options import PlannerOptions
 from deepcee.planner.ranges import RangeTables, largest_remainder_shares
@@ -230,7 +230,7 @@ two thirds of all wins; the templates are always tried). The split a refinement 
 built with the full grid."""
 
 
-def compact_plan(plan: Plan, cluster: Cluster, model: ModelProfile, cost: PlanCost,
+def compact_plan(plan: Plan, cluster: Cluster, model: ModelProfile, cost: StageCosts,
                  tables: RangeTables, *, rules: Sequence[Rules] | None = None) -> Plan | None:
     """``plan`` with a compact schedule built from ``cost`` (its stage and link times) by
     :func:`~deepcee.schedule.compact.build_compact` (or with only ``rules``, see

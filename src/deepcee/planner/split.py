@@ -77,6 +77,7 @@ class SplitTables:
     recompute: bool = True
     _base: dict[bool, list[np.ndarray]] | None = None
     _loads: dict | None = None
+    _little: dict | None = None
     _links: list[np.ndarray] | None = None
 
     def _bases(self, recompute: bool) -> list[np.ndarray]:
@@ -137,6 +138,29 @@ class SplitTables:
         """Per stage: recompute only where the stage does not fit without it (the cheaper option)."""
         return tuple(bool(self.recompute and not self.fits_with(s, None if in_flight is None else in_flight[s], False)
                           [split[s], split[s + 1]]) for s in range(len(self.costs)))
+
+    def little_terms(self, s: int, flag: bool, in_flight: Sequence[int] | None, fused: bool) -> tuple:
+        """Cached per-range terms of stage ``s`` for :func:`in_flight_split`: iteration load, the
+        in-flight room ``k / M`` (a hold ``h`` meets the limit when ``h <= tau x k / M``), the
+        static mask (non-empty range that fits memory), ``F+I+W`` and the round-trip share."""
+        key = (s, flag, None if in_flight is None else in_flight[s], fused)
+        if self._little is None:
+            self._little = {}
+        got = self._little.get(key)
+        if got is None:
+            rc = self.costs[s]
+            size = rc.compute_s.shape[0]
+            valid = ~np.tril(np.ones((size, size), dtype=bool))
+            if in_flight is None:
+                k = rc.in_flight_caps(self.m, flag)
+                mem_ok = k >= 1
+            else:
+                k = np.full((size, size), float(min(in_flight[s], self.m)))
+                mem_ok = rc.memory_excess(in_flight[s], flag) <= 0
+            load = self.m * rc.compute_with(flag) + rc.allreduce_s + rc.optimizer_s
+            got = self._little[key] = (load, np.maximum(k, 1.0) / self.m, valid & mem_ok, rc.compute_with(flag),
+                                       rc.round_trip_s(fused, flag))
+        return got
 
     def holds(self, split: Sequence[int], flags: Sequence[bool], fused: bool = False) -> list[float]:
         """Per stage, how long one microbatch is held there with nothing queued: its own ``F+I+W``
@@ -201,37 +225,26 @@ def in_flight_split(tab: SplitTables, tau: float, in_flight: Sequence[int] | Non
     n = len(tab.costs)
     size = tab.costs[0].compute_s.shape[0]
     links, fills = tab.link_loads(), tab.fills()
-    invalid = np.tril(np.ones((size, size), dtype=bool))
     value = np.full(size, _INF)
     value[size - 1] = 0.0
+    rows = np.arange(size)
     backs: list[tuple[np.ndarray, np.ndarray]] = []
     for s in reversed(range(n)):
-        if s < n - 1:
-            after = np.where(links[s + 1] <= tau, fills[s + 1] + value, _INF)
-        else:
-            after = value
-        rc = tab.costs[s]
-        best = np.full((size, size), _INF)
-        pick = np.zeros((size, size), dtype=bool)
+        after = np.where(links[s + 1] <= tau, fills[s + 1] + value, _INF) if s < n - 1 else value
+        best = pick = None
         for flag in tab.options():
-            load = tab.m * rc.compute_with(flag) + rc.allreduce_s + rc.optimizer_s
-            if in_flight is None:
-                k = rc.in_flight_caps(tab.m, flag)
-                mem_ok = k >= 1
+            load, room, ok0, compute, trip = tab.little_terms(s, flag, in_flight, fused)
+            ok = ok0 & (load <= tau) & (compute + after[None, :] <= tau * room)
+            val = np.where(ok, trip + after[None, :], _INF)
+            if best is None:
+                best, pick = val, np.zeros(val.shape, dtype=bool)
             else:
-                k = np.full_like(load, float(min(in_flight[s], tab.m)))
-                mem_ok = rc.memory_excess(in_flight[s], flag) <= 0
-            hold = rc.compute_with(flag) + after[None, :]
-            with np.errstate(divide="ignore", invalid="ignore"):
-                little = tab.m * hold / np.maximum(k, 1.0)
-            ok = ~invalid & mem_ok & (load <= tau) & (little <= tau)
-            val = np.where(ok, rc.round_trip_s(fused, flag) + after[None, :], _INF)
-            better = val < best
-            best = np.where(better, val, best)
-            pick = np.where(better, flag, pick)
+                better = val < best
+                best = np.where(better, val, best)
+                pick = better
         arg = np.argmin(best, axis=1)
-        value = best[np.arange(size), arg]
-        backs.append((arg, pick[np.arange(size), arg]))
+        value = best[rows, arg]
+        backs.append((arg, pick[rows, arg]))
     if not np.isfinite(value[0]):
         return None
     split, flags, a = [0], [], 0

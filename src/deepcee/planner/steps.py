@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from deepcee.cluster import Cluster
 from deepcee.plan import SCHEDULES, Estimate, Plan, StagePlan
 from deepcee.planner.chains import ChainResult
-from deepcee.planner.cost_model import AnalyticCostModel, CostModel
+from deepcee.planner.cost_model import CostModel, stage_costs
 from deepcee.planner.grouping import Grouping
 from deepcee.planner.options import PlannerOptions
 from deepcee.planner.ranges import RangeTables, largest_remainder_shares
@@ -99,6 +99,9 @@ class SearchState:
     notes: list[str] = field(default_factory=list)
     compact_used: float = 0.0
     forced_compacts: int = 0
+    large_compacts: int = 0
+    score_used: int = 0
+    """Stages x microbatches timed by the cost model so far (see ``PlannerOptions.score_budget``)."""
     refine_used: int = 0
     _pipes: dict[tuple, float] = field(default_factory=dict)
     chain_result: ChainResult | None = None
@@ -170,6 +173,13 @@ class SearchState:
             got = self._pipes[key] = sum(pipes.values())
         return got
 
+    def sizes_near(self, factor: int) -> list[int] | None:
+        """Microbatch sizes within ``factor`` of the best configuration's so far (``None``: all)."""
+        if not self.configs:
+            return None
+        n = min(self.configs.values(), key=lambda c: c.key).n
+        return [x for x in self.sizes if n / factor <= x <= n * factor]
+
     def evaluate_layout(self, layout: StageLayout, sizes: Sequence[int] | None = None) -> tuple[float, int]:
         """Step 1 for every microbatch size (or ``sizes``); the best closed form and its size
         (``inf`` if nothing fits or the layout cannot beat the best so far)."""
@@ -233,7 +243,7 @@ class SearchState:
                                        key=(cf, len(self.configs)), recompute=recompute)
 
     # -- step 2 ---------------------------------------------------------------------------
-    SWEEP_FACTORS = (1.0, 1.05, 1.12, 1.25, 1.5, 2.0, 3.0)
+    SWEEP_FACTORS = (1.0, 1.08, 1.25, 1.6, 2.5)
     """Bottleneck budgets of step 2, as multiples of the bottleneck DP's optimum."""
 
     def sweep(self, cfg: Config) -> None:
@@ -265,6 +275,10 @@ class SearchState:
         key = (plan.stages, plan.schedule, plan.sync, plan.actions)
         if key in self.scored:
             return self.scored[key]
+        work = plan.num_stages * plan.num_microbatches
+        if self.score_used + work > self.options.score_budget and self.scored:
+            return None  # over budget: not scored (and not cached, a cheaper path may come back)
+        self.score_used += work
         self.evaluated += 1
         est = self.cost_model.estimate(plan, self.cluster, self.model)
         fits = all(b <= self.cluster.memory_bytes(d) for d, b in est.peak_memory_bytes.items())
@@ -382,16 +396,21 @@ class SearchState:
     def compact(self, plan: Plan, *, screen: bool = False, force: bool = False) -> Plan | None:
         """``plan`` with a compact schedule, or ``None`` (a stage cannot hold one microbatch, or the
         compact budget of stages x microbatches is spent). ``screen``: with :data:`SCREEN_RULES`
-        only, charged a quarter of a full build; ``force``: regardless of size and budget."""
+        only, charged a quarter of a full build; ``force``: regardless of budget. Above
+        ``compact_max_actions`` stages x microbatches only the builder's templates are tried
+        (``rules=()``, linear in the size): the compact schedule of such a plan, by definition
+        of the plan space."""
         size = plan.num_stages * plan.num_microbatches
-        charge = size / 4 if screen else size
-        if not force and (size > self.options.compact_max_actions or (
+        large = size > self.options.compact_max_actions
+        charge = 0 if large else size / 4 if screen else size
+        if not force and ((large and self.large_compacts >= 2) or (
                 self.compact_used and self.compact_used + charge > self.options.compact_budget)):
             return None
         self.compact_used += charge
-        cost = AnalyticCostModel().breakdown(plan, self.cluster, self.model)
+        self.large_compacts += large
+        cost = stage_costs(plan, self.cluster, self.model)
         return compact_plan(plan, self.cluster, self.model, cost, self.tables,
-                            rules=SCREEN_RULES if screen else None)
+                            rules=() if large else SCREEN_RULES if screen else None)
 
 
 def rank_key(c: Candidate) -> tuple:

@@ -46,14 +46,17 @@ def recomputed_live(schedule: Sequence[Sequence[Action]]) -> tuple[int, ...]:
     """Per stage, the most microbatches whose recomputed activations are live at once: from the
     start of their ``I`` (or ``B``) until the end of their ``W`` (or ``B``). Compute actions only
     are read, so a lowered schedule works too."""
+    i, w, b = ActionKind.I, ActionKind.W, ActionKind.B
     out = []
     for row in schedule:
         live = peak = 0
         for a in row:
-            if a.kind in (ActionKind.I, ActionKind.B):
+            k = a.kind
+            if k is i or k is b:
                 live += 1
-                peak = max(peak, live)
-            if a.kind in (ActionKind.W, ActionKind.B):
+                if live > peak:
+                    peak = live
+            if k is w or k is b:
                 live -= 1
         out.append(peak)
     return tuple(out)
