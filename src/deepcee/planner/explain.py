@@ -32,6 +32,8 @@ from deepcee.planner.steps import Candidate, SearchState, rank_key
 from deepcee.units import fmt_rate
 
 _INF = math.inf
+MAX_ADDED = 3
+"""Left-out islands (nearest first) whose "adding" counterfactual is planned and simulated."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -119,10 +121,17 @@ def _island_counterfactuals(cf: _Counterfactuals, plan: Plan) -> list[Counterfac
     g, chain = s.grouping, chosen_chain(s, plan)
     used = set(plan.devices)
     out = []
-    for i, isl in enumerate(g.islands):
+    # the left-out islands nearest the plan first (1 MB transfer time to its devices), at most MAX_ADDED
+    near = sorted(range(len(g.islands)), key=lambda i: min(
+        (distance_s(s.cluster.link(d, g.islands[i].devices[-1])) for d in plan.devices
+         if d != g.islands[i].devices[-1]), default=0.0))
+    added = 0
+    for i in near:
+        isl = g.islands[i]
         missing = frozenset(d for d in isl.devices if d not in used)
-        if not missing:
+        if not missing or added >= MAX_ADDED:
             continue
+        added += 1
         whole = len(missing) == len(isl.devices)
         rest = tuple(x for x in chain if x[0] != i)
         full = (i, len(isl.groups))

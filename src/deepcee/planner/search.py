@@ -133,12 +133,19 @@ def _search_chains(search: SearchState, dist: np.ndarray) -> None:
     units = island_units(g, opts) if exact else merged_units(g, dist, opts.exhaustive_islands)
 
     def evaluate(chain: Chain) -> float:
-        # after the first chains, microbatch sizes within 4x of the best so far's (the closed form
-        # is smooth in the size; the best chains are laid out again with every size below)
-        sizes = search.sizes_near(4) if len(seen) >= 8 else None
+        # after the first chains: microbatch sizes within 4x of the best so far's and the two
+        # granularities next to its (the closed form is smooth in both); the best chains are
+        # laid out again in full below
+        layouts = chain_layouts(g, chain, search.max_stages)
+        sizes = None
+        if len(seen) >= 8:
+            sizes = search.sizes_near(4)
+            near = search.granularity_near()
+            if near is not None:
+                layouts = sorted(layouts, key=lambda lay: (abs(math.log2(max(lay.granularity, 1) / near)),
+                                                           lay.granularity))[:2]
         seen.append(chain)
-        return min((search.evaluate_layout(lay, sizes)[0] for lay in chain_layouts(g, chain, search.max_stages)),
-                   default=_INF)
+        return min((search.evaluate_layout(lay, sizes)[0] for lay in layouts), default=_INF)
 
     seen: list[Chain] = []
 

@@ -180,6 +180,12 @@ class SearchState:
         n = min(self.configs.values(), key=lambda c: c.key).n
         return [x for x in self.sizes if n / factor <= x <= n * factor]
 
+    def granularity_near(self) -> float | None:
+        """The most devices per stage of the best configuration's layout so far."""
+        if not self.configs:
+            return None
+        return max(1, min(self.configs.values(), key=lambda c: c.key).layout.granularity)
+
     def evaluate_layout(self, layout: StageLayout, sizes: Sequence[int] | None = None) -> tuple[float, int]:
         """Step 1 for every microbatch size (or ``sizes``); the best closed form and its size
         (``inf`` if nothing fits or the layout cannot beat the best so far)."""
