@@ -254,3 +254,15 @@ def test_every_counterfactual_is_a_simulated_plan_of_the_same_search(testbed_gpt
             assert set(cf.plan.devices) & set(r.grouping.island(isl).devices)
         if cf.label.startswith("with "):
             assert cf.plan.num_stages == int(cf.label.split()[1])
+
+
+def test_cost_model_ranks_the_top_plans_like_the_simulator(testbed_gpt2):
+    """[Note: cost model = simulator]: over the 20 best plans the cost model scored, its ranking and
+    the simulator's agree (Kendall tau >= 0.9)."""
+    from scipy.stats import kendalltau
+
+    c, m, r = testbed_gpt2
+    top = r.scored[:20]
+    assert len(top) >= 10
+    sim = [simulate(x.plan, c, m, record=False).iteration_s for x in top]
+    assert kendalltau([x.estimate.iteration_s for x in top], sim).statistic >= 0.9

@@ -32,8 +32,9 @@ from deepcee.planner.steps import Candidate, SearchState, rank_key
 from deepcee.units import fmt_rate
 
 _INF = math.inf
-MAX_ADDED = 3
-"""Left-out islands (nearest first) whose "adding" counterfactual is planned and simulated."""
+MAX_ADDED = 2
+"""Left-out islands (nearest first) whose "adding" counterfactual is planned and simulated, and
+used islands (least compute first) whose "leaving out" one is."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -142,7 +143,11 @@ def _island_counterfactuals(cf: _Counterfactuals, plan: Plan) -> list[Counterfac
         if got is not None:
             out.append(got)
     if len(chain) > 1 and s.options.allow_exclusion:
-        for k, (i, _) in enumerate(chain):
+        # the used islands with the least compute first, at most MAX_ADDED
+        weakest = sorted(range(len(chain)), key=lambda k: (sum(s.cluster.effective_flops_per_s(d)
+                                                               for d in g.islands[chain[k][0]].devices), k))
+        for k in sorted(weakest[:MAX_ADDED]):
+            i = chain[k][0]
             isl = g.islands[i]
             devs = frozenset(isl.devices)
             got = cf.simulate(f"leaving out island {isl.name}",

@@ -63,7 +63,7 @@ class PlannerOptions:
     score_budget: int = 150_000
     """Stages x microbatches timed by the cost model in total (one evaluation times each stage's
     list once); past it the search stops scoring new plans (the best are scored first)."""
-    chain_budget: int = 300
+    chain_budget: int = 150
     """Most island chains evaluated in full (closed form for every layout and microbatch size);
     chains are taken in increasing lower bound, so the budget only matters when many chains
     have bounds below the best plan found (the printed gap then says how much could be missed)."""

@@ -116,6 +116,8 @@ class PlanResult:
     grouping: Grouping
     counterfactuals: tuple[Counterfactual, ...] = ()
     """The alternatives the explanation prints, each simulated (see [Note: counterfactuals])."""
+    scored: tuple[Candidate, ...] = ()
+    """Every plan the cost model scored that fits memory, best first (cost-model order)."""
 
 
 
@@ -143,7 +145,7 @@ def _search_chains(search: SearchState, dist: np.ndarray) -> None:
             near = search.granularity_near()
             if near is not None:
                 layouts = sorted(layouts, key=lambda lay: (abs(math.log2(max(lay.granularity, 1) / near)),
-                                                           lay.granularity))[:2]
+                                                           lay.granularity))[:1]
         seen.append(chain)
         return min((search.evaluate_layout(lay, sizes)[0] for lay in layouts), default=_INF)
 
@@ -231,7 +233,8 @@ def plan_training(cluster: Cluster, model: ModelProfile, global_batch: int, *,
     log.info("planned %s on %s in %.3f s (%d candidates): %.4g s per iteration", model.name, cluster.name,
              elapsed, search.evaluated, best.score_s)
     return PlanResult(plan=plan, explanation=tuple(explanation), candidates_evaluated=search.evaluated,
-                      planning_s=elapsed, top=tuple(top), grouping=grouping, counterfactuals=tuple(counterfactuals))
+                      planning_s=elapsed, top=tuple(top), grouping=grouping, counterfactuals=tuple(counterfactuals),
+                      scored=tuple(sorted(_dedupe(c for c in search.scored.values() if c is not None), key=rank_key)))
 
 
 def _exact_only() -> Any:
