@@ -22,8 +22,10 @@ simulator (:meth:`ChainBounds.bound`):
 
 A chain's extensions are bounded by the same terms with every unit not yet in it added to
 the compute term, so a best-first (branch and bound) search evaluates exactly the chains
-whose bound is below the best plan found so far, in bound order: with one island per unit the
-result is exact over chains (every chain not evaluated is provably no better). ``chain_budget``
+whose bound is below the best plan found so far (its closed form, with a margin,
+:data:`PRUNE_MARGIN`), in bound order: with one island per unit the result is exact over
+chains up to the proven gap printed, ``simulated best / least bound left - 1`` (0 when no
+chain left can beat the simulated best). ``chain_budget``
 caps the evaluations; when it stops the search early, :attr:`ChainResult.gap` is the proven
 gap: how much better than the best found an unevaluated chain could be, at most.
 
@@ -55,6 +57,10 @@ from deepcee.profile import ModelProfile
 log = logging.getLogger(__name__)
 
 _INF = math.inf
+PRUNE_MARGIN = 0.3
+"""Chains are evaluated while their bound is below the best closed form x (1 + this): the
+closed form can be optimistic, and the bound must not cut a chain the simulator would prefer.
+The gap printed is against the simulated best, so it holds whatever the closed form said."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -72,6 +78,9 @@ class ChainResult:
     """Whether units were single islands (so the search is exact over chains)."""
     considered: int
     """Chains whose bound was computed."""
+    open_bound: float = _INF
+    """The least lower bound of a chain not evaluated (``inf``: none is left): no plan on an
+    unevaluated chain simulates faster than this."""
 
 
 class ChainBounds:
@@ -166,11 +175,12 @@ def search_chains(units: list[Unit], bounds: ChainBounds, evaluate: Callable[[Ch
         for run in unit:
             push((u,), run)
     done: list[tuple[float, Chain]] = []
-    gap = 0.0
+    gap, open_bound = 0.0, _INF
     while heap:
         bound, _, kind, used, chain = heapq.heappop(heap)
         best = incumbent()
-        if bound >= best * (1 - 1e-9):
+        if bound >= best * (1 + PRUNE_MARGIN):
+            open_bound = bound
             break
         if kind == 1:
             for u in range(len(units)):
@@ -180,13 +190,14 @@ def search_chains(units: list[Unit], bounds: ChainBounds, evaluate: Callable[[Ch
             continue
         if len(done) >= budget:
             gap = best / bound - 1.0 if bound > 0 else _INF
+            open_bound = bound
             break
         done.append((evaluate(chain), chain))
         if progress is not None:
             progress(len(done) / budget)
     best = incumbent()
     return ChainResult(best_s=best, evaluated=len(done), gap=max(0.0, gap), exact=all(len(u[0]) == 1 for u in units),
-                       considered=considered), done
+                       considered=considered, open_bound=open_bound), done
 
 
 def _moves(chain: Chain, islands: int, keeps: Sequence[int], allow_exclusion: bool) -> list[Chain]:

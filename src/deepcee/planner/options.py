@@ -55,7 +55,7 @@ class PlannerOptions:
     best plans are confirmed in order while they fit (a plan alone above it is not simulated)."""
     compact_max_actions: int = 800
     """Build compact schedules only for plans with at most this many stages x microbatches."""
-    compact_budget: int = 250
+    compact_budget: int = 600
     """Stages x microbatches summed over the compact schedules built (after the first)."""
     refine_budget: int = 40_000
     """Work of boundary refinement in total, counted per cost-model evaluation as devices +

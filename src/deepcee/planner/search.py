@@ -268,6 +268,7 @@ def _coverage(ranked: list[Config]) -> list[Config]:
     out: dict[tuple, Config] = {}
     for cfg in ranked:
         out.setdefault(("stages", len(cfg.layout.slots)), cfg)
+        out.setdefault(("islands", frozenset(cfg.layout.islands)), cfg)
         for isl in cfg.layout.islands:
             out.setdefault(("island", isl), cfg)
     return list(out.values())

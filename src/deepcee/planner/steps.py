@@ -243,10 +243,18 @@ class SearchState:
     def add_config(self, layout: StageLayout, n: int, split: tuple[int, ...], scheds: tuple[str, ...],
                    cf: float, recompute: tuple[bool, ...] = ()) -> None:
         self.evaluated += 1
-        key = (layout.slots, n, split, scheds, recompute)
-        if key not in self.configs and math.isfinite(cf):
+        if not math.isfinite(cf):
+            return
+        key = (layout.slots, n, split, recompute)
+        old = self.configs.get(key)
+        if old is None:
             self.configs[key] = Config(layout=layout, n=n, split=split, schedules=scheds, closed_form_s=cf,
                                        key=(cf, len(self.configs)), recompute=recompute)
+            return
+        # one configuration per split: the union of the schedules it fits, the best closed form
+        old.schedules = tuple(x for x in SCHEDULES if x in old.schedules or x in scheds)
+        if cf < old.closed_form_s:
+            old.closed_form_s, old.key = cf, (cf, old.key[1])
 
     # -- step 2 ---------------------------------------------------------------------------
     SWEEP_FACTORS = (1.0, 1.08, 1.25, 1.6, 2.5)
