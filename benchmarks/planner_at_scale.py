@@ -35,6 +35,7 @@ Run: ``python benchmarks/planner_at_scale.py [--instances 100] [--jobs 2] [--qui
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import heapq
 import itertools
 import math
@@ -139,6 +140,7 @@ class _Reference:
 
     def __init__(self, cluster: Cluster, model: ModelProfile, batch: int, budget_s: float) -> None:
         self.c, self.m, self.batch, self.deadline = cluster, model, batch, time.perf_counter() + budget_s
+        self.budget_s = budget_s
         self.islands = [tuple(d for d in cluster.device_names if cluster.device(d).island == isl.name)
                         for isl in cluster.islands]
         self.L = model.num_layers
@@ -308,15 +310,21 @@ class _Reference:
                                  shares=_shares(self.c, devs, n), recompute=flags[s]) for s, devs in enumerate(slots))
         base = Plan(system="reference", cluster=self.c.name, model=self.m.name, global_batch=self.batch,
                     microbatch_size=n, num_microbatches=self.batch // n, stages=stages, schedule="zb-h1")
-        out = [base.replace(schedule=s) for s in SCHEDULES]
+        # The split DP counts one microbatch in flight; schedules that keep more in flight may only
+        # fit when every stage recomputes, so both variants are simulated.
+        every = base.replace(stages=tuple(dataclasses.replace(st, recompute=True) for st in stages))
+        out = [p.replace(schedule=s) for p in (base, every) for s in SCHEDULES]
         if len(stages) > 1:
-            got = _compact(base, self.c, self.m)
-            if got is not None:
-                out.append(got)
+            out += [got for got in (_compact(p, self.c, self.m) for p in (base, every)) if got is not None]
         return out
 
+    def over(self) -> bool:
+        """Past the budget once a feasible plan is known (else past three budgets)."""
+        now = time.perf_counter()
+        return now > self.deadline if self.best[1] is not None else now > self.deadline + 2 * self.budget_s
+
     def score(self, plan: Plan) -> float:
-        if time.perf_counter() > self.deadline:
+        if self.over():
             self.exhausted = False
             return math.inf
         try:
@@ -416,7 +424,7 @@ def reference_search(cluster: Cluster, model: ModelProfile, batch: int, *, budge
     pool: list[tuple[float, int, list, int, list[int], list[bool]]] = []
     tick = itertools.count()
     for bound, order in ref.chain_bounds():
-        if bound >= ref.best[0] or time.perf_counter() > ref.deadline:
+        if bound >= ref.best[0] or ref.over():
             ref.exhausted = ref.exhausted and bound >= ref.best[0]
             break
         ref.chains += 1
