@@ -263,7 +263,8 @@ class Trainer:
         self.stage = StageRunner(self.blocks[st.layer_start:st.layer_stop], stage=p.stage, is_first=p.stage == 0,
                                  is_last=last, loss_fn=self.loss_fn, device=self.w.device,
                                  dtype=getattr(torch, self.cfg.dtype),
-                                 autocast=getattr(torch, self.cfg.autocast) if self.cfg.autocast else None)
+                                 autocast=getattr(torch, self.cfg.autocast) if self.cfg.autocast else None,
+                                 recompute=st.recompute)
         self.schedule = lowered_schedule(self.pipeline)
         self.actions = self.schedule[p.stage]
         self.my_segments = [(j, SegmentParams.of(seg, self.blocks)) for j, seg in enumerate(self.topo.segments())
