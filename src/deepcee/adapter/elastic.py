@@ -128,9 +128,10 @@ def decide_recovery(h: AdaptiveHooks, t: Trainer, gen: int, joins: Sequence[Join
     plan = replan(h, t, devices)
     holders = {layer: tuple(j.device for j in joins if layer in j.layers) for layer in range(t.plan.num_layers)}
     missing = [layer for layer, held in holders.items() if not held]
-    applied = max(j.applied for j in joins)
+    holding = [j for j in joins if j.layers]  # an idle member's step count means nothing
+    applied = max((j.applied for j in holding), default=max(j.applied for j in joins))
     base = dict(plan=plan, version=max(j.version for j in joins) + 1, applied=applied, first_step=t.first_step)
-    if missing or len({(j.applied, j.version) for j in joins}) > 1:
+    if missing or len({(j.applied, j.version) for j in holding}) > 1:
         choice = ckpt.choose(t.ckpt_root())
         if choice is None:
             names = ", ".join(d.device for d in lost)

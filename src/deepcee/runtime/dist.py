@@ -223,6 +223,11 @@ class Waiter(Protocol):
     def check(self) -> None:
         """Raise if the run's communication is known to be broken (polled by out-of-band waits)."""
 
+    def gate(self, name: str) -> None:
+        """Before collectives the trainer makes outside any step (checkpoints, evaluations): an
+        elastic run's ranks meet here first, watching for faults, so an idle rank never blocks in
+        such a collective with peers whose step failed. Elsewhere nothing (the collective waits)."""
+
 
 class BlockingWaiter:
     """One blocking wait per operation, with the run's timeout (every run but an elastic one)."""
@@ -241,6 +246,9 @@ class BlockingWaiter:
         clock.sleep_until(wall)
 
     def check(self) -> None:
+        return None
+
+    def gate(self, name: str) -> None:
         return None
 
 

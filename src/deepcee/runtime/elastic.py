@@ -364,6 +364,17 @@ class Session:
             raise self._fail(f"step {step}: not every member reached its update within {self.timeout_s:g} s", None)
         self.applied = step + 1
 
+    def gate(self, name: str) -> None:
+        """Return once every member has reached ``name``; :class:`PeerLost` on a fault or timeout."""
+        key = f"g{self.gen}/gate/{name}"
+        self.store.add(key, 1)
+        t_end = time.monotonic() + self.timeout_s
+        while self.store.add(key, 0) < len(self.members):
+            self.check()
+            if time.monotonic() > t_end:
+                raise self._fail(f"not every member reached {name} within {self.timeout_s:g} s", None)
+            time.sleep(POLL_MAX_S)
+
     def publish(self, key: str, obj: Any) -> None:
         self.store.set(f"g{self.gen}/{key}", pickle.dumps(obj))
 

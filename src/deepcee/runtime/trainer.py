@@ -507,6 +507,8 @@ class Trainer:
         gathered = self._gather(mine)
         step_s = self.clock.wall() - t_prev
         # evaluations and checkpoints are not part of any step's time
+        if self._due(self.cfg.eval_every, step + 1) or self._due(self.cfg.checkpoint_every, step + 1):
+            self.w.waiter.gate(f"boundary/{step}")
         eval_loss = evaluate(self) if self._due(self.cfg.eval_every, step + 1) else None
         if self._due(self.cfg.checkpoint_every, step + 1):
             self._checkpoint(step + 1)
