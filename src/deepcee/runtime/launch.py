@@ -28,7 +28,9 @@ bytes, drops, queueing per link resource) go to ``<run_dir>/relay.json`` of ever
 from __future__ import annotations
 
 import logging
+import os
 import shutil
+import sys
 import tempfile
 import uuid
 from collections.abc import Callable, Sequence
@@ -82,8 +84,17 @@ def _jobs_entry(rank: int, world_size: int, store_path: str, jobs: Sequence[Job]
     _log_like_parent(log_level)
     # an elastic launch's ranks come and go: the store file must not be removed when a count of
     # them has closed it (FileStore's clean-up), only with the launch's folder
-    users = -1 if any(elastic_config(j) is not None for j in jobs) else world_size
-    run_jobs_on_rank(jobs, rank, world_size, rdist.file_store(store_path, users, timeout_s))
+    elastic = any(elastic_config(j) is not None for j in jobs)
+    run_jobs_on_rank(jobs, rank, world_size, rdist.file_store(store_path, -1 if elastic else world_size, timeout_s))
+    if elastic:
+        # The rank's work is done and written. An elastic rank holds the process groups of
+        # earlier generations, some with a lost peer; their destructors at interpreter exit were
+        # seen to abort the process ("terminate called without an active exception", exit -6)
+        # after a run that succeeded, so the rank leaves without running them.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def _log_like_parent(level: int) -> None:
