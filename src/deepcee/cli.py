@@ -364,20 +364,24 @@ def cmd_schedule_show(args: argparse.Namespace) -> int:
     return 0
 
 
-def _check_net(name: str) -> None:
-    """``--model`` of the commands that run a net for real: a built-in one (checked before any
-    worker starts; these commands import torch anyway)."""
+def _check_net(name: str, *, own: bool = False) -> None:
+    """``--model`` of the commands that run a net for real: a built-in one, or with ``own`` a
+    model of your own as ``package.module:name`` (built and checked where it is loaded);
+    checked before any worker starts."""
     from deepcee.nets import NET_NAMES
+    from deepcee.userref import is_import_path
 
-    if name not in NET_NAMES:
-        raise SpecError(f"unknown net {name!r} (known: {', '.join(NET_NAMES)})", field="--model")
+    if name in NET_NAMES or (own and is_import_path(name)):
+        return
+    own_too = ", or your own as package.module:name" if own else ""
+    raise SpecError(f"unknown net {name!r} (known: {', '.join(NET_NAMES)}{own_too})", field="--model")
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
     import logging
 
     cluster, _ = _load_cluster(args.cluster, args.scenario)
-    _check_net(args.model)
+    _check_net(args.model, own=True)
     from deepcee.profiler.run import profile_cluster
     from deepcee.train import model_and_data
 
