@@ -33,8 +33,9 @@ from deepcee.profile import LayerProfile, ModelProfile
 from deepcee.scenarios import load_scenario
 from deepcee.schedule.builders import build_schedule
 from deepcee.schedule.passes import dry_run, lower
-from deepcee.simulator.engine import optimizer_step_s, simulate
-from deepcee.simulator.memory import device_memory_bytes
+from deepcee.simulator.engine import allreduce_time_s, optimizer_step_s, simulate
+from deepcee.simulator.memory import device_memory, device_memory_bytes
+from deepcee.simulator.runtime_model import DEFAULT_RUNTIME
 
 FIXED = ("gpipe", "1f1b", "zb-h1", "zb-h2")
 
@@ -153,7 +154,8 @@ def test_data_parallel_plan_is_compute_plus_allreduce_plus_optimizer():
     p = _plan(c, [0, 3], [devs], 8, 2, "1f1b")
     cost = AnalyticCostModel().breakdown(p, c, model)
     per_mb = sum(model.time_s(0, 3, x, 2, c.kinds["gpu"]) for x in "FIW")
-    ar = allreduce_s(c, devs, model.gradient_bytes(0, 3), "allreduce-ring")
+    ar = allreduce_time_s(c, devs, model.gradient_bytes(0, 3), "allreduce-ring", DEFAULT_RUNTIME)
+    assert ar > allreduce_s(c, devs, model.gradient_bytes(0, 3), "allreduce-ring")  # gloo's ready handshakes
     opt = optimizer_step_s(model, 0, 3, c.kinds["gpu"])
     assert cost.iteration_s == pytest.approx(2 * per_mb + ar + opt)
     assert ar > 0 and cost.allreduce_s == (pytest.approx(ar),)
@@ -170,8 +172,11 @@ def test_memory_uses_the_schedule_in_flight_counts(schedule, expect):
     for s, st in enumerate(p.stages):
         k = expect(s, 4, 5)
         assert cost.in_flight[s] == k
-        assert cost.memory_bytes[st.devices[0]] == pytest.approx(
-            device_memory_bytes(model, st.layer_start, st.layer_stop, share=2, in_flight=k))
+        full = device_memory(model, st.layer_start, st.layer_stop, share=2, in_flight=k, num_microbatches=5,
+                             kind="gpu")
+        assert full.plan_bytes == pytest.approx(device_memory_bytes(model, st.layer_start, st.layer_stop, share=2,
+                                                                    in_flight=k))
+        assert cost.memory_bytes[st.devices[0]] == pytest.approx(full.total_bytes)
     assert cost.fits
 
 
