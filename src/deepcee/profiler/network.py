@@ -368,12 +368,13 @@ def _echo(ch: _Channel, peer: int) -> None:
 
 def probe_network(rank: int, devices: Sequence[str], *, cluster: Cluster | None = None,
                   shaper: LinkShaper | None = None, clock: Clock | None = None,
-                  budget: NetworkBudget | None = None) -> tuple[list[LinkFit], PairMode]:
+                  budget: NetworkBudget | None = None, dilation: float | None = None) -> tuple[list[LinkFit], PairMode]:
     """Probe every directed pair (or a sample, see [Note: probe budget]) in the default process group.
 
     Collective: every rank calls it with the same ``devices`` (rank ``r`` is ``devices[r]``).
     Returns the fits of the sessions this rank sent in (``src`` is this rank's device), and the
-    pair mode. ``shaper`` (with ``cluster``) emulates the cluster's links.
+    pair mode. ``shaper`` (with ``cluster``) emulates the cluster's links; without one, times are
+    divided by ``dilation`` (the relay's, in mode ``realnet``; default 1).
     """
     budget = budget or NetworkBudget()
     clock = clock or Clock()
@@ -386,7 +387,7 @@ def probe_network(rank: int, devices: Sequence[str], *, cluster: Cluster | None 
     sessions = [(a, b) for a, b in pairs] + [(b, a) for a, b in pairs]
     sessions.sort(key=lambda s: (min(s), max(s), s[0] != min(s)))
     ch = _Channel(rank=rank, devices=devices, cluster=cluster, shaper=shaper, clock=clock, timeout_s=budget.timeout_s)
-    dilation = shaper.dilation if shaper is not None else 1.0
+    dilation = shaper.dilation if shaper is not None else (dilation or 1.0)
     fits, t0 = [], clock.wall()
     for k, (src, dst) in enumerate(sessions):
         if rank == src:
