@@ -175,24 +175,29 @@ record, without traces, is 1-2 kB)."""
 
 def step_overhead_wall_s(store: Any, rank: int, world_size: int, *, realnet: bool, repeats: int = 15) -> float:
     """Median wall seconds this rank spends per step on the runtime's step records: a gloo
-    ``gather_object`` to rank 0 (modes ``emulated`` and ``real``), or, in mode ``realnet``,
-    publishing them in the store (rank 0 also waits for and reads every rank's). Collective."""
+    ``gather_object`` to rank 0 over loopback (mode ``emulated``), or, in mode ``realnet``,
+    publishing its record in the store (rank 0 also reads every rank's, timed once they are all
+    there: waiting for the last rank is the step's own time, not bookkeeping). Collective."""
     record = {"rank": rank, "pad": bytes(STEP_RECORD_BYTES)}
     times = []
     for k in range(repeats):
         dist.barrier()
+        prefix = f"profile/records/{k}"
         t0 = time.perf_counter()
         if realnet:
-            prefix = f"profile/records/{k}"
             store.set(f"{prefix}/{rank}", pickle.dumps(record))
+            spent = time.perf_counter() - t0
             if rank == 0:
                 keys = [f"{prefix}/{r}" for r in range(world_size)]
                 store.wait(keys, timedelta(seconds=30))
+                t1 = time.perf_counter()
                 [pickle.loads(store.get(key)) for key in keys]
+                spent += time.perf_counter() - t1
         else:
             out = [None] * world_size if rank == 0 else None
             dist.gather_object(record, out, dst=0)
-        times.append(time.perf_counter() - t0)
+            spent = time.perf_counter() - t0
+        times.append(spent)
     return statistics.median(times)
 
 
