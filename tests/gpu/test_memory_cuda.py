@@ -8,8 +8,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from deepcee.profiler.baseline import fixed_bytes
 from deepcee.profiler.device import net_source
-from deepcee.profiler.memory_probe import CUDA_METHOD, fixed_bytes, memory_probe
+from deepcee.profiler.memory_probe import CUDA_METHOD, memory_probe
 from deepcee.runtime import dist as rdist
 from deepcee.runtime import peak_memory
 

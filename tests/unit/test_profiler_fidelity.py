@@ -83,8 +83,8 @@ def test_report_summary_json_and_table():
     mem = (MemoryRow(device="a", predicted_bytes=110e6, measured_bytes=100e6),)
     rows = tuple(FidelityRow(name=f"p{k}", schedule="gpipe", num_stages=2, microbatch_size=4, num_microbatches=4,
                              layout="x", dilation=3.0, measured_s=0.1, measured_steps_s=(0.2, 0.1, 0.1),
-                             simulated_s=0.1 * (1 + e), analytic_s=0.08, memory=mem)
-                 for k, e in enumerate((0.1, -0.3)))
+                             simulated_s=0.1 * (1 + e), analytic_s=0.08, memory=mem, pacing=pace)
+                 for k, (e, pace) in enumerate(((0.1, 1.0), (-0.3, 1.5))))
     rep = FidelityReport(rows=rows, spread_plan="p0", spread_medians_s=(0.1, 0.11, 0.09), cluster="c", model="m",
                          cores=0.6, steps=3, warmup_steps=1, emulation="emulated", wall_s=1.0, mode="realnet",
                          runtime="deepcee (mode realnet)")
@@ -96,7 +96,9 @@ def test_report_summary_json_and_table():
     assert d["memory"]["mean_over"] == pytest.approx(0.1) and d["memory"]["under"] == 0
     assert "real TCP" in d["labels"]["measured_mode"] and "datasheet" in d["labels"]["analytic"]
     table = format_table(rep)
-    assert "| p1 | gpipe | 2 | 4 x 4 | 3.00 | 100.0 | 70.0 | -30.0% | 80.0 | -20.0% | 105 / 95 |" in table
+    assert "| p1 | gpipe | 2 | 4 x 4 | 3.00 | 1.50! | 100.0 | 70.0 | -30.0% | 80.0 | -20.0% | 105 / 95 |" in table
+    assert [r.name for r in rep.paced_rows] == ["p0"] and d["pacing"]["behind"] == ["p1"]
+    assert "Host behind the emulated pace (pacing > 1.10, marked !): p1." in table
     assert "spread (p0, 3 runs): 20.0%" in table and "0 under the measured peak" in table
 
 

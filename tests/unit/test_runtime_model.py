@@ -127,3 +127,33 @@ def test_deepcee_runtime_does_what_it_declares() -> None:
     assert "realnet" in inspect.getsource(trainer.Trainer._gather)
     # the optimizer step is paced like compute, which the simulator counts from the profile
     assert "self.pacer.run(self.optimizer.step)" in inspect.getsource(trainer.Trainer._train_step)
+
+
+def test_simulate_cli_labels_its_figures_and_takes_a_runtime(tmp_path, capsys) -> None:
+    from conftest import measured_model
+
+    from deepcee.cli import main
+    from deepcee.models import get_model
+    from deepcee.plan import save_json_atomic
+    from deepcee.profiler.fidelity import default_plans
+    from deepcee.scenarios import load_scenario
+
+    plan = default_plans(load_scenario("local-small"), get_model("gpt-tiny"))[1]  # 3 stages over the slow links
+    save_json_atomic(tmp_path / "plan.json", plan.to_dict())
+    assert main(["simulate", str(tmp_path / "plan.json")]) == 0
+    out = capsys.readouterr().out
+    assert "simulated on datasheet figures" in out and "runtime: deepcee (mode realnet)" in out
+    measured = measured_model("cpu-worker", layers=6)
+    save_json_atomic(tmp_path / "profile.json", measured.to_dict())
+    assert main(["simulate", str(tmp_path / "plan.json"), "--profile", str(tmp_path / "profile.json")]) == 0
+    ours = capsys.readouterr().out
+    assert "simulated on a measured profile" in ours and "datasheet" not in ours
+    assert main(["simulate", str(tmp_path / "plan.json"), "--profile", str(tmp_path / "profile.json"),
+                 "--runtime", "deepspeed"]) == 0
+    theirs = capsys.readouterr().out
+    assert "runtime: deepspeed-style" in theirs
+
+    def ms(text: str) -> float:
+        return float(text.split("simulated: ")[1].split(" ms")[0])
+
+    assert ms(theirs) > ms(ours)  # blocking sends through 20-40 ms links cost the stages their overlap

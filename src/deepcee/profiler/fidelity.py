@@ -112,8 +112,22 @@ def _launch(jobs: Sequence[Job], mode: LaunchMode, deadline_s: float | None) -> 
     return out
 
 
+def pacing_ratio(res: TrainResult, plan: Plan, cluster: Cluster) -> float:
+    """Median over steps (the first left out) of the largest stage's compute (emulated seconds)
+    over its devices' CPU time x slowdown (see [Note: pacing check] in
+    :mod:`deepcee.profiler.fidelity_report`)."""
+    ratios = []
+    for m in res.metrics[1:] or res.metrics:
+        worst = 0.0
+        for st in m.stages:
+            cpu = max(m.cpu_s.get(d, 0.0) * cluster.device(d).slowdown for d in plan.stages[st.stage].devices)
+            worst = max(worst, st.compute_s / cpu if cpu > 0 else 0.0)
+        ratios.append(worst)
+    return statistics.median(ratios) if ratios else 1.0
+
+
 def _row(plan: Plan, res: TrainResult, measured_s: float, simulated: tuple[float, SimResult],
-         analytic_s: float) -> FidelityRow:
+         analytic_s: float, declared: Cluster) -> FidelityRow:
     sim_s, sim = simulated
     peaks = res.peak_memory_bytes
     memory = tuple(MemoryRow(device=d, predicted_bytes=sim.peak_memory_bytes[d], measured_bytes=peaks[d])
@@ -121,15 +135,19 @@ def _row(plan: Plan, res: TrainResult, measured_s: float, simulated: tuple[float
     return FidelityRow(name=plan.system, schedule=plan.schedule, num_stages=plan.num_stages,
                        microbatch_size=plan.microbatch_size, num_microbatches=plan.num_microbatches,
                        layout=layout(plan), dilation=res.dilation, measured_s=measured_s,
-                       measured_steps_s=tuple(res.step_s), simulated_s=sim_s, analytic_s=analytic_s, memory=memory)
+                       measured_steps_s=tuple(res.step_s), simulated_s=sim_s, analytic_s=analytic_s, memory=memory,
+                       pacing=pacing_ratio(res, plan, declared))
 
 
 def run_fidelity(declared: Cluster, measured: Cluster, profile: ModelProfile, analytic: ModelProfile,
                  plans: Sequence[Plan], *, mode: LaunchMode = "emulated", steps: int = 8, warmup_steps: int = 1,
                  cores: float = FIDELITY_CORES, spread_plan: str | None = None, spread_repeats: int = 3,
                  deadline_s: float | None = None, run_dir: str | Path | None = None,
-                 timeout_s: float = 60.0) -> FidelityReport:
+                 timeout_s: float = 60.0, dilation: float | None = None) -> FidelityReport:
     """Run ``plans`` on ``declared`` in ``mode`` and compare with the simulator; see the module docstring.
+
+    ``dilation``: every run's time dilation (default: each plan's from ``cores``); one for all
+    plans, the profile's, keeps the pacing the profile saw.
 
     ``deadline_s``: per launch; default 120 s plus 60 s per job (mode ``emulated``, one launch),
     180 s (mode ``realnet``, one launch per job).
@@ -142,7 +160,7 @@ def run_fidelity(declared: Cluster, measured: Cluster, profile: ModelProfile, an
     root = Path(run_dir) if run_dir is not None else Path(tempfile.mkdtemp(prefix="deepcee-fidelity-"))
     spread_plan = spread_plan or plans[0].system
     by_name = {p.system: p for p in plans}
-    cfg = TrainConfig(steps=steps, mode=mode, cores=cores, timeout_s=timeout_s)
+    cfg = TrainConfig(steps=steps, mode=mode, cores=cores, timeout_s=timeout_s, dilation=dilation)
     names = [p.system for p in plans] + [f"{spread_plan}#{k}" for k in range(1, spread_repeats)]
     jobs = [Job(name=n, plan=by_name[n.split("#")[0]], cluster=declared, model=profile.name,
                 config=cfg, run_dir=str(root / n.replace("#", "-"))) for n in names]
@@ -157,11 +175,12 @@ def run_fidelity(declared: Cluster, measured: Cluster, profile: ModelProfile, an
         rt = deepcee_runtime(mode)
         analytic_s = simulate(p, declared, analytic, iterations=SIM_ITERATIONS, record=False, runtime=rt)
         rows.append(_row(p, res, medians[p.system], predict(p, cluster, prof, mode=mode, dilation=res.dilation),
-                         statistics.fmean(analytic_s.iteration_times_s[1:])))
+                         statistics.fmean(analytic_s.iteration_times_s[1:]), declared))
     spread = tuple(medians[n] for n in names if n.split("#")[0] == spread_plan)
     links = ("real TCP through the shaping relay between network namespaces" if mode == "realnet"
              else "emulated by the runtime's link shaper")
-    emulation = (f"devices paced on this host, links {links} (time dilation per plan from cores={cores:g}: "
+    how = f"D = {dilation:g} for every plan" if dilation else f"per plan from cores={cores:g}"
+    emulation = (f"devices paced on this host, links {links} (time dilation {how}: "
                  f"{', '.join(f'{r.dilation:.3g}' for r in rows)}); measured times are wall / D")
     return FidelityReport(rows=tuple(rows), spread_plan=spread_plan, spread_medians_s=spread, cluster=declared.name,
                           model=profile.name, cores=cores, steps=steps, warmup_steps=warmup_steps,
@@ -173,7 +192,8 @@ def validate_cluster(cluster: Cluster, model_name: str, *, num_plans: int = 8, s
                      out_dir: str | Path, profile_dir: str | Path | None = None, cores: float = FIDELITY_CORES,
                      profile_cores: float | None = None, spread_repeats: int = 3,
                      profile_options: Mapping[str, Any] | None = None, deadline_s: float | None = None,
-                     mode: LaunchMode = "emulated", say: Callable[[str], None] = print) -> FidelityReport:
+                     mode: LaunchMode = "emulated", dilation: float | None = None,
+                     say: Callable[[str], None] = print) -> FidelityReport:
     """``deepcee validate``: the simulator's step times and peak memory against real runs of ``cluster``.
 
     Profiles ``cluster`` for ``model_name`` into ``out_dir/profile`` (links over the relay in
@@ -187,7 +207,8 @@ def validate_cluster(cluster: Cluster, model_name: str, *, num_plans: int = 8, s
     with ``profile_cores`` (default ``cores``): the same pacing as the runs it has to predict;
     ``profile_options`` are further keyword arguments of
     :func:`deepcee.profiler.run.profile_cluster` (``device_config``, ``network_budget``,
-    ``deadline_s``, ...). ``deadline_s`` bounds each launch (see :func:`run_fidelity`).
+    ``deadline_s``, ...). ``deadline_s`` bounds each launch and ``dilation`` forces every run's
+    (see :func:`run_fidelity`).
     """
     from deepcee.profiler.run import profile_cluster
 
@@ -213,7 +234,7 @@ def validate_cluster(cluster: Cluster, model_name: str, *, num_plans: int = 8, s
         f"{spread_repeats} runs of {plans[0].system} for the spread")
     report = run_fidelity(cluster, measured, profile, without_measurements(profile), plans, mode=mode, steps=steps,
                           cores=cores, spread_plan=plans[0].system, spread_repeats=spread_repeats,
-                          run_dir=out / f"runs-{mode}", deadline_s=deadline_s)
+                          run_dir=out / f"runs-{mode}", deadline_s=deadline_s, dilation=dilation)
     report = dataclasses.replace(report, extra={
         "profile_dir": source, "profile_s": profile_s, "total_s": time.monotonic() - t0,
         "plans": [p.to_dict() for p in plans]})

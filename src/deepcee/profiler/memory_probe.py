@@ -5,8 +5,10 @@ The memory model (:mod:`deepcee.simulator.memory`) adds to the plan's tensors a 
 per device and a fragmentation margin, both measured here on every profiled device, on the
 path the runtime takes:
 
-- **fixed** (:func:`fixed_bytes`), measured right after the process group formed and before
-  any model exists. CPU: the resident set after importing torch, joining the process group,
+- **fixed** (:func:`deepcee.profiler.baseline.fixed_bytes`), measured in a launch of its own
+  whose ranks import what a training rank imports (the runtime, not the profiler: scipy and the
+  probes alone took 20-30 MB more), right after the process group formed and before any model
+  exists. CPU: the resident set after importing torch, joining the process group,
   warming gloo up (a barrier and a small all-reduce over every rank) and building and
   stepping the runtime's optimizer once on a one-element parameter (its first step imports
   and initialises more of torch). CUDA: the device memory in use (``torch.cuda.mem_get_info``)
@@ -29,7 +31,6 @@ import logging
 from collections.abc import Callable, Sequence
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from deepcee.profiler.probes import MemoryProbe
@@ -45,24 +46,6 @@ CPU_METHOD = ("resident set after torch, the process group, gloo's warm-up and o
 CUDA_METHOD = ("device memory in use after the context, an NCCL all-reduce and one warm-up allocation (fixed); "
                "max_memory_reserved against max_memory_allocated over the whole net's F/I/W and optimizer step "
                "(fragmentation)")
-
-
-def fixed_bytes(device: torch.device) -> float:
-    """The device's memory before any model (see [Note: fixed memory]). Collective: every rank
-    of the default process group calls it."""
-    dist.barrier()
-    dist.all_reduce(torch.ones(1024))
-    weight = nn.Parameter(torch.zeros(1, device=device))
-    weight.grad = torch.zeros_like(weight)
-    OptimizerConfig().build([weight]).step()
-    if device.type != "cuda":
-        return peak_memory.resident_bytes()
-    group = dist.new_group(backend="nccl")
-    dist.all_reduce(torch.ones(1024, device=device), group=group)
-    torch.empty(1 << 20, dtype=torch.uint8, device=device)
-    torch.cuda.synchronize(device)
-    free, total = torch.cuda.mem_get_info(device)
-    return float(total - free)
 
 
 def _live_bytes(runner: StageRunner, saved: dict[int, int], out: torch.Tensor) -> float:

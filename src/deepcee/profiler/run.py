@@ -5,9 +5,9 @@
 process, hard deadline, the first failing rank's error re-raised). Rank ``r`` is device
 ``cluster.devices[r]``. Every rank
 
-1. measures its fixed memory overhead right after the process group formed
-   (:func:`deepcee.profiler.memory_probe.fixed_bytes`, [Note: fixed memory] there), then
-   probes its device for the model (:func:`deepcee.profiler.device.probe_device`, after the
+1. takes its fixed memory overhead, measured before the launch in one of its own that imports
+   what a training rank imports (:func:`deepcee.profiler.baseline.measure_fixed`, [Note: fixed
+   memory] in :mod:`deepcee.profiler.memory_probe`), then probes its device for the model (:func:`deepcee.profiler.device.probe_device`, after the
    allocator-margin run of :func:`~deepcee.profiler.memory_probe.memory_probe`); in emulated
    and realnet modes through a :class:`~deepcee.runtime.emulation.DevicePacer` with the
    device's stated slowdown and the dilation the runtime would choose for all devices
@@ -70,8 +70,9 @@ from deepcee.planner.grouping import (
     group_devices,
 )
 from deepcee.profile import ModelProfile
+from deepcee.profiler.baseline import measure_fixed
 from deepcee.profiler.device import net_source, probe_device
-from deepcee.profiler.memory_probe import fixed_bytes, memory_probe
+from deepcee.profiler.memory_probe import memory_probe
 from deepcee.profiler.model import (
     base_profile,
     call_overheads,
@@ -151,8 +152,7 @@ def _rank_main(rank: int, world_size: int, store_path: str, job: ProfileJob) -> 
     raw = Path(job.raw_dir)
     try:
         if job.probe_devices:
-            fixed = fixed_bytes(device)  # before any model: see [Note: fixed memory]
-            _device_phase(rank, me, device, job, raw, fixed)
+            _device_phase(rank, me, device, job, raw, _fixed(raw, rank))
             dist.barrier()
         clock = Clock()
         shaper = None
@@ -166,6 +166,13 @@ def _rank_main(rank: int, world_size: int, store_path: str, job: ProfileJob) -> 
                                                       "step_overhead_wall_s": overhead})
     finally:
         rdist.shutdown()
+
+
+def _fixed(raw: Path, rank: int) -> float:
+    """This rank's fixed memory overhead, measured by :func:`deepcee.profiler.baseline.measure_fixed`
+    before the profiling launch (0 when it was not)."""
+    path = raw / f"baseline-{rank}.json"
+    return float(json.loads(path.read_text())["fixed_bytes"]) if path.exists() else 0.0
 
 
 STEP_RECORD_BYTES = 2048
@@ -334,6 +341,8 @@ def profile_cluster(cluster: Cluster, model: str | Sequence[nn.Module] | SplitMo
     links = "realnet" if realnet else "emulated" if emulated else "real"
     log.info("profiling %d devices of %s for %s (links %s, dilation %.3g), deadline %g s", world, cluster.name,
              model if isinstance(model, str) else "user blocks", links, dilation, deadline_s)
+    measure_fixed(cluster, raw, realnet=realnet, dilation=net_dilation, use_cuda=use_cuda,
+                  deadline_s=min(180.0, deadline_s))  # [Note: fixed memory]
     if realnet:
         launch_realnet(_rank_main, (job,), cluster=cluster, devices=cluster.device_names, deadline_s=deadline_s,
                        dilation=net_dilation)

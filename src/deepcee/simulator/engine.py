@@ -29,8 +29,10 @@ own): blocking sends hold the sending device until delivery; a receive handshake
 piece until the receiver's ready notice crossed the link (receives posted at the step start);
 global-norm gradient clipping adds one scalar all-reduce over one device per stage before any
 optimizer step; with a step barrier every device starts the next iteration together, after
-the barrier's latencies, otherwise each device starts it when its own step is done (iteration
-``k`` then ends when its last device ends; its time is measured from the previous one's end).
+the barrier's latencies, otherwise each device starts it when its own step is done, except
+that the first device waits for every device when it gathers the step records
+(``first_waits_for_all``); iteration ``k`` ends when its last device ends, and its time is
+measured from the previous one's end.
 A pair of devices with a measured transfer curve in the profile (:class:`deepcee.profile.LinkCurve`)
 sends each piece with the curve's time for that size (scaled to the link's bandwidth).
 
@@ -262,6 +264,8 @@ class _Simulation:
             if self.runtime.step_barrier:
                 end, last = self._global(_BARRIER, end, last, 8.0, self.runtime.barrier_latencies)
                 starts, preds = [end] * n, [last] * n
+            elif self.runtime.first_waits_for_all:  # rank 0 collects every record first
+                starts[0], preds[0] = end, last
             self.ends.append(end)
         self.last_seg = last
 

@@ -36,12 +36,22 @@ where it acts on it, and ``tests/unit/test_runtime_model.py`` holds the two toge
   latencies more than the ring model with two ranks). In mode ``emulated`` the runtime waits
   for :func:`deepcee.comm.allreduce_s` itself (``allreduce = "modelled"``: agreement there
   holds by construction);
-- the end of a step: mode ``emulated`` gathers every rank's record with a gloo collective
-  over loopback (``step_barrier``: the next step starts on every device together); modes
-  ``realnet`` and ``real``... see :func:`deepcee_runtime`;
-- per-step costs: the optimizer step (the profile's measured per-layer times, else the FLOP
-  estimate), no gradient clipping, and the step's bookkeeping (``step_overhead_s``: the
-  records' gather or publication, measured by the profiler).
+- the end of a step (:meth:`deepcee.runtime.trainer.Trainer._gather`): mode ``emulated``
+  gathers every rank's record with a gloo collective over loopback (``step_barrier``: the
+  next step starts on every device together); mode ``realnet`` publishes the records in the
+  launch's file store, out of band, and only rank 0 (the plan's first device) waits for all of
+  them (``first_waits_for_all``; every other device starts its next step when its own ends);
+  mode ``real`` gathers them with gloo over the network (a barrier of about four one-way
+  latencies, [Note: metrics out of band] in :mod:`deepcee.runtime.trainer`);
+- per-step costs: the optimizer step, paced like compute on an emulated device (the profile's
+  measured per-layer times, else the FLOP estimate), no gradient clipping, and the step's
+  bookkeeping (``step_overhead_s``: the records' gather or publication, measured by the
+  profiler, :func:`deepcee.profiler.run.step_overhead_wall_s`);
+- memory: every rank builds every layer of the net, then trains its stage's
+  (``holds_whole_model``), and holds every receive buffer of a step from its start.
+
+On CUDA (NCCL) the runtime posts receives as the schedule reaches them instead; the runs
+validated here are CPU/gloo ones.
 """
 
 from __future__ import annotations
@@ -86,6 +96,9 @@ class RuntimeModel:
     barrier_latencies: float = 0.0
     """What that collective costs, in one-way latencies of the slowest link between a device
     and the first device of the plan."""
+    first_waits_for_all: bool = False
+    """Without a step barrier: the plan's first device (rank 0, which gathers the step records)
+    starts its next step only when every device has ended the step."""
     gradient_clipping: bool = False
     """Global-norm clipping: one scalar all-reduce over one device per stage after the
     gradient synchronisation, before any optimizer step."""
@@ -138,6 +151,7 @@ def deepcee_runtime(mode: LaunchMode = "realnet", *, step_overhead_s: float = 0.
                                         "emulated by the runtime's own models, records gathered over loopback")
     if mode == "realnet":
         return RuntimeModel(name="deepcee (mode realnet)", step_overhead_s=step_overhead_s, holds_whole_model=True,
+                            first_waits_for_all=True,
                             description="async sends, receives posted at the step start (gloo's ready notice), "
                                         "gloo ring all-reduce, records out of band")
     return RuntimeModel(name="deepcee (mode real)", step_barrier=True, barrier_latencies=4.0,
