@@ -207,6 +207,9 @@ class DeviceMemory:
     """The allocator's margin on the plan's tensors: peak held / peak live bytes - 1."""
     method: str = ""
     """How both were measured."""
+    host_memory: bool = False
+    """The device's memory is the process's host memory (a CPU device: its resident set), which
+    also holds what a rank keeps on the host (deepcee's runtime builds every layer there)."""
 
     def __post_init__(self) -> None:
         _check_nonneg("device memory", fixed_bytes=self.fixed_bytes,
@@ -214,12 +217,14 @@ class DeviceMemory:
 
     def to_dict(self) -> dict[str, Any]:
         return {"fixed_bytes": self.fixed_bytes, "fragmentation_fraction": self.fragmentation_fraction,
-                "method": self.method}
+                "method": self.method, "host_memory": self.host_memory}
 
     @staticmethod
     def from_dict(d: Mapping[str, Any]) -> DeviceMemory:
+        method = d.get("method", "")
+        # files written before the field: the CPU probe's method names the resident set
         return DeviceMemory(fixed_bytes=d["fixed_bytes"], fragmentation_fraction=d.get("fragmentation_fraction", 0.0),
-                            method=d.get("method", ""))
+                            method=method, host_memory=bool(d.get("host_memory", method.startswith("resident set"))))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

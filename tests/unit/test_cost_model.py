@@ -295,3 +295,21 @@ def test_measured_one_device_stages_match_the_simulator(schedule: str):
                                    cost.backward_s[s]), strict=True):
             assert got == model.time_s(st.layer_start, st.layer_stop, x, 2, c.kinds["gpu"])
     assert all(b < i + w for b, i, w in zip(cost.backward_s, cost.input_grad_s, cost.weight_grad_s, strict=True))
+
+
+def test_other_layers_count_only_where_the_device_memory_is_the_host_memory():
+    """deepcee's runtime builds every layer on the host and moves its stage's to the device."""
+    import dataclasses
+
+    from deepcee.profile import DeviceMemory
+
+    model = _uniform_model(4)
+    gpu = dataclasses.replace(model, measured_memory={"gpu": DeviceMemory(fixed_bytes=1e8)})
+    cpu = dataclasses.replace(model, measured_memory={"gpu": DeviceMemory(fixed_bytes=1e8, host_memory=True)})
+    on_device = device_memory(gpu, 0, 2, share=1, in_flight=1, num_microbatches=2, kind="gpu")
+    on_host = device_memory(cpu, 0, 2, share=1, in_flight=1, num_microbatches=2, kind="gpu")
+    assert on_device.other_layers_bytes == 0
+    assert on_host.other_layers_bytes == pytest.approx(model.gradient_bytes(2, 4)) and model.gradient_bytes(2, 4) > 0
+    written = DeviceMemory.from_dict({"fixed_bytes": 1.0, "method": "resident set after torch"})
+    assert written.host_memory and not DeviceMemory.from_dict({"fixed_bytes": 1.0}).host_memory
+    assert DeviceMemory.from_dict(DeviceMemory(fixed_bytes=1.0, host_memory=True).to_dict()).host_memory

@@ -54,6 +54,7 @@ from deepcee.errors import ProfileError
 from deepcee.models import get_model, model_names
 from deepcee.profile import DeviceMemory, LayerProfile, LayerTiming, LinkCurve, ModelProfile
 from deepcee.profiler.device import NetSource
+from deepcee.profiler.memory_probe import CPU_METHOD
 from deepcee.profiler.network import LinkFit
 from deepcee.profiler.probes import PASSES, DeviceProbe
 from deepcee.runtime import boundary
@@ -282,7 +283,8 @@ def kind_memory(probes: Sequence[DeviceProbe]) -> dict[str, DeviceMemory]:
         if mems:
             out[kind] = DeviceMemory(fixed_bytes=max(m.fixed_bytes for m in mems),
                                      fragmentation_fraction=max(m.fragmentation_fraction for m in mems),
-                                     method=f"{mems[0].method}; the largest over {len(mems)} device(s)")
+                                     method=f"{mems[0].method}; the largest over {len(mems)} device(s)",
+                                     host_memory=any(m.method == CPU_METHOD for m in mems))
     return out
 
 

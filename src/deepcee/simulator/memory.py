@@ -26,8 +26,9 @@ device of a stage holding layers ``[a, b)`` with a share of ``n`` samples per mi
   posted as the schedule reaches them, ``(k - 1) x n x (in + out)`` more; on a stage of
   several devices the all-reduce's flat gradient buffer, ``parameters x gradient bytes``
   (not with ``zero2``, whose reduce-scatter runs in buckets);
-- the other layers' parameters when the runtime builds every layer on every rank
-  (``holds_whole_model``; deepcee's runtime does, then trains its stage's);
+- the other layers' parameters when the runtime builds every layer on every rank's host
+  (``holds_whole_model``; deepcee's runtime does, then trains its stage's) and the device's
+  memory is the host's (``DeviceMemory.host_memory``: a measured CPU device);
 - the allocator's fragmentation margin on all the terms above, and the device's fixed
   overhead (process, framework, communication library), both measured per device kind by the
   profiler (:class:`deepcee.profile.DeviceMemory`; 0 when the profile has none: a profile
@@ -97,9 +98,12 @@ def device_memory(model: ModelProfile, start: int, stop: int, *, share: int, in_
     buffers = runtime_buffer_bytes(model, start, stop, share=share, in_flight=in_flight,
                                    num_microbatches=num_microbatches, stage_devices=stage_devices, runtime=rt,
                                    sync=sync)
-    others = (model.gradient_bytes(0, model.num_layers) - model.gradient_bytes(start, stop)
-              if rt.holds_whole_model else 0.0)
     overhead = model.memory_overhead(kind)
+    # the runtime builds every layer on the host, then moves its stage's to the device: the
+    # other layers count where the device's memory is the host's (a measured CPU device)
+    on_host = overhead is not None and overhead.host_memory
+    others = (model.gradient_bytes(0, model.num_layers) - model.gradient_bytes(start, stop)
+              if rt.holds_whole_model and on_host else 0.0)
     fraction = overhead.fragmentation_fraction if overhead is not None else 0.0
     return MemoryBreakdown(state_bytes=state, activation_bytes=activations, boundary_bytes=boundary,
                            runtime_buffer_bytes=buffers, other_layers_bytes=others,

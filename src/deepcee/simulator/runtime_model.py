@@ -105,8 +105,9 @@ class RuntimeModel:
     step_overhead_s: float = 0.0
     """Bookkeeping per device per step beyond the optimizer (emulated seconds)."""
     holds_whole_model: bool = False
-    """Every rank builds every layer (then trains its stage's): the other layers' parameters
-    count in its memory."""
+    """Every rank builds every layer on the host (then trains its stage's, moved to its device):
+    the other layers' parameters count in a device whose memory is the host's (a CPU device,
+    :attr:`deepcee.profile.DeviceMemory.host_memory`)."""
     description: str = ""
 
     def __post_init__(self) -> None:
