@@ -88,11 +88,9 @@ def test_models_too_big_for_a_device_report_oom_with_numbers() -> None:
     assert by["ddp-best-island"].plan is None and "no island fits" in by["ddp-best-island"].reason
     # ZeRO-2 shards the optimizer state: it fits where DDP does not
     assert by["fsdp-zero2"].plan is not None
-    # a single 4-GPU node does not fit even as a pipeline once the runtime's own memory counts
-    # (deepcee's runtime holds the whole model's parameters on every rank and every receive
-    # buffer of a step): the reason names the shortfall
-    node = by["best-single-node"]
-    assert node.plan is None and node.reason.startswith("no node fits") and "GiB on cloud0:0, has 22 GiB" in node.reason
+    # a single 4-GPU node falls back to a pipeline (deepcee's runtime builds every layer on the
+    # host and moves only its stage's to a GPU, so the other layers do not count there)
+    assert by["best-single-node"].plan is not None and by["best-single-node"].plan.num_stages > 1
 
 
 def test_bound_is_never_beaten_by_a_baseline_on_random_clusters() -> None:
