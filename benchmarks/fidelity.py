@@ -51,6 +51,7 @@ from deepcee.profiler.fidelity import (
 from deepcee.profiler.network import NetworkBudget
 from deepcee.profiler.probes import ProbeConfig
 from deepcee.profiler.run import profile_cluster
+from deepcee.runtime.emulation import choose_dilation
 from deepcee.runtime.realnet import realnet_unavailable
 from deepcee.scenarios import load_scenario
 from deepcee.simulator.engine import simulate
@@ -157,6 +158,9 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--plans", type=int, default=12)
     ap.add_argument("--cores", type=float, default=0.6, help="CPU cores the emulated devices may use (sets D)")
+    ap.add_argument("--dilation", type=float, default=None,
+                    help="every run's time dilation (default: the profile's, from --cores over all devices; "
+                         "0: each plan's own from --cores)")
     ap.add_argument("--network-dilation", type=float, default=2.0, help="mode emulated's network probe")
     ap.add_argument("--docs", default="docs/profiler.md")
     ap.add_argument("--no-docs", action="store_true")
@@ -169,12 +173,16 @@ def main() -> int:
     declared = load_scenario("local-small")
     profile_s = _profile(args, declared)
     measured, profile = read_profile_dir(Path(args.profile_dir))
-    data, tables = {"profile_s": profile_s, "profile_dir": args.profile_dir, "targets": TARGETS,
+    # one D for every plan, the profile's: the runs keep the pacing the profile saw, and a
+    # larger D leaves a loaded host room to keep it ([Note: pacing check] in fidelity_report)
+    dilation = (choose_dilation([d.slowdown for d in declared.devices], args.cores) if args.dilation is None
+                else args.dilation or None)
+    data, tables = {"profile_s": profile_s, "dilation": dilation, "profile_dir": args.profile_dir, "targets": TARGETS,
                     "slowdowns": {d.name: d.slowdown for d in measured.devices}}, []
     for mode in [args.mode] + (["emulated"] if args.also_emulated and args.mode != "emulated" else []):
         report = validate_cluster(declared, "gpt-tiny", num_plans=args.plans, steps=args.steps,
                                   out_dir=f"{args.run_dir}-{mode}", profile_dir=args.profile_dir, cores=args.cores,
-                                  mode=mode)
+                                  mode=mode, dilation=dilation)
         plans = [plan_from_dict(d) for d in report.extra["plans"]]
         extra = ablations(report, plans, measured, profile) if mode == "realnet" else {}
         data[mode] = {**report.to_dict(), **extra}
