@@ -60,7 +60,7 @@ from torch import nn
 from deepcee.cluster import Cluster, Device, DeviceKind, Node
 from deepcee.errors import ProfileError
 from deepcee.inputs import Fields, read_json
-from deepcee.inputs.limits import MAX_DEVICES, MEASURED_TIME
+from deepcee.inputs.limits import BYTES, MAX_DEVICES, MEASURED_TIME
 from deepcee.nets.split import SplitModel
 from deepcee.plan import save_json_atomic
 from deepcee.planner.grouping import (
@@ -172,7 +172,10 @@ def _fixed(raw: Path, rank: int) -> float:
     """This rank's fixed memory overhead, measured by :func:`deepcee.profiler.baseline.measure_fixed`
     before the profiling launch (0 when it was not)."""
     path = raw / f"baseline-{rank}.json"
-    return float(json.loads(path.read_text())["fixed_bytes"]) if path.exists() else 0.0
+    if not path.exists():
+        return 0.0
+    f = Fields(read_json(path, ProfileError), file=str(path), error=ProfileError)
+    return f.number("fixed_bytes", BYTES)
 
 
 STEP_RECORD_BYTES = 2048
