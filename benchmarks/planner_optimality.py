@@ -24,7 +24,6 @@ Run: ``python benchmarks/planner_optimality.py [--instances 200] [--out reports/
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import itertools
 import math
 import random
@@ -255,9 +254,8 @@ def _space(cluster: Cluster, model: ModelProfile, options: PlannerOptions) -> li
     grouping = group_devices(cluster, island_threshold_s=options.island_threshold_s, speed_ratio=options.speed_ratio)
     dist = island_distances(cluster, grouping)
     max_stages = min(model.num_layers, options.max_stages or model.num_layers)
-    every = dataclasses.replace(options, all_orders=True)
     out: dict[tuple, StageLayout] = {}
-    for chain in enumerate_chains(grouping, dist, every):
+    for chain in enumerate_chains(grouping, dist, options):
         for lay in chain_layouts(grouping, chain, max_stages):
             out.setdefault(lay.slots, lay)
     return list(out.values())

@@ -1,8 +1,9 @@
 """Planning time of :func:`deepcee.planner.search.plan_training` as clusters grow.
 
 Cases: the DeepCEE testbed (``cee-testbed``, GPT-2, global batch 64; target < 1 s) and
-synthetic clusters of 16, 64, 256 and 1,024 devices in up to 16 islands (target < 30 s at
-1,024). Synthetic clusters are seeded: islands get 4-GPU (or 2-GPU, 1-GPU) nodes of one of
+synthetic clusters of 16, 64, 256, 512 and 1,024 devices in up to 16 islands (targets: 512
+devices in 8 islands planned in < 10 s and compared, crossover sweeps included, in < 30 s;
+1,024 devices in 16 islands planned in < 30 s). Synthetic clusters are seeded: islands get 4-GPU (or 2-GPU, 1-GPU) nodes of one of
 three device kinds (datasheet-style numbers, not measurements), 10 Gbit/s inside an island,
 and between islands 100 Mbit/s - 1 Gbit/s with 5-50 ms latency.
 
@@ -25,6 +26,7 @@ from pathlib import Path
 from deepcee.cluster import Cluster, Device, DeviceKind, Island, LinkEntry, LinkSpec, Node
 from deepcee.models import get_model
 from deepcee.plan import save_json_atomic
+from deepcee.planner.compare import compare
 from deepcee.planner.grouping import group_devices
 from deepcee.planner.search import plan_training
 from deepcee.scenarios import load_scenario
@@ -76,26 +78,32 @@ def _time(fn):
     return out, time.perf_counter() - w0, time.process_time() - c0
 
 
-def run_case(name: str, cluster: Cluster, model_name: str, global_batch: int, target_s: float) -> dict:
+def run_case(name: str, cluster: Cluster, model_name: str, global_batch: int, target_s: float,
+             compare_target_s: float | None = None) -> dict:
     model = get_model(model_name)
     grouping, g_wall, g_cpu = _time(lambda: group_devices(cluster))
     result, wall, cpu = _time(lambda: plan_training(cluster, model, global_batch))
     est = result.plan.estimate
+    cmp_wall = None
+    if compare_target_s is not None:
+        _, cmp_wall, _ = _time(lambda: compare(cluster, model, global_batch))
     return {
         "case": name, "devices": len(cluster.devices), "islands": len(grouping.islands),
         "groups": len(grouping.groups), "model": model_name, "global_batch": global_batch,
         "grouping_wall_s": g_wall, "grouping_cpu_s": g_cpu, "planning_wall_s": wall, "planning_cpu_s": cpu,
         "candidates_evaluated": result.candidates_evaluated, "stages": result.plan.num_stages,
         "devices_used": len(result.plan.devices), "iteration_s": est.iteration_s if est else None,
-        "target_s": target_s, "within_target": wall < target_s,
+        "target_s": target_s, "compare_wall_s": cmp_wall, "compare_target_s": compare_target_s,
+        "within_target": wall < target_s and (cmp_wall is None or cmp_wall < compare_target_s),
     }
 
 
-CASES = [  # (name, devices, islands, model, global batch, target)
-    ("synthetic-16", 16, 4, "gpt2", 64, 30.0),
-    ("synthetic-64", 64, 8, "gpt2-xl", 256, 30.0),
-    ("synthetic-256", 256, 16, "gpt2-xl", 1024, 30.0),
-    ("synthetic-1024", 1024, 16, "llama-7b", 4096, 30.0),
+CASES = [  # (name, devices, islands, model, global batch, plan target, compare target or None)
+    ("synthetic-16", 16, 4, "gpt2", 64, 30.0, None),
+    ("synthetic-64", 64, 8, "gpt2-xl", 256, 30.0, None),
+    ("synthetic-256", 256, 16, "gpt2-xl", 1024, 30.0, None),
+    ("synthetic-512", 512, 8, "llama-1b", 1024, 10.0, 30.0),
+    ("synthetic-1024", 1024, 16, "llama-7b", 4096, 30.0, None),
 ]
 
 
@@ -105,15 +113,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="only the testbed and the 16-device case")
     args = ap.parse_args(argv)
     rows = [run_case("cee-testbed", load_scenario("cee-testbed"), "gpt2", 64, 1.0)]
-    for name, n, k, model, batch, target in CASES[:1] if args.quick else CASES:
-        rows.append(run_case(name, synthetic_cluster(n, k, seed=n), model, batch, target))
+    for name, n, k, model, batch, target, cmp_target in CASES[:1] if args.quick else CASES:
+        rows.append(run_case(name, synthetic_cluster(n, k, seed=n), model, batch, target, cmp_target))
+        print(f"  {name}: planned in {rows[-1]['planning_wall_s']:.1f} s", flush=True)
     head = (f"{'case':<16}{'devices':>8}{'islands':>8}{'model':>10}{'batch':>7}{'group s':>9}{'plan s':>9}"
-            f"{'cpu s':>8}{'target':>8}{'ok':>4}{'cands':>7}{'stages':>7}{'used':>6}{'iter s':>10}")
+            f"{'cpu s':>8}{'target':>8}{'compare s':>10}{'ok':>4}{'cands':>7}{'stages':>7}{'used':>6}{'iter s':>10}")
     print(head)
     for r in rows:
+        cmp = "-" if r["compare_wall_s"] is None else f"{r['compare_wall_s']:.1f}"
         print(f"{r['case']:<16}{r['devices']:>8}{r['islands']:>8}{r['model']:>10}{r['global_batch']:>7}"
               f"{r['grouping_wall_s']:>9.3f}{r['planning_wall_s']:>9.3f}{r['planning_cpu_s']:>8.3f}"
-              f"{r['target_s']:>8.0f}{'yes' if r['within_target'] else 'NO':>4}{r['candidates_evaluated']:>7}"
+              f"{r['target_s']:>8.0f}{cmp:>10}{'yes' if r['within_target'] else 'NO':>4}{r['candidates_evaluated']:>7}"
               f"{r['stages']:>7}{r['devices_used']:>6}{r['iteration_s']:>10.4g}")
     save_json_atomic(Path(args.out), {"schema_version": 1, "format": "deepcee.bench.planning_time", "cases": rows})
     print(f"wrote {args.out}")

@@ -54,21 +54,31 @@ def _plan(strategy: Strategy) -> Plan:
                 replicas=reps, strategy=strategy)
 
 
-def measure(steps: int, rounds: int, work: Path) -> dict[str, float]:
-    """Samples/s (emulated) of the four runs, launched together."""
+def jobs(steps: int, rounds: int, work: Path) -> list[Job]:
+    """The four runs (each strategy with and without the straggler), to launch together."""
     (work / "six.toml").write_text(CLUSTER)
     cluster = load_cluster(work / "six.toml")
+    # rounds close 10 ms (emulated) after the first replica is ready: long enough for the fast
+    # replicas to meet, short beside a step; one full average, at the end
     partial = Strategy(kind="partial", window_s=0.01, min_group=2, full_sync_every=rounds)
     slow = (Straggler(device=DEVICES[-1], factor=3.0),)
-    jobs = []
+    out = []
     for name, strategy, n in (("allreduce", Strategy(), steps), ("partial", partial, rounds)):
         for suffix, stragglers in (("", ()), ("-straggler", slow)):
+            # a large time dilation (0.6 cores for six devices: D = 10) keeps the pacing above what
+            # a busy machine's contention adds, so the straggler's factor is what shows
             cfg = TrainConfig(steps=n, optimizer=OptimizerConfig(name="sgd", lr=0.01), mode="emulated",
                               cores=0.6, timeout_s=60, stragglers=stragglers)
-            jobs.append(Job(name=name + suffix, plan=_plan(strategy), cluster=cluster, model="gpt-tiny", config=cfg,
-                            run_dir=str(work / (name + suffix))))
-    results = launch_jobs(jobs, deadline_s=600)
-    return {j.name: r.samples_per_s for j, r in zip(jobs, results, strict=True)}
+            out.append(Job(name=name + suffix, plan=_plan(strategy), cluster=cluster, model="gpt-tiny", config=cfg,
+                           run_dir=str(work / (name + suffix))))
+    return out
+
+
+def measure(steps: int, rounds: int, work: Path) -> dict[str, float]:
+    """Samples/s (emulated) of the four runs, launched together."""
+    todo = jobs(steps, rounds, work)
+    results = launch_jobs(todo, deadline_s=600)
+    return {j.name: r.samples_per_s for j, r in zip(todo, results, strict=True)}
 
 
 def main() -> int:

@@ -124,6 +124,23 @@ def _progress(message: str):
     return Console(stderr=True).status(message)
 
 
+def _progress_printer(after_s: float = 2.0):
+    """A planner progress callback that prints ``step NN%`` to stderr once work has run for more
+    than ``after_s`` seconds (at most once a second, and at every new step)."""
+    import time
+
+    start, last = time.monotonic(), {"t": 0.0, "step": ""}
+
+    def report(step: str, fraction: float) -> None:
+        now = time.monotonic()
+        if now - start < after_s or (step == last["step"] and now - last["t"] < 1.0):
+            return
+        last.update(t=now, step=step)
+        print(f"  [{now - start:5.1f} s] {step}: {100 * fraction:3.0f}%", file=sys.stderr, flush=True)
+
+    return report
+
+
 def _fmt_est(est) -> str:
     from deepcee.units import fmt_time
 
@@ -175,14 +192,16 @@ def _figures(plan, cluster, model, args: argparse.Namespace):
 def cmd_plan(args: argparse.Namespace) -> int:
     cluster, cluster_ref = _load_cluster(args.cluster, args.scenario)
     model, model_ref = _load_model(args.model, args.profile, args, seq_len=args.seq_len, image_size=args.image_size)
-    from deepcee.planner.search import PlannerOptions, plan_training
+    from deepcee.planner.options import PlannerOptions
+    from deepcee.planner.replicas import plan_with_sync
 
     if args.budget is not None and args.objective != "cost":
         raise SpecError("--budget needs --objective cost", field="--budget")
-    options = PlannerOptions(**({"schedules": tuple(args.schedules.split(","))} if args.schedules else {}))
+    options = PlannerOptions(progress=_progress_printer(),
+                             **({"schedules": tuple(args.schedules.split(","))} if args.schedules else {}))
     searched = args.sync == "relaxed" or args.objective == "cost"
     with _progress(f"planning {model.name} on {cluster.name}"):
-        result = plan_training(cluster, model, args.global_batch, options=options, sync=args.sync, **(dict(
+        result = plan_with_sync(cluster, model, args.global_batch, options=options, sync=args.sync, **(dict(
             efficiency=_efficiency(args.efficiency), objective=args.objective, budget_usd=args.budget,
             dataset_samples=args.dataset_samples, epochs=args.epochs) if searched else {}))
     plan = result.plan.replace(cluster=cluster_ref, model=model_ref)

@@ -129,6 +129,12 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
                    help="stretch the trace's times by this factor (emulated seconds)")
     p.add_argument("--adapt", action="store_true",
                    help="watch link speed from the runtime's own transfers and re-tune or re-plan when it changes")
+    p.add_argument("--elastic", action="store_true",
+                   help="local launches: when a device's process dies or hangs, the others re-plan without it "
+                        "and go on (docs/running.md, Faults); one process per device of the plan")
+    p.add_argument("--restart-after", type=float, default=None, metavar="SECONDS",
+                   help="with --elastic: start a lost device's process again after SECONDS; it rejoins at a "
+                        "step boundary")
     p.add_argument("--straggler", action="append", default=[], metavar="DEVICE:FACTOR[:START[:STOP]]",
                    help="emulated modes: slow DEVICE down FACTOR times from START to STOP (emulated seconds "
                         "since training started; default the whole run); repeatable")
@@ -171,15 +177,24 @@ def train(args: argparse.Namespace) -> int:
                 print(f"replica {r}:")
             print(format_table(lowered_schedule(replica_plan(plan, r))))
         return 0
-    if (args.adapt or args.link_trace) and env is not None:
-        raise DeepceeError("--adapt and --link-trace run on local emulated processes, not under torchrun")
+    if (args.adapt or args.link_trace or args.elastic) and env is not None:
+        raise DeepceeError("--adapt, --link-trace and --elastic run on local processes, not under torchrun")
+    if args.restart_after is not None and not args.elastic:
+        raise SpecError("--restart-after needs --elastic", field="--restart-after")
+    if args.restart_after is not None and not 0 <= args.restart_after < 3600:
+        raise SpecError(f"must be in [0, 3600) seconds, got {args.restart_after!r}", field="--restart-after")
     if args.cuda:
         rdist.check_cuda()
     job = _job(args, plan, cluster, run_id=env.run_id if env is not None else "")
     if env is None:
         from deepcee.runtime.launch import launch_jobs
 
-        result = launch_jobs([job], deadline_s=args.deadline)[0]
+        elastic = None
+        if args.elastic:
+            from deepcee.runtime.supervise import Elastic
+
+            elastic = Elastic(restart_after_s=args.restart_after)
+        result = launch_jobs([job], deadline_s=args.deadline, elastic=elastic)[0]
     else:
         result = _torchrun_rank(args, env, job)
     if result is not None:  # rank 0, or the local launcher
@@ -191,7 +206,7 @@ def _torchrun_rank(args: argparse.Namespace, env: TorchrunEnv, job: Job) -> Trai
     """This process under torchrun: map it to its device ([Note: machine mapping]), then train."""
     from deepcee.runtime import dist as rdist
     from deepcee.runtime.machines import format_table
-    from deepcee.runtime.trainer import run_jobs_on_rank
+    from deepcee.runtime.rank import run_jobs_on_rank
 
     store = rdist.tcp_store(env, args.timeout)
     nodes = tuple(n for n in (args.cluster_node or "").split(",") if n)
@@ -349,7 +364,7 @@ def _job(args: argparse.Namespace, plan: Plan, cluster: Cluster, *, run_id: str 
     name = job_name(plan, model, run_id=run_id)
     _check_inputs(args, plan, cluster, model)
     fields = model_and_data(args, plan.model)
-    if not (args.adapt or args.link_trace):
+    if not (args.adapt or args.link_trace or args.elastic):
         from deepcee.runtime.job import Job
 
         return Job(name=name, plan=plan, cluster=cluster, config=_config(args, cluster), run_dir=args.run_dir,
@@ -361,7 +376,8 @@ def _job(args: argparse.Namespace, plan: Plan, cluster: Cluster, *, run_id: str 
     trace = load_named_trace(args.link_trace, field="--link-trace") if args.link_trace else None
     return adaptive_job(plan, cluster, config=_config(args, cluster), run_dir=args.run_dir, name=name,
                         adapt=args.adapt, link_trace=trace, trace_time_scale=args.trace_time_scale,
-                        profile=load_profile(args.profile) if args.profile else None, **fields)
+                        profile=load_profile(args.profile) if args.profile else None, **fields,
+                        **_elastic_fields(args, plan))
 
 
 def _check_inputs(args: argparse.Namespace, plan: Plan, cluster: Cluster, model: str) -> None:
@@ -379,6 +395,15 @@ def _check_inputs(args: argparse.Namespace, plan: Plan, cluster: Cluster, model:
         raise SpecError(str(exc).removeprefix("model: "), **where) from None
     if num_layers != plan.num_layers:
         raise SpecError(f"net {model!r} has {num_layers} blocks, the plan covers {plan.num_layers} layers", **where)
+
+
+def _elastic_fields(args: argparse.Namespace, plan: Plan) -> dict[str, Any]:
+    """``--elastic``: one rank per device of the plan, default elastic settings."""
+    if not args.elastic:
+        return {}
+    from deepcee.runtime.elastic import ElasticConfig
+
+    return {"elastic": ElasticConfig(), "devices": plan.devices}
 
 
 def _summary(result: TrainResult, args: argparse.Namespace) -> None:

@@ -4,6 +4,7 @@ shares. All jobs run in ONE launch of 4 processes (one start-up), under a hard d
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -33,6 +34,20 @@ CASES = {
     "compact-gpt-2x2": (make_plan("gpt-tiny", [(0, 3, (C0, C1), (1, 2)), (3, 6, (E0, E1), (2, 1))], 2, "compact",
                                   actions=(("0F0", "0F1", "0I0", "0I1", "0W1", "0W0"),
                                            ("1F0", "1I0", "1F1", "1I1", "1W0", "1W1"))), ADAM),
+}
+
+
+def _recomputing(plan, stages):
+    """``plan`` with activation recomputation on ``stages`` (see [Note: recompute] in runtime/stage.py)."""
+    return plan.replace(stages=tuple(dataclasses.replace(st, recompute=s in stages)
+                                     for s, st in enumerate(plan.stages)))
+
+
+CASES |= {
+    # recomputation: split backward (zb-h1, compact with delayed W) and fused B (1f1b), mixed stages
+    "recompute-zbh1-gpt": (_recomputing(CASES["1f1b-gpt-uneven"][0].replace(schedule="zb-h1"), {0, 2}), ADAM),
+    "recompute-compact-gpt-2x2": (_recomputing(CASES["compact-gpt-2x2"][0], {0, 1}), ADAM),
+    "recompute-1f1b-resnet": (_recomputing(CASES["zbh1-resnet-4stages"][0].replace(schedule="1f1b"), {1, 3}), SGD),
 }
 STEPS = 3
 

@@ -237,3 +237,14 @@ def test_deepcee_without_a_plan_is_a_row_with_its_reason(monkeypatch: pytest.Mon
     assert report.row("ddp").plan is not None and report.row("ddp").speedup == 0.0
     assert "deepcee found no plan" in format_table(report)
     assert json.loads(json.dumps(report.to_dict()))["rows"][0]["plan"] is None
+
+
+def test_crossover_curves_pass_through_the_planned_point() -> None:
+    """At the planned batch the sweep shows at least the plan's own figure ("without") and its best
+    simulated counterfactual with a left-out device ("with"), whatever the lighter sweep search finds."""
+    c, model = pair(10.0), one_layer_model()
+    study = crossover_mod.crossover_study(c, model, 48, ["na:0"], planner=lambda *a, **k: None,
+                                          batches=(16, 64), bandwidths_bytes_per_s=(1e6,), planned=(7.0, 1e9))
+    point = next(p for p in study.batch.points if p.value == 48)
+    assert point.without_samples_per_s == 1e9 and point.with_samples_per_s >= 7.0
+    assert [p.value for p in study.batch.points] == [16, 48, 64]

@@ -28,7 +28,13 @@ from deepcee.planner.efficiency import (
 )
 from deepcee.planner.objective import data_move, plan_figures, rank_key
 from deepcee.planner.relaxed_baselines import RELAXED_BASELINE_NAMES, build_relaxed_baselines
-from deepcee.planner.replicas import RelaxedOptions, blocks_of, partitions, plan_replicas
+from deepcee.planner.replicas import (
+    RelaxedOptions,
+    blocks_of,
+    partitions,
+    plan_replicas,
+    plan_with_sync,
+)
 from deepcee.planner.search import plan_training
 from deepcee.profile import LayerProfile, ModelProfile
 from deepcee.simulator.replicas import simulate_replicas
@@ -233,12 +239,13 @@ def test_a_calibration_that_measured_averaging_as_costly_keeps_the_exact_plan() 
     assert all(s.figures.time_to_target.multiplier >= 50 for s in got.candidates if s.plan.semantics == "relaxed")
 
 
-def test_plan_training_sync_switch() -> None:
+def test_plan_with_sync_switch() -> None:
     with pytest.raises(PlanError, match="unknown sync 'loose'"):
-        plan_training(trio(), toy(), 48, sync="loose")
-    exact = plan_training(trio(), toy(), 48)
+        plan_with_sync(trio(), toy(), 48, sync="loose")
+    exact = plan_with_sync(trio(), toy(), 48)
+    assert exact.plan == plan_training(trio(), toy(), 48).plan
     assert exact.plan.num_replicas == 1 and exact.plan.semantics == "exact"
-    cheapest = plan_training(trio(), toy(), 48, objective="cost")  # exact plans only, the cheapest
+    cheapest = plan_with_sync(trio(), toy(), 48, objective="cost")  # exact plans only, the cheapest
     assert cheapest.plan.semantics == "exact"
     assert any("dollars per sync-equivalent epoch" in line for line in cheapest.explanation)
 

@@ -24,11 +24,13 @@ def _reference(blocks, loss_fn, batch, scale):
     return [p.grad.clone() for b in blocks for p in b.parameters()]
 
 
-def _run_pipeline(name: str, split: int, split_backward: bool, microbatches: int = 3):
+def _run_pipeline(name: str, split: int, split_backward: bool, microbatches: int = 3, recompute: bool = False):
     """Two stages in one process, microbatches of 2 samples; returns (loss, grads) in block order."""
     blocks, loss_fn = nets.build(name, seed=3, dtype=torch.float64)
-    first = StageRunner(blocks[:split], stage=0, is_first=True, is_last=False, dtype=torch.float64)
-    last = StageRunner(blocks[split:], stage=1, is_first=False, is_last=True, loss_fn=loss_fn, dtype=torch.float64)
+    first = StageRunner(blocks[:split], stage=0, is_first=True, is_last=False, dtype=torch.float64,
+                        recompute=recompute)
+    last = StageRunner(blocks[split:], stage=1, is_first=False, is_last=True, loss_fn=loss_fn, dtype=torch.float64,
+                       recompute=recompute)
     batch = dataset_for(name).batch(0, 2 * microbatches)
     scale = 2 / (2 * microbatches)
     loss = 0.0
@@ -58,6 +60,47 @@ def test_stage_gradients_match_reference(name, split, split_backward):
     assert len(grads) == len(ref)
     for g, r in zip(grads, ref, strict=True):
         torch.testing.assert_close(g, r, rtol=1e-10, atol=1e-13)
+
+
+@pytest.mark.parametrize("name,split", [("gpt-tiny", 3), ("resnet-tiny", 2)])
+@pytest.mark.parametrize("split_backward", [True, False])
+def test_recompute_gives_the_same_loss_and_gradients(name, split, split_backward):
+    loss0, grads0, ref = _run_pipeline(name, split, split_backward)
+    loss1, grads1, _ = _run_pipeline(name, split, split_backward, recompute=True)
+    assert loss1 == pytest.approx(loss0, rel=1e-12)
+    for g0, g1, r in zip(grads0, grads1, ref, strict=True):
+        torch.testing.assert_close(g1, r, rtol=1e-10, atol=1e-13)
+        torch.testing.assert_close(g1, g0, rtol=1e-12, atol=1e-14)
+
+
+def test_recompute_keeps_only_the_input_until_the_backward():
+    blocks, loss_fn = nets.build("gpt-tiny", seed=3, dtype=torch.float64)
+    stage = StageRunner(blocks[:3], stage=0, is_first=True, is_last=False, dtype=torch.float64, recompute=True)
+    batch = dataset_for("gpt-tiny").batch(0, 2)
+    out = stage.forward(0, batch.inputs)
+    assert not out.requires_grad and stage._state[0].output is None  # no graph held after F
+    stage.backward_input(0, torch.ones_like(out))
+    assert stage._state[0].output is not None  # rebuilt for I, kept for W
+    stage.backward_weight(0)
+    assert stage.in_flight == 0
+
+
+def test_recompute_replays_the_random_state():
+    """A stage with dropout: the re-run forward draws the same mask as the first one."""
+    torch.manual_seed(11)
+    net = nn.Sequential(nn.Linear(6, 6), nn.Dropout(0.5), nn.Linear(6, 2)).double()
+    x, gy = torch.randn(4, 6, dtype=torch.float64), torch.randn(4, 2, dtype=torch.float64)
+    plain = StageRunner([net], stage=1, is_first=False, is_last=False, dtype=torch.float64)
+    again = StageRunner([net], stage=1, is_first=False, is_last=False, dtype=torch.float64, recompute=True)
+    torch.manual_seed(5)
+    y0 = plain.forward(0, x)
+    g0 = plain.backward(0, gy)
+    torch.manual_seed(5)
+    y1 = again.forward(0, x)
+    torch.rand(100)  # other work moves the generator between F and B
+    g1 = again.backward(0, gy)
+    torch.testing.assert_close(y1, y0)
+    torch.testing.assert_close(g1, g0)
 
 
 class _Tied(nn.Module):

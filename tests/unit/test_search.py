@@ -121,7 +121,9 @@ def test_slow_island_is_left_out_and_fast_one_used():
     assert set(slow.plan.devices) == {"a0:0", "a0:1"}
     assert set(slow.plan.excluded_devices) == {"b0:0", "b0:1"}
     line = next(x for x in slow.explanation if x.startswith("left out island b"))
-    assert "estimates" in line and "1 Mbit/s, 20 ms" in line  # 0.8 Mbit/s, rounded
+    assert "1 Mbit/s, 20 ms" in line  # 0.8 Mbit/s, rounded
+    adding = next(x for x in slow.explanation if x.startswith("adding island b"))
+    assert "simulated" in adding and "+" in adding
     fast = plan_training(_two_islands(1.25e10), m, 16)  # 100 Gbit/s: one site in effect
     assert len(fast.plan.devices) == 4
 
@@ -228,3 +230,39 @@ def test_reduced_optimality_against_brute_force():
     for r in rows:
         if r["brute_s"] is None:
             assert r["planner_s"] is None  # both infeasible
+
+
+def test_every_counterfactual_is_a_simulated_plan_of_the_same_search(testbed_gpt2):
+    """[Note: counterfactuals]: each printed alternative is a stored plan; re-simulated, it gives the
+    printed time and percentage against the chosen plan's simulated time."""
+    c, m, r = testbed_gpt2
+    assert r.counterfactuals, "the testbed plan leaves islands out and has other stage counts"
+    base = simulate(r.plan, c, m, record=False).iteration_s
+    assert base == pytest.approx(r.plan.estimate.iteration_s, rel=1e-12)
+    labels = {cf.label for cf in r.counterfactuals}
+    assert any(x.startswith("with ") for x in labels)
+    for cf in r.counterfactuals:
+        sim = simulate(cf.plan, c, m, record=False)
+        assert sim.iteration_s == pytest.approx(cf.plan.estimate.iteration_s, rel=1e-12)
+        assert cf.change == pytest.approx(sim.iteration_s / base - 1, rel=1e-9)
+        assert cf.line() in r.explanation
+        assert f"{100 * cf.change:+.1f}%" in cf.line()
+        # the search never returns a plan its own counterfactuals beat by the simulator
+        assert cf.change >= -1e-9, cf.line()
+        if cf.label.startswith("adding island"):
+            isl = cf.label.removeprefix("adding island ")
+            assert set(cf.plan.devices) & set(r.grouping.island(isl).devices)
+        if cf.label.startswith("with "):
+            assert cf.plan.num_stages == int(cf.label.split()[1])
+
+
+def test_cost_model_ranks_the_top_plans_like_the_simulator(testbed_gpt2):
+    """[Note: cost model = simulator]: over the 20 best plans the cost model scored, its ranking and
+    the simulator's agree (Kendall tau >= 0.9)."""
+    from scipy.stats import kendalltau
+
+    c, m, r = testbed_gpt2
+    top = r.scored[:20]
+    assert len(top) >= 10
+    sim = [simulate(x.plan, c, m, record=False).iteration_s for x in top]
+    assert kendalltau([x.estimate.iteration_s for x in top], sim).statistic >= 0.9

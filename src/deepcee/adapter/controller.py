@@ -40,6 +40,7 @@ from deepcee.adapter.monitor import MonitorConfig
 from deepcee.cluster import BandwidthTrace, Cluster
 from deepcee.plan import Plan
 from deepcee.profile import ModelProfile
+from deepcee.runtime.elastic import ElasticConfig
 from deepcee.runtime.job import Job, TrainConfig
 from deepcee.runtime.launch import launch_jobs
 from deepcee.runtime.records import TrainResult
@@ -61,7 +62,7 @@ def adaptive_job(plan: Plan, cluster: Cluster, *, config: TrainConfig, run_dir: 
                  profile: ModelProfile | None = None, link_trace: BandwidthTrace | str | Path | None = None,
                  between: Iterable[tuple[str, str]] | None = None, trace_time_scale: float = 1.0,
                  monitor: MonitorConfig | None = None, planning_cluster: Cluster | None = None,
-                 name: str | None = None, **job_fields: Any) -> Job:
+                 name: str | None = None, elastic: ElasticConfig | None = None, **job_fields: Any) -> Job:
     """A :class:`~deepcee.runtime.job.Job` whose ranks run :class:`AdaptiveHooks` (for :func:`launch_jobs`).
 
     Rank ``r`` runs ``devices[r]`` (default: every device of ``cluster``). ``link_trace`` (see
@@ -69,13 +70,16 @@ def adaptive_job(plan: Plan, cluster: Cluster, *, config: TrainConfig, run_dir: 
     (emulated seconds: the built-in ``drop-5x`` drops at 20 s x ``trace_time_scale``). The
     policy is ``policy`` or :class:`DefaultPolicy` with ``profile`` (default: the model's
     analytic profile); it plans on ``planning_cluster`` (default: ``cluster`` without any trace,
-    at time 0, restricted to ``devices``). ``job_fields``: further :class:`Job` fields.
+    at time 0, restricted to ``devices``). ``elastic``: survive lost devices and take them back
+    ([Note: elastic re-plan] in :mod:`deepcee.adapter.elastic`; launch it alone, with
+    ``launch_jobs(..., elastic=Elastic(...))`` to restart lost ranks). ``job_fields``: further
+    :class:`Job` fields.
     """
     devices = tuple(devices or cluster.device_names)
     if link_trace is not None and planning_cluster is None:
         planning_cluster = snapshot(cluster, 0.0).subset(devices)
     spec = AdaptSpec(devices=devices, adapt=adapt, policy=policy or DefaultPolicy(profile=profile),
-                     monitor=monitor or MonitorConfig(), planning_cluster=planning_cluster)
+                     monitor=monitor or MonitorConfig(), planning_cluster=planning_cluster, elastic=elastic)
     traced = traced_cluster(cluster, link_trace, between=between, time_scale=trace_time_scale)
     return Job(name=name or f"adapt-{uuid.uuid4().hex[:8]}", plan=plan, cluster=traced, model=model, config=config,
                run_dir=str(run_dir), hooks=spec, **job_fields)

@@ -41,12 +41,19 @@ times. Then, before the next step and counted in its time (``change_s``):
   holds, agrees boundary shapes with its new peers, rebuilds its optimizer with the moved
   or kept state, and its transport. Parameters and optimizer state are exactly those a run
   without the change would have (tested against a single-process reference).
+
+With ``elastic`` settings (:class:`~deepcee.runtime.elastic.ElasticConfig`) the ranks are an
+elastic run's ([Note: elastic process groups] in :mod:`deepcee.runtime.elastic`): step
+records and the decision travel through the store, each step's update waits for the commit
+point, a failed step goes to :func:`deepcee.adapter.elastic.recover`, and rank 0 takes a
+device that comes back in at a step boundary ([Note: elastic re-plan] there). Rank ``r`` then
+runs ``devices[r]`` of the generation in force (:attr:`AdaptiveHooks.devices`).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -54,14 +61,18 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from deepcee.adapter import elastic as aelastic
 from deepcee.adapter.coordinator import Coordinator, DefaultPolicy, PolicyContext, PolicyFactory
-from deepcee.adapter.messages import DecisionMessage, DeviceTopology, Move, transfers_of
+from deepcee.adapter.messages import DecisionMessage, DeviceTopology
 from deepcee.adapter.monitor import MonitorConfig
 from deepcee.adapter.policy import DecisionKind
+from deepcee.adapter.statemove import move_state, rebuild
 from deepcee.cluster import Cluster
 from deepcee.errors import RuntimeSetupError, SpecError
 from deepcee.plan import Plan
+from deepcee.profile import ModelProfile
 from deepcee.runtime import boundary
+from deepcee.runtime.elastic import ElasticConfig, Transition
 from deepcee.runtime.job import Job
 from deepcee.runtime.partition import Topology
 from deepcee.runtime.records import (
@@ -94,6 +105,9 @@ class AdaptSpec:
     planning_cluster: Cluster | None = None
     """What the policy plans on (no traces); ``None``: the job's cluster frozen at time 0,
     restricted to ``devices``."""
+    elastic: ElasticConfig | None = None
+    """Survive lost devices and take them back ([Note: elastic re-plan] in
+    :mod:`deepcee.adapter.elastic`); ``None``: a lost device ends the run."""
 
     def __post_init__(self) -> None:
         if not self.devices or len(set(self.devices)) != len(self.devices):
@@ -104,6 +118,20 @@ class AdaptSpec:
 
     def rank_devices(self, job: Job) -> tuple[str, ...]:
         return self.devices
+
+    def warm(self, job: Job, device: torch.device) -> None:
+        """A process that comes back pays its one-off costs before it asks to (elastic runs)."""
+        from deepcee import nets
+        from deepcee.runtime import params as rparams
+        from deepcee.runtime.data import dataset_for
+
+        dtype = getattr(torch, job.config.dtype)
+        if isinstance(job.model, str):
+            blocks, loss_fn = nets.build(job.model, job.config.seed, dtype=dtype)
+        else:
+            blocks, loss_fn = [b.to(dtype) for b in rparams.private_blocks(job.model)], None
+        _warm_blocks(blocks, job.loss_fn or loss_fn, job.dataset or dataset_for(job.model, job.config.seed),
+                     job.config, device)
 
 
 def layer_state_bytes(blocks: Sequence[nn.Module], optimizer: str, momentum: float = 0.0) -> list[float]:
@@ -116,16 +144,24 @@ class AdaptiveHooks:
     """One rank's hooks of a run whose plan changes at step boundaries. See the module docstring."""
 
     def __init__(self, spec: AdaptSpec, job: Job, worker: Worker) -> None:
-        if worker.world_size != len(spec.devices):
+        if worker.world_size != len(spec.devices) and spec.elastic is None:
             raise RuntimeSetupError(f"an adaptive job needs one rank per device of {list(spec.devices)}, "
                                     f"the world has {worker.world_size}")
-        if job.config.checkpoint_every or job.config.resume:
-            raise SpecError("checkpoints are not supported with the adapter (the plan changes)", field="checkpoint")
+        if spec.elastic is None and (job.config.checkpoint_every or job.config.resume):
+            raise SpecError("checkpoints are supported with the adapter only in an elastic run (the plan changes)",
+                            field="checkpoint")
         if job.plan.num_replicas > 1:
             raise SpecError(f"the adapter re-tunes and re-plans one pipeline; plan {job.plan.system!r} has "
                             f"{job.plan.num_replicas} replicas ({job.plan.strategy.describe()}), whose links and "
                             "strategy it does not model yet: run it without --adapt", field="plan.replicas")
+        if spec.elastic is not None and job.config.clip_grad_norm is not None:
+            raise SpecError("an elastic run does not clip the gradient norm yet (its all-reduce comes after the "
+                            "step's commit point)", field="clip_grad_norm")
         self.spec = spec
+        self.devices: tuple[str, ...] = spec.devices
+        """Rank ``r`` runs ``devices[r]`` (an elastic run: of the generation in force)."""
+        self.events: list[dict[str, Any]] = []
+        """Rank 0 of an elastic run: its transitions (``elastic.json``)."""
         self.version = 0
         self.plans: list[Plan] = [job.plan]
         self.changes: list[PlanChange] = []
@@ -135,7 +171,7 @@ class AdaptiveHooks:
 
     # -- set-up --------------------------------------------------------------------------
     def topology(self, plan: Plan, world_size: int) -> Topology:
-        return DeviceTopology(plan, self.spec.devices)
+        return DeviceTopology(plan, self.devices)
 
     def gathers_over_world(self) -> bool:
         return True  # idle ranks take part in every gather and broadcast
@@ -144,22 +180,47 @@ class AdaptiveHooks:
         return True
 
     def device(self, trainer: Trainer) -> str:
-        return self.spec.devices[trainer.w.rank]
+        return self.devices[trainer.w.rank]
 
     def paced_devices(self, trainer: Trainer) -> Sequence[str]:
         return self.spec.devices  # fixed for the run, whatever the plans use
 
     def prepare(self, t: Trainer) -> None:
         _warm_up(t)
+        if self.spec.elastic is not None:
+            aelastic.session(t).applied = t.start_step
         if t.w.rank == 0:
-            planning = (self.spec.planning_cluster if self.spec.planning_cluster is not None
-                        else snapshot(t.cluster, 0.0).subset(self.spec.devices))
-            model = t.job.model if isinstance(t.job.model, str) else "user"
-            ctx = PolicyContext(plan=t.plan, cluster=planning, model=model, steps=t.cfg.steps, clock=t.emulated_s)
-            opt = t.cfg.optimizer
-            self._coordinator = Coordinator(self.spec, t.plan, planning, ctx,
-                                            layer_state_bytes(t.blocks, opt.name, opt.momentum))
+            self.ensure_coordinator(t)
             self._coordinator.warm_up(t.plan)
+
+    def planning_cluster(self, t: Trainer) -> Cluster:
+        """What plans are made on: the spec's planning cluster, else the job's at time 0 (no traces)."""
+        if self.spec.planning_cluster is not None:
+            return self.spec.planning_cluster
+        return snapshot(t.cluster, 0.0).subset(self.spec.devices)
+
+    def model_profile(self, t: Trainer) -> ModelProfile:
+        """The profile re-plans use: the policy's, else the built-in model's analytic one."""
+        profile = getattr(self.spec.policy, "profile", None)
+        if profile is not None:
+            return profile
+        if not isinstance(t.job.model, str):
+            raise SpecError("re-planning a user model needs its profile (DefaultPolicy(profile=...))", field="profile")
+        from deepcee.models import get_model
+
+        return get_model(t.job.model)
+
+    def layer_bytes(self, t: Trainer) -> list[float]:
+        opt = t.cfg.optimizer
+        return layer_state_bytes(t.blocks, opt.name, opt.momentum)
+
+    def ensure_coordinator(self, t: Trainer) -> None:
+        """Rank 0's monitor and policy (a rank that becomes rank 0 mid-run starts them afresh)."""
+        if self._coordinator is None:
+            model = t.job.model if isinstance(t.job.model, str) else "user"
+            ctx = PolicyContext(plan=t.plan, cluster=self.planning_cluster(t), model=model, steps=t.cfg.steps,
+                                clock=t.emulated_s)
+            self._coordinator = Coordinator(self.spec, t.plan, ctx.cluster, ctx, self.layer_bytes(t))
 
     # -- the step boundary ---------------------------------------------------------------
     def decide(self, t: Trainer, step: int, gathered: Sequence[RankMetrics | None] | None) -> BoundaryMetrics:
@@ -177,11 +238,7 @@ class AdaptiveHooks:
                                  change_by_device=changed)
         if step == t.cfg.steps - 1:
             return record
-        box: list[Any] = [None]
-        if self._coordinator is not None:
-            box[0] = self._coordinator.decide(step, t.plan)
-        dist.broadcast_object_list(box, src=0)
-        msg: DecisionMessage = box[0]
+        msg = self._decision(t, step)
         if msg.start_step != step + 1:
             raise RuntimeSetupError(f"rank {t.w.rank}: decision for step {msg.start_step} arrived after step {step}")
         self._pending = msg if msg.changes_plan else None
@@ -190,12 +247,34 @@ class AdaptiveHooks:
                                decision=msg.kind.value, reason=msg.reason,
                                control_s=(t.clock.wall() - t0) / t.dilation)
 
+    def _decision(self, t: Trainer, step: int) -> DecisionMessage:
+        """Rank 0's decision after ``step``, on every rank (through the store in an elastic run)."""
+        msg = None
+        if self._coordinator is not None:
+            msg = self._coordinator.decide(step, t.plan)
+            back = aelastic.session(t).rejoin_requests() if self.spec.elastic is not None else []
+            if back:
+                tr = aelastic.decide_rejoin(self, t, step, back)
+                aelastic.session(t).admit(tr)
+                msg = DecisionMessage(kind=DecisionKind.REPLAN, start_step=step + 1, plan=tr.detail.plan,
+                                      moves=tr.detail.moves, reason=tr.reason, transition=tr)
+        if self.spec.elastic is not None:
+            s = aelastic.session(t)
+            if msg is not None:
+                s.publish(f"decision/{step}", msg)
+            return msg or s.receive(f"decision/{step}", f"rank 0's decision after step {step}")
+        box: list[Any] = [msg]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
     def apply(self, t: Trainer) -> AppliedChange | None:
         msg, self._pending = self._pending, None
         if msg is None:
             return None
+        if msg.transition is not None:
+            return aelastic.enter(self, t, msg.transition)
         t0 = t.clock.wall()
-        received = _move_state(t, self.spec.devices, msg.moves)
+        received = move_state(t, self.devices, msg.moves)
         t_moved = t.clock.wall()
         kept_state = t.optimizer.state if t.active else {}
         old_plan, was_active = t.plan, t.active
@@ -206,7 +285,7 @@ class AdaptiveHooks:
             if msg.kind == DecisionKind.RETUNE and was_active:
                 t.reshard()
             else:
-                _rebuild(t, f"{t.job.name}/v{self.version}", received, kept_state)
+                rebuild(t, f"{t.job.name}/v{self.version}", received, kept_state)
         else:
             t.stage = t.optimizer = t.p2p = None
         change_s = (t.clock.wall() - t0) / t.dilation
@@ -224,6 +303,22 @@ class AdaptiveHooks:
         out, self._rank_change = self._rank_change, None
         return out
 
+    # -- an elastic run -----------------------------------------------------------------
+    def before_update(self, t: Trainer, step: int) -> None:
+        if self.spec.elastic is not None:
+            aelastic.session(t).commit(step, parties=t.topo.num_active)
+
+    def recover(self, t: Trainer, step: int, exc: BaseException) -> tuple[int, AppliedChange | None]:
+        if self.spec.elastic is None or isinstance(exc, SpecError | KeyboardInterrupt):
+            raise exc
+        return aelastic.recover(self, t, step, exc)
+
+    def admitted(self, tr: Transition) -> None:
+        self.devices = tr.devices
+
+    def join(self, t: Trainer, tr: Transition) -> None:
+        aelastic.join(self, t, tr)
+
     def adapter_run(self) -> AdapterRun:
         return AdapterRun(adapt=self.spec.adapt, devices=self.spec.devices, plans=tuple(self.plans),
                           changes=tuple(self.changes))
@@ -238,111 +333,29 @@ def _warm_up(t: Trainer) -> None:
     """Pay one-off costs now, not in the first step a rank runs after a change (a standby
     device is kept ready): the first optimizer built in a process imports ``torch._dynamo``
     (measured: about 4 s), and the first forward and backward through a block costs its
-    process about 2x a later one. Runs every block once on two samples and leaves
-    parameters, gradients and buffers as they were."""
-    dummy = nn.Parameter(torch.zeros(1, device=t.w.device))
-    opt = t.cfg.optimizer.build([dummy])
+    process about 2x a later one."""
+    _warm_blocks(t.blocks, t.loss_fn, t.dataset, t.cfg, t.w.device)
+
+
+def _warm_blocks(blocks: Sequence[nn.Module], loss_fn: Any, dataset: Any, cfg: Any, device: torch.device) -> None:
+    """Build and step an optimizer once, run every block once on two samples; parameters,
+    gradients and buffers are left as they were."""
+    dummy = nn.Parameter(torch.zeros(1, device=device))
+    opt = cfg.optimizer.build([dummy])
     dummy.grad = torch.zeros_like(dummy)
     opt.step()
-    if t.loss_fn is None:
+    if loss_fn is None:
         return
-    buffers = [(b, b.detach().clone()) for block in t.blocks for b in block.buffers()]
-    batch = t.dataset.batch(0, 2)
-    dtype = getattr(torch, t.cfg.dtype)
-    x = boundary.to_device(batch.inputs, t.w.device, dtype)  # tensors or structures of them
-    for block in t.blocks:
+    buffers = [(b, b.detach().clone()) for block in blocks for b in block.buffers()]
+    batch = dataset.batch(0, 2)
+    dtype = getattr(torch, cfg.dtype)
+    x = boundary.to_device(batch.inputs, device, dtype)  # tensors or structures of them
+    for block in blocks:
         x = block(x)
-    t.loss_fn(x, boundary.to_device(batch.targets, t.w.device, dtype)).backward()
+    loss_fn(x, boundary.to_device(batch.targets, device, dtype)).backward()
     with torch.no_grad():
-        for block in t.blocks:
+        for block in blocks:
             for p in block.parameters():
                 p.grad = None
         for b, saved in buffers:
             b.copy_(saved)
-
-
-def _rebuild(t: Trainer, key: str, received: Mapping[int, dict[str, Any]], kept_state: Mapping[Any, Any]) -> None:
-    """New stage from the blocks (moved layers loaded first), optimizer state carried over."""
-    with torch.no_grad():
-        for layer, payload in received.items():
-            for name, p in t.blocks[layer].named_parameters():
-                p.copy_(payload["params"][name])
-            for name, b in t.blocks[layer].named_buffers():
-                b.copy_(payload["buffers"][name])
-    t.build_stage(key)
-    start = t.plan.stages[t.placement.stage].layer_start
-    for name, p in t.stage.module.named_parameters():
-        idx, rest = name.split(".", 1)
-        layer = start + int(idx)
-        if layer in received:
-            state = received[layer]["state"].get(rest)
-            if state:
-                t.optimizer.state[p] = {k: _to_device(v, p) for k, v in state.items()}
-        elif p in kept_state:
-            t.optimizer.state[p] = kept_state[p]
-    t.p2p = t.make_p2p()
-
-
-def _layer_payload(t: Trainer, layer: int) -> dict[str, Any]:
-    """Parameters, buffers and optimizer state of ``layer`` as this rank holds them (CPU copies)."""
-    params, state = {}, {}
-    opt_state = t.optimizer.state
-    for name, p in t.blocks[layer].named_parameters():
-        params[name] = p.detach().cpu().clone()
-        if p in opt_state:
-            state[name] = {k: (v.detach().cpu().clone() if torch.is_tensor(v) else v)
-                           for k, v in opt_state[p].items()}
-    buffers = {name: b.detach().cpu().clone() for name, b in t.blocks[layer].named_buffers()}
-    return {"params": params, "buffers": buffers, "state": state}
-
-
-def _move_state(t: Trainer, devices: Sequence[str], moves: Sequence[Move]) -> dict[int, dict[str, Any]]:
-    """Run this rank's part of ``moves`` (pairwise, in the message's order); returns what it received."""
-    me = devices[t.w.rank]
-    received: dict[int, dict[str, Any]] = {}
-    for src, dst, layers in transfers_of(moves):
-        if me == src:
-            payload = {layer: _layer_payload(t, layer) for layer in layers}
-            nbytes = sum(_nbytes(v) for v in payload.values())
-            deliver = t.clock.wall()
-            if t.shaper is not None:
-                deliver = t.shaper.deliver_at(t.cluster.link(src, dst), nbytes, deliver)
-            _send_object(t, {"deliver": deliver, "layers": payload}, dst)
-        elif me == dst:
-            box = _recv_object(t, src)
-            if t.shaper is not None:
-                t.clock.sleep_until(box["deliver"])
-            received.update(box["layers"])
-    return received
-
-
-def _send_object(t: Trainer, obj: Any, dst: str) -> None:
-    rank = t.topo.rank_of_device(dst)
-    try:
-        dist.send_object_list([obj], dst=rank)
-    except RuntimeError as exc:
-        raise RuntimeSetupError(f"rank {t.w.rank}: sending layer state to rank {rank} ({dst}) failed: "
-                                f"{str(exc)[:160]}") from None
-
-
-def _recv_object(t: Trainer, src: str) -> Any:
-    rank = t.topo.rank_of_device(src)
-    box: list[Any] = [None]
-    try:
-        dist.recv_object_list(box, src=rank)
-    except RuntimeError as exc:
-        raise RuntimeSetupError(f"rank {t.w.rank}: receiving layer state from rank {rank} ({src}) failed: "
-                                f"{str(exc)[:160]}") from None
-    return box[0]
-
-
-def _to_device(v: Any, p: torch.Tensor) -> Any:
-    # moments live with the parameter; AdamW keeps its step counter on the CPU
-    return v.to(p.device) if torch.is_tensor(v) and v.shape == p.shape else v
-
-
-def _nbytes(payload: Mapping[str, Any]) -> int:
-    n = sum(t.numel() * t.element_size() for part in ("params", "buffers") for t in payload[part].values())
-    for st in payload["state"].values():
-        n += sum(v.numel() * v.element_size() for v in st.values() if torch.is_tensor(v))
-    return n

@@ -91,18 +91,24 @@ class Move:
             raise ValueError(f"bad move: layer {self.layer} from {self.src!r} to {self.dst!r}")
 
 
-def state_moves(old: Plan, new: Plan, cluster: Cluster, layer_bytes: Sequence[float]) -> tuple[Move, ...]:
+def state_moves(old: Plan, new: Plan, cluster: Cluster, layer_bytes: Sequence[float], *,
+                holders: Mapping[int, Sequence[str]] | None = None) -> tuple[Move, ...]:
     """The moves that give every device of ``new`` the state of its layers.
 
     Per layer of ``new`` (stage order, layer order), each device of its stage that did not
     hold it under ``old`` receives it from one device that did, the one whose link would
     finish it first given what is already booked on each link resource (the rule of
     :func:`deepcee.adapter.policy.state_movement`). ``layer_bytes[i]``: bytes of layer ``i``'s
-    state (parameters and optimizer state).
+    state (parameters and optimizer state). ``holders`` (layer -> devices) replaces what
+    ``old`` says, e.g. the survivors of a lost device ([Note: elastic re-plan]).
     """
     if old.num_layers != new.num_layers or len(layer_bytes) != new.num_layers:
         raise PlanError(f"plans of {old.num_layers} and {new.num_layers} layers, {len(layer_bytes)} layer sizes")
-    holders = {layer: st.devices for st in old.stages for layer in range(st.layer_start, st.layer_stop)}
+    if holders is None:
+        holders = {layer: st.devices for st in old.stages for layer in range(st.layer_start, st.layer_stop)}
+    empty = [layer for layer in range(new.num_layers) if not holders.get(layer)]
+    if empty:
+        raise PlanError(f"no device holds the state of layers {empty}")
     load: dict[str, float] = {}
     out = []
     for st in new.stages:
@@ -146,6 +152,9 @@ class DecisionMessage:
     predicted_new_s: float | None = None
     predicted_change_s: float = 0.0
     moved_bytes: float = 0.0
+    transition: Any = None
+    """Devices come back (an elastic run): the next generation, a
+    :class:`deepcee.runtime.elastic.Transition` every member enters (not in :meth:`to_dict`)."""
 
     def __post_init__(self) -> None:
         if self.start_step < 0:

@@ -37,7 +37,7 @@ _EXPORTS = {
     "PlanCost": "cost_model",
     "SimulatorCostModel": "cost_model",
     "Candidate": "search",
-    "PlannerOptions": "search",
+    "PlannerOptions": "options",
     "PlanResult": "search",
     "plan_training": "search",
 }

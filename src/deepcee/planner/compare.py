@@ -47,6 +47,7 @@ from deepcee.planner.efficiency import (
     TimeToTarget,
     time_to_target,
 )
+from deepcee.planner.options import PlannerOptions
 from deepcee.profile import ModelProfile
 from deepcee.schedule.ir import ActionKind
 from deepcee.schedule.program import lowered_schedule
@@ -225,28 +226,34 @@ def breakdown(plan: Plan, cluster: Cluster, model: ModelProfile) -> dict[str, fl
     }
 
 
-SWEEP_SEARCH = {"sweep_top": 8, "model_top": 6, "refine_top": 1, "compact_top": 2, "confirm_top": 2}
+SWEEP_SEARCH = {"sweep_top": 4, "model_top": 3, "refine_top": 1, "compact_top": 1, "confirm_top": 1,
+                "chain_budget": 24, "score_budget": 20_000, "explain_counterfactuals": False}
 """Lighter search effort for the ~60 plans of a crossover study (PlannerOptions fields)."""
 
 
-def _deepcee(cluster: Cluster, model: ModelProfile, global_batch: int, *,
-             use_all_devices: bool = False, light: bool = False) -> tuple[Plan, float]:
-    """deepcee's plan, re-simulated, and the planning time.
+def _deepcee(cluster: Cluster, model: ModelProfile, global_batch: int, *, use_all_devices: bool = False,
+             light: bool = False) -> tuple[Plan, float, tuple[float, float]]:
+    """deepcee's plan, re-simulated, the planning time, and (best simulated samples/s of a
+    counterfactual that uses a device the plan leaves out, of one that does not).
 
     ``use_all_devices`` forbids leaving any device out; ``light`` uses :data:`SWEEP_SEARCH`.
     """
-    from deepcee.planner.search import PlannerOptions, plan_training
+    from deepcee.planner.search import plan_training
 
     t0 = time.perf_counter()
     options = PlannerOptions(allow_exclusion=not use_all_devices, **(SWEEP_SEARCH if light else {}))
     result = plan_training(cluster, model, global_batch, options=options)
-    return simulated(result.plan, cluster, model), time.perf_counter() - t0
+    plan = simulated(result.plan, cluster, model)
+    used = set(plan.devices)
+    with_ = [c.plan.estimate.samples_per_s for c in result.counterfactuals if set(c.plan.devices) - used]
+    without = [c.plan.estimate.samples_per_s for c in result.counterfactuals if set(c.plan.devices) <= used]
+    return plan, time.perf_counter() - t0, (max(with_, default=0.0), max([plan.estimate.samples_per_s, *without]))
 
 
 def _planned(cluster: Cluster, model: ModelProfile, batch: int, *, use_all_devices: bool = False) -> Plan | None:
     """The crossover sweeps' :class:`SweepPlanner`: :func:`_deepcee` with the light search."""
     try:
-        plan, _ = _deepcee(cluster, model, batch, use_all_devices=use_all_devices, light=True)
+        plan = _deepcee(cluster, model, batch, use_all_devices=use_all_devices, light=True)[0]
     except InfeasiblePlanError:
         return None
     return plan
@@ -285,8 +292,11 @@ def compare(cluster: Cluster, model: ModelProfile, global_batch: int, *, crossov
     """
     t0 = time.perf_counter()
     check_planning(cluster, model, global_batch)  # before the baselines, which plan too
+    planned: tuple[float, float] | None = None
     try:
-        plan, planning_s = _deepcee(cluster, model, global_batch)
+        got = _deepcee(cluster, model, global_batch)
+        plan, planning_s = got[0], got[1]
+        planned = got[2] if len(got) > 2 else None
         reason = ""
     except InfeasiblePlanError as exc:
         # reported as a row without a plan, like a baseline that does not fit
@@ -311,7 +321,9 @@ def compare(cluster: Cluster, model: ModelProfile, global_batch: int, *, crossov
     line, kept = _leave_out(plan, baselines, cluster) if plan is not None else ("", ())
     study = None
     if line and crossover:
-        study = crossover_study(cluster, model, global_batch, kept, planner=_planned)
+        if planned is not None and set(kept) != set(plan.devices):
+            planned = None  # a baseline's kept devices: the plan's counterfactuals do not apply
+        study = crossover_study(cluster, model, global_batch, kept, planner=_planned, planned=planned)
     return CompareReport(
         cluster=cluster.name, model=model.name, global_batch=global_batch, source=figure_source(cluster, model),
         bound=bound, rows=tuple(rows), fraction_of_bound=sps / bound.samples_per_s, leave_out=line,

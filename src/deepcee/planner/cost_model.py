@@ -36,8 +36,9 @@ The model, per plan (``S`` stages, ``M`` microbatches):
    simulator's order of events, with the simulator's default runtime
    (:data:`deepcee.simulator.runtime_model.DEFAULT_RUNTIME`: its receive handshake enters
    the pipeline's tables).
-5. **Memory.** Per device :func:`deepcee.simulator.memory.device_memory` (plan and runtime terms) with the
-   schedule's in-flight count per stage (:func:`deepcee.schedule.program.stage_in_flight`:
+5. **Memory.** Per device :func:`deepcee.simulator.engine.peak_memory` (the simulator's own:
+   :func:`deepcee.simulator.memory.device_memory`, plan and runtime terms, with recomputation
+   where a stage recomputes) with the schedule's in-flight count per stage (:func:`deepcee.schedule.program.stage_in_flight`:
    GPipe ``M``, 1F1B/ZB-H1 ``min(S-s, M)``, ZB-H2 ``min(2(S-s)-1, M)``, compact from its
    actions), checked against ``cluster.memory_bytes``.
 
@@ -68,8 +69,13 @@ from deepcee.profile import ModelProfile
 from deepcee.schedule.interpreter import Execution, LinkCost, stage_tables
 from deepcee.schedule.ir import ActionKind, Schedule
 from deepcee.schedule.program import lowered_schedule, stage_in_flight
-from deepcee.simulator.engine import allreduce_time_s, optimizer_step_s, simulate, to_estimate
-from deepcee.simulator.memory import device_memory
+from deepcee.simulator.engine import (
+    allreduce_time_s,
+    optimizer_step_s,
+    peak_memory,
+    simulate,
+    to_estimate,
+)
 from deepcee.simulator.runtime_model import DEFAULT_RUNTIME, RuntimeModel
 from deepcee.units import GIB, fmt_rate
 
@@ -93,7 +99,13 @@ class BoundaryCost:
     backward: LinkCost
     """The same for the gradient, ``s+1 -> s``."""
     bytes_per_microbatch: float
-    link: str
+    """Bytes of one microbatch over the boundary, all link resources together."""
+    busiest_bytes: float = 0.0
+    """Bytes of one microbatch on the forward direction's busiest resource (what its
+    serialisation time is made of)."""
+    resources: int = 1
+    """Link resources (pipes) the forward direction uses."""
+    link: str = ""
     """The slowest resource of the forward direction, with its bandwidth (for reports)."""
 
 
@@ -123,6 +135,8 @@ class PlanCost:
     boundaries: tuple[BoundaryCost, ...]
     pipeline: PipelineTiming
     allreduce_s: tuple[float, ...]
+    gradient_bytes: tuple[float, ...]
+    """Bytes each stage's all-reduce combines (its layers' gradient)."""
     optimizer_s: tuple[float, ...]
     iteration_s: float
     in_flight: tuple[int, ...]
@@ -144,8 +158,11 @@ def stage_pass_s(model: ModelProfile, cluster: Cluster, stage: StagePlan, passes
     best = [0.0] * len(passes)
     for dev, share in zip(stage.devices, stage.shares, strict=True):
         kind, slow = cluster.kind_of(dev), cluster.device(dev).slowdown
+        f = model.time_s(stage.layer_start, stage.layer_stop, "F", share, kind, slow) if stage.recompute else 0.0
         for k, p in enumerate(passes):
-            best[k] = max(best[k], model.time_s(stage.layer_start, stage.layer_stop, p, share, kind, slow))
+            # a recomputing stage runs its forward again before I and B ([Note: recompute timing])
+            extra = f if p in "IB" else 0.0
+            best[k] = max(best[k], model.time_s(stage.layer_start, stage.layer_stop, p, share, kind, slow) + extra)
     return tuple(best)
 
 
@@ -189,9 +206,31 @@ def boundary_cost(cluster: Cluster, src: StagePlan, dst: StagePlan, bytes_per_sa
         total = max((r[0] + r[1] for r in per[d].values()), default=0.0)
         pairs.append((total - ser, ser))
     worst = max(per[0].items(), key=lambda kv: (kv[1][0] + kv[1][1], kv[0]))
+    busiest = max(per[0].values(), key=lambda r: r[0])
     return BoundaryCost(forward=pairs[0], backward=pairs[1],
                         bytes_per_microbatch=src.microbatch_size * bytes_per_sample,
+                        busiest_bytes=busiest[0] * busiest[2], resources=len(per[0]),
                         link=f"{worst[0]} ({fmt_rate(worst[1][2])}, {worst[1][1] * 1e3:.3g} ms)")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StageCosts:
+    """Per-stage compute and per-boundary link costs of one microbatch (terms 1 and 2 of the module
+    docstring), without timing the pipeline: what the compact builder needs."""
+
+    forward_s: tuple[float, ...]
+    input_grad_s: tuple[float, ...]
+    weight_grad_s: tuple[float, ...]
+    boundaries: tuple[BoundaryCost, ...]
+
+
+def stage_costs(plan: Plan, cluster: Cluster, model: ModelProfile) -> StageCosts:
+    """:class:`StageCosts` of ``plan``."""
+    fiw = [stage_pass_s(model, cluster, st, "FIW") for st in plan.stages]
+    bounds = tuple(boundary_cost(cluster, a, b, model.boundary_bytes(a.layer_stop))
+                   for a, b in zip(plan.stages, plan.stages[1:], strict=False))
+    return StageCosts(forward_s=tuple(x[0] for x in fiw), input_grad_s=tuple(x[1] for x in fiw),
+                      weight_grad_s=tuple(x[2] for x in fiw), boundaries=bounds)
 
 
 def pipeline_timing(lowered: Schedule, forward_s: Sequence[float], input_grad_s: Sequence[float],
@@ -214,14 +253,35 @@ def pipeline_timing(lowered: Schedule, forward_s: Sequence[float], input_grad_s:
 # ----------------------------------------------------------------------------- the model
 
 
+EXACT_WORK = 2_000
+"""Plans with stages on several devices and at most this many devices x microbatches are timed
+by the simulator's device-level run (see :class:`AnalyticCostModel`)."""
+
+
 class AnalyticCostModel:
-    """The analytic model of the module docstring. Stateless; safe to share."""
+    """The analytic model of the module docstring. Stateless; safe to share.
+
+    [Note: cost model = simulator] Where the stage-level model is approximate (a stage with
+    several devices, boundaries over several link resources, resources shared by boundaries)
+    and the plan is small (at most ``exact_work`` devices x microbatches), :meth:`estimate`
+    times the plan with the simulator's own device-level run instead, so the plans the search
+    ranks there are ranked exactly as the simulator would. Larger plans keep the stage-level
+    timing (what the benchmarks' rank correlation measures)."""
 
     name = "cost-model"
     runtime: RuntimeModel = DEFAULT_RUNTIME
     """How the plan is run (the simulator's default; see :mod:`deepcee.simulator.runtime_model`)."""
 
+    def __init__(self, *, exact_work: int = EXACT_WORK) -> None:
+        self.exact_work = exact_work
+
     def estimate(self, plan: Plan, cluster: Cluster, model: ModelProfile) -> Estimate:
+        if (len(plan.devices) * plan.num_microbatches <= self.exact_work
+                and any(len(st.devices) > 1 for st in plan.stages)):
+            plan.check_against(num_layers=model.num_layers, device_names=cluster.device_names)
+            est = to_estimate(simulate(plan, cluster, model, record=False, runtime=self.runtime), plan, cluster)
+            return Estimate(iteration_s=est.iteration_s, samples_per_s=est.samples_per_s,
+                            peak_memory_bytes=est.peak_memory_bytes, bottleneck=est.bottleneck, source=self.name)
         cost = self.breakdown(plan, cluster, model)
         return Estimate(iteration_s=cost.iteration_s, samples_per_s=plan.global_batch / cost.iteration_s
                         if cost.iteration_s > 0 else float("inf"),
@@ -249,18 +309,12 @@ class AnalyticCostModel:
                                                                  cluster.kind_of(d), cluster.device(d).slowdown,
                                                                  shards=shards) for d in st.devices))
             ends.append(t + ar[-1] + opt[-1])
-        memory, short = {}, {}
-        for s, st in enumerate(plan.stages):
-            for d, share in zip(st.devices, st.shares, strict=True):
-                need = device_memory(model, st.layer_start, st.layer_stop, share=share, in_flight=in_flight[s],
-                                     num_microbatches=plan.num_microbatches, kind=cluster.device(d).kind,
-                                     sync=plan.sync, stage_devices=len(st.devices), runtime=rt).total_bytes
-                memory[d] = need
-                if need > cluster.memory_bytes(d):
-                    short[d] = need - cluster.memory_bytes(d)
+        memory = peak_memory(plan, cluster, model, rt)
+        short = {d: need - cluster.memory_bytes(d) for d, need in memory.items() if need > cluster.memory_bytes(d)}
         iteration = max(ends)
         cost = PlanCost(forward_s=f, input_grad_s=i, weight_grad_s=w, backward_s=b_, boundaries=bounds, pipeline=timing,
                         allreduce_s=tuple(ar), optimizer_s=tuple(opt), iteration_s=iteration,
+                        gradient_bytes=tuple(model.gradient_bytes(st.layer_start, st.layer_stop) for st in plan.stages),
                         in_flight=in_flight, memory_bytes=memory, shortfall_bytes=short, bottleneck="")
         # what a stage runs per microbatch: F + B where its list has fused backwards, else F + I + W
         per_mb = [f[s] + (b_[s] if any(a.kind is ActionKind.B for a in row) else i[s] + w[s])
@@ -277,12 +331,15 @@ def _with_bottleneck(cost: PlanCost, plan: Plan, compute_per_microbatch_s: Seque
         terms.append((m * per_mb, f"stage {s} compute ({len(st.devices)} device(s) from {st.devices[0]}, "
                                   f"layers {st.layer_start}-{st.layer_stop - 1}): {m} x {per_mb * 1e3:.4g} ms"))
         if cost.allreduce_s[s] > 0:
-            terms.append((cost.allreduce_s[s], f"stage {s} gradient all-reduce over {len(st.devices)} devices "
-                                               f"({plan.sync})"))
+            terms.append((cost.allreduce_s[s], f"stage {s} gradient all-reduce of {cost.gradient_bytes[s] / 2**20:.3g} "
+                                               f"MiB over {len(st.devices)} devices ({plan.sync})"))
     for b, bc in enumerate(cost.boundaries):
         ser = max(bc.forward[1], bc.backward[1])
+        # the time is the busiest pipe's: name its bytes, not the boundary's total
+        pipes = (f" (of {bc.bytes_per_microbatch / 2**20:.3g} MiB per microbatch over {bc.resources} pipes)"
+                 if bc.resources > 1 else "")
         terms.append((m * ser + bc.forward[0], f"link {bc.link} between stages {b} and {b + 1}: "
-                                              f"{m} x {bc.bytes_per_microbatch / 2**20:.3g} MiB"))
+                                              f"{m} x {bc.busiest_bytes / 2**20:.3g} MiB{pipes}"))
     top, text = max(terms, key=lambda t: t[0])
     bubble = cost.pipeline.makespan_s - top
     if bubble > top:

@@ -184,8 +184,14 @@ def _sweep(parameter: str, values: Sequence[float], evaluate: Callable[[float], 
 
 def crossover_study(cluster: Cluster, model: ModelProfile, global_batch: int, kept: Sequence[str], *,
                     planner: SweepPlanner, batches: Sequence[int] = SWEEP_BATCHES,
-                    bandwidths_bytes_per_s: Sequence[float] = SWEEP_BANDWIDTHS_BYTES_PER_S) -> Crossover:
-    """Sweep the global batch and the kept-to-left-out bandwidth. See [Note: crossover]."""
+                    bandwidths_bytes_per_s: Sequence[float] = SWEEP_BANDWIDTHS_BYTES_PER_S,
+                    planned: tuple[float, float] | None = None) -> Crossover:
+    """Sweep the global batch and the kept-to-left-out bandwidth. See [Note: crossover].
+
+    ``planned``: (best samples/s with a left-out device, best without) at the planned point
+    from the full search (the plan itself and its counterfactuals, all simulated); the batch
+    sweep includes ``global_batch`` and takes the better of those and its own figures there, so
+    the curves pass through the plan's own numbers."""
     left_out = tuple(d for d in cluster.device_names if d not in set(kept))
     if not left_out:
         raise DeepceeError("crossover needs left-out devices; every device is kept")
@@ -195,7 +201,14 @@ def crossover_study(cluster: Cluster, model: ModelProfile, global_batch: int, ke
         entries, _ = slow_link_entries(cluster, kept, bw)
         return with_without(cluster.with_links(entries), model, global_batch, kept, planner=planner)
 
-    batch = _sweep("global_batch", batches, lambda b: with_without(cluster, model, int(b), kept, planner=planner), lambda v: f"{v:.0f}")
+    def at_batch(b: float) -> tuple[float, float]:
+        w, wo = with_without(cluster, model, int(b), kept, planner=planner)
+        if planned is not None and int(b) == global_batch:
+            w, wo = max(w, planned[0]), max(wo, planned[1])
+        return w, wo
+
+    values = sorted({*batches, global_batch}) if planned is not None else batches
+    batch = _sweep("global_batch", values, at_batch, lambda v: f"{v:.0f}")
     bandwidth = _sweep("bandwidth_bytes_per_s", bandwidths_bytes_per_s, at_bandwidth, fmt_rate)
     return Crossover(kept_devices=tuple(kept), left_out_devices=left_out, slow_links=tuple(links),
                      batch=batch, bandwidth=bandwidth)

@@ -2,26 +2,179 @@
 
 Torch-free. :func:`explain` writes the lines of :attr:`~deepcee.planner.search.PlanResult.explanation`:
 the grouping, the choice with its simulated and estimated time, each stage's layers, devices and
-costs, the bottleneck by both models, the nearest stage counts, and for every island or slower
-group left out the best plan that adds it back (scored now if the search never built one).
+costs, the bottleneck by both models, how the island chains were searched, and the
+counterfactuals.
+
+[Note: counterfactuals]
+Every alternative the explanation prints ("adding island X", "leaving out island Y", "with K
+stages") is a plan found by the same search under that one constraint and scored by the
+simulator, like the chosen plan, and the percentage compares the two simulated iteration
+times. The plans are kept in :attr:`~deepcee.planner.search.PlanResult.counterfactuals` (a test
+re-simulates them). The constrained search: the chosen chain of islands with the island added
+at every position (or removed), every layout and microbatch size of those chains by the
+closed form, the best configurations through the in-flight-aware split and the cost model,
+the best of them simulated; for stage counts, the best scored candidate with that many
+stages. Counterfactuals are simulated within ``confirm_max_work``; those beyond it are not
+printed (a note says how many).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from deepcee.plan import Plan
-from deepcee.planner.cost_model import AnalyticCostModel
+from deepcee.planner.cost_model import AnalyticCostModel, SimulatorCostModel
 from deepcee.planner.grouping import distance_s
+from deepcee.planner.space import Chain, chain_layouts
 from deepcee.planner.steps import Candidate, SearchState, rank_key
 from deepcee.units import fmt_rate
 
 _INF = math.inf
+MAX_ADDED = 2
+"""Left-out islands (nearest first) whose "adding" counterfactual is planned and simulated, and
+used islands (least compute first) whose "leaving out" one is."""
 
 
-def explain(search: SearchState, best: Candidate, cands: list[Candidate]) -> list[str]:
-    """The explanation of ``best`` among ``cands`` (see the module docstring)."""
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Counterfactual:
+    """One alternative the explanation prints: a plan found under one constraint, simulated."""
+
+    label: str
+    """What differs from the chosen plan (``adding island b``, ``with 3 stages``)."""
+    plan: Plan
+    """The plan, its estimate from the simulator."""
+    change: float
+    """Simulated iteration time over the chosen plan's, minus 1."""
+
+    def line(self) -> str:
+        est = self.plan.estimate
+        assert est is not None
+        return (f"{self.label}: best plan found {est.iteration_s:.4g} s per iteration "
+                f"({est.samples_per_s:.4g} samples/s, {self.plan.num_stages} stage(s) on {len(self.plan.devices)} "
+                f"device(s); simulated, {100 * self.change:+.1f}% vs the chosen plan)")
+
+
+def chosen_chain(search: SearchState, plan: Plan) -> Chain:
+    """The chain of islands (with groups kept) that ``plan``'s stages use, in pipeline order."""
+    g, used = search.grouping, set(plan.devices)
+    order: list[int] = []
+    for st in plan.stages:
+        for d in st.devices:
+            i = next(k for k, isl in enumerate(g.islands) if d in isl.devices)
+            if i not in order:
+                order.append(i)
+    out = []
+    for i in order:
+        groups = g.islands[i].groups
+        kept = max(k + 1 for k, grp in enumerate(groups) if used & set(grp.devices))
+        out.append((i, kept))
+    return tuple(out)
+
+
+class _Counterfactuals:
+    """Finds and simulates the counterfactual plans of [Note: counterfactuals]."""
+
+    def __init__(self, search: SearchState, best: Candidate) -> None:
+        self.search, self.best = search, best
+        self.scorer = search.options.confirm_model or SimulatorCostModel()
+        self.work_left = search.options.confirm_max_work
+        self.skipped = 0
+        base = best.simulated or best.estimate
+        self.base_s = base.iteration_s
+
+    def simulate(self, label: str, cand: Candidate | None) -> Counterfactual | None:
+        if cand is None:
+            return None
+        work = 6 * len(cand.plan.devices) * cand.plan.num_microbatches
+        if work > self.work_left:
+            self.skipped += 1
+            return None
+        self.work_left -= work
+        est = self.scorer.estimate(cand.plan, self.search.cluster, self.search.model)
+        self.search.evaluated += 1
+        if any(b > self.search.cluster.memory_bytes(d) for d, b in est.peak_memory_bytes.items()):
+            return None
+        return Counterfactual(label=label, plan=cand.plan.replace(estimate=est), change=est.iteration_s / self.base_s - 1)
+
+    def best_on_chains(self, chains: list[Chain], wanted: Callable[[frozenset[str]], bool]) -> Candidate | None:
+        """The constrained search: lay out ``chains`` (unpruned), sweep and score the best
+        configurations whose devices satisfy ``wanted``."""
+        s = self.search
+        saved, s.best_closed_form = s.best_closed_form, _INF
+        try:
+            for chain in chains:
+                for lay in chain_layouts(s.grouping, chain, s.max_stages):
+                    s.evaluate_layout(lay)
+        finally:
+            s.best_closed_form = saved
+        configs = sorted((c for c in s.configs.values() if wanted(c.layout.devices)), key=lambda c: c.key)
+        for cfg in configs[:2]:
+            s.sweep(cfg)
+        configs = sorted((c for c in s.configs.values() if wanted(c.layout.devices)), key=lambda c: c.key)
+        found = [c for cfg in configs[:4] for c in s.plans_for(cfg, full=False)]
+        best = min(found, key=rank_key, default=None)
+        if best is not None and best.plan.num_stages > 1 and "compact" in s.options.schedules:
+            built = s.compact(best.plan.replace(schedule="zb-h1", actions=()), force=True)
+            got = s.score(built) if built is not None else None
+            if got is not None and rank_key(got) < rank_key(best):
+                best = got
+        return best
+
+
+def _island_counterfactuals(cf: _Counterfactuals, plan: Plan) -> list[Counterfactual]:
+    s = cf.search
+    g, chain = s.grouping, chosen_chain(s, plan)
+    used = set(plan.devices)
+    out = []
+    # the left-out islands nearest the plan first (1 MB transfer time to its devices), at most MAX_ADDED
+    near = sorted(range(len(g.islands)), key=lambda i: min(
+        (distance_s(s.cluster.link(d, g.islands[i].devices[-1])) for d in plan.devices
+         if d != g.islands[i].devices[-1]), default=0.0))
+    added = 0
+    for i in near:
+        isl = g.islands[i]
+        missing = frozenset(d for d in isl.devices if d not in used)
+        if not missing or added >= MAX_ADDED:
+            continue
+        added += 1
+        whole = len(missing) == len(isl.devices)
+        rest = tuple(x for x in chain if x[0] != i)
+        full = (i, len(isl.groups))
+        chains = [rest[:k] + (full,) + rest[k:] for k in range(len(rest) + 1)] if whole else \
+            [tuple(full if x[0] == i else x for x in chain)]
+        label = f"adding island {isl.name}" if whole else f"adding the {len(missing)} slower device(s) of {isl.name}"
+        got = cf.simulate(label, cf.best_on_chains(chains, lambda devs, m=missing: bool(devs & m)))
+        if got is not None:
+            out.append(got)
+    if len(chain) > 1 and s.options.allow_exclusion:
+        # the used islands with the least compute first, at most MAX_ADDED
+        weakest = sorted(range(len(chain)), key=lambda k: (sum(s.cluster.effective_flops_per_s(d)
+                                                               for d in g.islands[chain[k][0]].devices), k))
+        for k in sorted(weakest[:MAX_ADDED]):
+            i = chain[k][0]
+            isl = g.islands[i]
+            devs = frozenset(isl.devices)
+            got = cf.simulate(f"leaving out island {isl.name}",
+                              cf.best_on_chains([chain[:k] + chain[k + 1:]], lambda d, x=devs: not (d & x)))
+            if got is not None:
+                out.append(got)
+    return out
+
+
+def _stage_counterfactuals(cf: _Counterfactuals, plan: Plan, cands: list[Candidate]) -> list[Counterfactual]:
+    by_stages: dict[int, Candidate] = {}
+    for c in sorted(cands, key=rank_key):
+        by_stages.setdefault(c.plan.num_stages, c)
+    fewer = [k for k in by_stages if k < plan.num_stages]
+    more = [k for k in by_stages if k > plan.num_stages]
+    near = ([max(fewer)] if fewer else []) + ([min(more)] if more else [])
+    return [x for k in near if (x := cf.simulate(f"with {k} stage(s)", by_stages[k])) is not None]
+
+
+def explain(search: SearchState, best: Candidate, cands: list[Candidate]) -> tuple[list[str], list[Counterfactual]]:
+    """The explanation of ``best`` among ``cands``, and its counterfactuals (module docstring)."""
     plan, cluster = best.plan, search.cluster
     est = best.simulated or best.estimate
     out = [f"grouping: {line}" for line in search.grouping.explain()]
@@ -33,75 +186,59 @@ def explain(search: SearchState, best: Candidate, cands: list[Candidate]) -> lis
         isl = sorted({search.grouping.island_of(d) for d in st.devices})
         out.append(f"stage {s}: layers {st.layer_start}-{st.layer_stop - 1} on {len(st.devices)} device(s) "
                    f"in {'+'.join(isl)} ({st.devices[0]}{'...' if len(st.devices) > 1 else ''}), shares "
-                   f"{list(st.shares)}; F+I+W {1e3 * (cost.forward_s[s] + cost.input_grad_s[s] + cost.weight_grad_s[s]):.4g} ms "
-                   f"per microbatch, all-reduce {1e3 * cost.allreduce_s[s]:.4g} ms")
+                   f"{list(st.shares)}{', recomputes activations' if st.recompute else ''}; F+I+W "
+                   f"{1e3 * (cost.forward_s[s] + cost.input_grad_s[s] + cost.weight_grad_s[s]):.4g} ms per "
+                   f"microbatch, all-reduce {1e3 * cost.allreduce_s[s]:.4g} ms; holds {cost.in_flight[s]} "
+                   f"microbatch(es)")
     out.append(f"bottleneck (cost model): {cost.bottleneck}")
     if best.simulated is not None:
         out.append(f"bottleneck (simulator): {best.simulated.bottleneck}")
-    by_stages: dict[int, Candidate] = {}
-    for c in cands:
-        by_stages.setdefault(c.plan.num_stages, c)
-    fewer = [s for s in by_stages if s < plan.num_stages]
-    more = [s for s in by_stages if s > plan.num_stages]
-    near = ([max(fewer)] if fewer else []) + ([min(more)] if more else [])
-    alt = [f"{s} stage(s): {by_stages[s].estimate.iteration_s:.4g} s ({_pct(by_stages[s], best)})" for s in near]
-    if alt:
-        out.append(f"why {plan.num_stages} stage(s): best cost-model estimate with " + "; ".join(alt))
-    out += _left_out(search, best, cands)
+    out += _chain_lines(search, est.iteration_s)
+    cf = _Counterfactuals(search, best)
+    counter: list[Counterfactual] = []
+    if search.options.explain_counterfactuals and best.simulated is not None:
+        counter = _island_counterfactuals(cf, plan) + _stage_counterfactuals(cf, plan, cands)
+    out += [c.line() for c in counter]
+    out += _left_out_links(search, plan)
+    if cf.skipped:
+        out.append(f"note: {cf.skipped} counterfactual plan(s) not printed: simulating them exceeds "
+                   f"confirm_max_work {search.options.confirm_max_work}")
     out += [f"note: {n}" for n in search.notes]
-    return out
+    return out, counter
 
 
-def _pct(c: Candidate, best: Candidate) -> str:
-    return f"{100 * (c.estimate.iteration_s / best.estimate.iteration_s - 1):+.1f}%"
+def chain_gap(search: SearchState, best_s: float) -> float:
+    """Proven gap of the chain search against the simulated best ``best_s`` ([Note: chain search])."""
+    r = search.chain_result
+    if r is None or not math.isfinite(r.open_bound) or r.open_bound <= 0:
+        return 0.0
+    return max(0.0, best_s / r.open_bound - 1.0)
 
 
-def _best_adding(search: SearchState, plan: Plan, missing: list[str], cands: list[Candidate]) -> Candidate | None:
-    """The best plan using every chosen device and some of ``missing``: among those scored, and
-    the three best such configurations of step 1 (scored now with one schedule)."""
-    chosen, extra = set(plan.devices), set(missing)
-    def adds(devs: Iterable[str]) -> bool:
-        devs = set(devs)
-        return chosen <= devs and bool(devs & extra)
-    found = [c for c in cands if adds(c.plan.devices)][:1]
-    # layouts the lower bound pruned never got a split: give the first few one now, unpruned
-    saved, search.best_closed_form = search.best_closed_form, _INF
-    for lay in [x for x in search.layouts_seen.values() if adds(x.devices)][:8]:
-        search.evaluate_layout(lay)
-    search.best_closed_form = saved
-    configs = [cfg for cfg in sorted(search.configs.values(), key=lambda c: c.key) if adds(cfg.layout.devices)]
-    for cfg in configs[:3]:  # the closed form ranks configurations roughly: score a few
-        found += search.plans_for(cfg, full=False)
-    return min(found, key=rank_key, default=None)
+def _chain_lines(search: SearchState, best_s: float) -> list[str]:
+    r = search.chain_result
+    if r is None:
+        return []
+    how = ("every ordered subset of islands" if r.exact else
+           f"ordered subsets of {search.options.exhaustive_islands} merged island clusters, then local search "
+           f"on single islands ({search.chain_moves} more chains)")
+    gap = chain_gap(search, best_s)
+    budget = f" (stopped at chain_budget {search.options.chain_budget})" if r.gap > 0 else ""
+    proof = ("no chain left unevaluated can beat the simulated best" if gap == 0 else
+             f"a chain left unevaluated{budget} is at most {100 * gap:.1f}% faster than the simulated best "
+             f"(proven gap: its lower bound)")
+    return [f"island chains: {how}; {r.evaluated} evaluated in full of {r.considered} bounded; {proof}"]
 
 
-def _left_out(search: SearchState, best: Candidate, cands: list[Candidate]) -> list[str]:
-    plan, cluster, g = best.plan, search.cluster, search.grouping
-    used = set(plan.devices)
-    out = []
-    for isl in g.islands:
+def _left_out_links(search: SearchState, plan: Plan) -> list[str]:
+    """For each island left out, its best link to the plan (the number the choice turned on)."""
+    cluster, used, out = search.cluster, set(plan.devices), []
+    for isl in search.grouping.islands:
         missing = [d for d in isl.devices if d not in used]
-        if not missing:
+        if not missing or len(missing) != len(isl.devices) or not plan.devices:
             continue
-        what = (f"island {isl.name}" if len(missing) == len(isl.devices)
-                else f"{len(missing)} slower device(s) of island {isl.name}")
-        line = f"left out {what} ({len(missing)} device(s): {', '.join(missing[:4])}{'...' if len(missing) > 4 else ''})"
-        with_it = _best_adding(search, plan, missing, cands)
-        if with_it is not None:
-            line += (f": the best plan that adds them to the chosen devices estimates "
-                     f"{with_it.estimate.iteration_s:.4g} s vs {best.estimate.iteration_s:.4g} s without "
-                     f"({_pct(with_it, best)})")
-        else:
-            line += ": no plan adding them fits memory"
-        if plan.devices and len(missing) == len(isl.devices):
-            near = min(plan.devices, key=lambda d: distance_s(cluster.link(d, missing[0])))
-            link = cluster.link(near, missing[0])
-            line += (f"; its best link to the plan, {near}->{missing[0]}: {fmt_rate(link.bandwidth_bytes_per_s)}, "
-                     f"{link.latency_s * 1e3:.3g} ms")
-        else:
-            slow = min(missing, key=cluster.effective_flops_per_s)
-            fast = max(plan.devices, key=cluster.effective_flops_per_s)
-            line += (f"; {slow} runs at {cluster.effective_flops_per_s(slow) / 1e12:.3g} TFLOP/s vs "
-                     f"{cluster.effective_flops_per_s(fast) / 1e12:.3g} for {fast}")
-        out.append(line)
+        near = min(plan.devices, key=lambda d: distance_s(cluster.link(d, missing[0])))
+        link = cluster.link(near, missing[0])
+        out.append(f"left out island {isl.name} ({len(missing)} device(s)); its best link to the plan, "
+                   f"{near}->{missing[0]}: {fmt_rate(link.bandwidth_bytes_per_s)}, {link.latency_s * 1e3:.3g} ms")
     return out

@@ -104,32 +104,72 @@ class RangeCosts:
                                  for d, sh in zip(devices, shares, strict=True)})
         self.compute_s = np.max([tables.range_compute_s(kind, slow, share) for kind, slow, share, _ in self._profiles],
                                 axis=0)
+        self._forward_s: np.ndarray | None = None
+        self._caps: dict[tuple[int, bool], np.ndarray] = {}
+        self._rt: dict[tuple, np.ndarray] = {}
         self.allreduce_s = tables.allreduce(self.devices)
         slope = max(tables.optimizer_slope(d) for d in devices)
         self.optimizer_s = tables.params * slope
         self._memory: dict[int, np.ndarray] = {}
 
-    def memory_excess(self, in_flight: int) -> np.ndarray:
-        """Worst device's ``need - memory`` (bytes) per range with ``in_flight`` microbatches held."""
-        got = self._memory.get(in_flight)
+    @property
+    def forward_s(self) -> np.ndarray:
+        """``F`` of one microbatch on the slowest device, per range (what recomputation adds)."""
+        if self._forward_s is None:
+            self._forward_s = np.max([self._tables.range_compute_s(kind, slow, share, "F")
+                                      for kind, slow, share, _ in self._profiles], axis=0)
+        return self._forward_s
+
+    def round_trip_s(self, fused: bool, recompute: bool) -> np.ndarray:
+        """What one microbatch adds to the round trip through this stage: ``F`` and the backward
+        that sends the input gradient (``I``; the fused ``B``, taken as ``I + W``, for schedules
+        without split backward), plus the recomputed ``F``."""
+        key = ("rt", fused, recompute)
+        got = self._rt.get(key)
+        if got is None:
+            fi = self.compute_s if fused else np.max([self._tables.range_compute_s(kind, slow, share, "FI")
+                                                      for kind, slow, share, _ in self._profiles], axis=0)
+            got = self._rt[key] = fi + self.forward_s if recompute else fi
+        return got
+
+    def compute_with(self, recompute: bool) -> np.ndarray:
+        """``F+I+W`` per microbatch, plus one more ``F`` when recomputing ([Note: recompute timing])."""
+        return self.compute_s + self.forward_s if recompute else self.compute_s
+
+    def memory_excess(self, in_flight: int, recompute: bool = False) -> np.ndarray:
+        """Worst device's ``need - memory`` (bytes) per range with ``in_flight`` microbatches held
+        (:func:`deepcee.simulator.memory.device_memory_bytes`; recomputing: one live microbatch)."""
+        key = in_flight if not recompute else -in_flight
+        got = self._memory.get(key)
         if got is None:
             t = self._tables
             got = np.full_like(t.params, -np.inf)
             for _, _, share, mem in self._profiles:
-                got = np.maximum(got, t.state + in_flight * share * t.acts + share * t.buffers - mem)
-            self._memory[in_flight] = got
+                held = t.acts if not recompute else t.inputs
+                extra = share * t.acts if recompute and in_flight > 0 else 0.0
+                got = np.maximum(got, t.state + in_flight * share * held + extra + share * t.buffers - mem)
+            self._memory[key] = got
         return got
 
-    def max_in_flight(self, start: int, stop: int, cap: int) -> int:
+    def in_flight_caps(self, cap: int, recompute: bool = False) -> np.ndarray:
+        """Per range, the most microbatches (<= ``cap``) every device can hold; 0 where not one."""
+        key = (cap, recompute)
+        got = self._caps.get(key)
+        if got is None:
+            t = self._tables
+            got = np.full_like(t.params, float(cap))
+            for _, _, share, mem in self._profiles:
+                room = mem - t.state - share * t.buffers - (share * t.acts if recompute else 0.0)
+                per = share * (t.inputs if recompute else t.acts)
+                with np.errstate(divide="ignore", invalid="ignore"):
+                    k = np.where(per > 0, np.floor(room / np.where(per > 0, per, 1.0) * (1 + 1e-12)), cap)
+                got = np.minimum(got, np.where(room < 0, 0.0, k))
+            got = self._caps[key] = np.clip(got, 0.0, cap)
+        return got
+
+    def max_in_flight(self, start: int, stop: int, cap: int, recompute: bool = False) -> int:
         """Most microbatches (<= ``cap``) the stage can hold on layers ``[start, stop)``; 0 if not one."""
-        t = self._tables
-        best = cap
-        for _, _, share, mem in self._profiles:
-            room = mem - t.state[start, stop] - share * t.buffers[start, stop]
-            per = share * t.acts[start, stop]
-            k = 0 if room < 0 else cap if per <= 0 else int(np.floor(room / per * (1 + 1e-12)))
-            best = min(best, k)
-        return max(0, best)
+        return int(self.in_flight_caps(cap, recompute)[start, stop])
 
 
 class RangeTables:
@@ -153,6 +193,8 @@ class RangeTables:
         self.state = self.params * model.state_bytes_per_parameter
         self.boundary_bytes = np.array([model.boundary_bytes(b) for b in range(n + 1)])
         self.buffers = self.boundary_bytes[:, None] + self.boundary_bytes[None, :]
+        self.inputs = np.broadcast_to(self.boundary_bytes[:, None], self.buffers.shape)
+        """What a recomputing stage keeps per sample in flight: its input (row ``a``)."""
         self._compute: dict[tuple, np.ndarray] = {}
         self._allreduce: dict[tuple[str, ...], np.ndarray] = {}
         self._slope: dict[tuple[str, float], float] = {}
@@ -165,13 +207,13 @@ class RangeTables:
             got = self._costs[key] = RangeCosts(self, devices, shares)
         return got
 
-    def range_compute_s(self, kind: str, slowdown: float, share: int) -> np.ndarray:
-        """``F+I+W`` of one device profile for every range (see [Note: range times])."""
-        key = (kind, slowdown, share)
+    def range_compute_s(self, kind: str, slowdown: float, share: int, passes: str = "FIW") -> np.ndarray:
+        """``F+I+W`` (or ``passes``) of one device profile for every range (see [Note: range times])."""
+        key = (kind, slowdown, share, passes)
         got = self._compute.get(key)
         if got is None:
             k = self.cluster.kinds[kind]
-            got = self._compute[key] = range_time_s(self.model, k, "FIW", share, slowdown)
+            got = self._compute[key] = range_time_s(self.model, k, passes, share, slowdown)
         return got
 
     def optimizer_slope(self, device: str) -> float:

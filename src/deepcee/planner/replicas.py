@@ -1,6 +1,6 @@
 """The relaxed search: replica layouts x strategies, scored by the simulator, judged by time to target.
 
-Torch-free. Entry point: :func:`plan_replicas` (``plan_training(..., sync="relaxed")`` and
+Torch-free. Entry point: :func:`plan_replicas` (``plan_with_sync(..., sync="relaxed")`` and
 ``deepcee plan --sync relaxed`` call it; ``--objective cost`` calls it for exact plans too).
 
 [Note: relaxed search]
@@ -41,7 +41,10 @@ from deepcee.cluster import Cluster
 from deepcee.errors import InfeasiblePlanError, PlanError
 from deepcee.plan import Estimate, Plan, Strategy
 from deepcee.planner.efficiency import DefaultEfficiency, StatisticalEfficiency
+from deepcee.planner.grouping import group_devices
 from deepcee.planner.objective import Objective, PlanFigures, plan_figures, rank_key
+from deepcee.planner.options import PlannerOptions
+from deepcee.planner.search import PlanResult, plan_training
 from deepcee.profile import ModelProfile
 from deepcee.simulator.replicas import ReplicaSimResult, simulate_replicas
 from deepcee.units import GIB
@@ -136,8 +139,6 @@ class _Search:
         """The best pipeline on ``devices`` at ``batch`` (``rough``: :data:`SPEED_SEARCH` effort)."""
         key = (devices, batch, rough)
         if key not in self._pipelines:
-            from deepcee.planner.search import PlannerOptions, plan_training
-
             try:
                 got = plan_training(self.cluster.subset(devices), self.model, batch,
                                     options=PlannerOptions(**(SPEED_SEARCH if rough else REPLICA_SEARCH))).plan
@@ -293,9 +294,6 @@ def plan_replicas(cluster: Cluster, model: ModelProfile, global_batch: int, *, o
                   budget_usd: float | None = None, dataset_samples: float | None = None, epochs: int = 1,
                   exact_plan: Plan | None = None, system: str = "deepcee") -> ReplicaSearchResult:
     """Search replica layouts and strategies (see [Note: relaxed search])."""
-    from deepcee.planner.grouping import group_devices
-    from deepcee.planner.search import plan_training
-
     t0 = time.perf_counter()
     options = options or RelaxedOptions()
     efficiency = efficiency or DefaultEfficiency()
@@ -326,6 +324,30 @@ def plan_replicas(cluster: Cluster, model: ModelProfile, global_batch: int, *, o
     return ReplicaSearchResult(plan=plan, best=best, exact=exact, candidates=tuple(ranked),
                                explanation=tuple(explanation), planning_s=elapsed, objective=objective,
                                efficiency_source=efficiency.source(best.plan))
+
+
+def plan_with_sync(cluster: Cluster, model: ModelProfile, global_batch: int, *,
+                   options: PlannerOptions | None = None, sync: str = "exact", **relaxed: Any) -> PlanResult:
+    """The planner's entry with the synchronisation choice: ``"exact"`` is
+    :func:`~deepcee.planner.search.plan_training`'s one-pipeline search; ``"relaxed"`` also
+    searches replicas and relaxed strategies on top of its plan, judged by predicted time to
+    target (:func:`plan_replicas`, which takes ``relaxed``'s keywords: ``efficiency``,
+    ``objective``, ...). Exact with an objective or a budget ranks exact layouts only.
+
+    [Note: planner layering] The relaxed search uses the exact one (each replica's pipeline is
+    an exact search on its devices), so it sits above it: this dispatch lives here, and
+    :mod:`deepcee.planner.search` never imports this module."""
+    if sync not in ("exact", "relaxed"):
+        raise PlanError(f"unknown sync {sync!r} (known: exact, relaxed)", field="sync")
+    exact = plan_training(cluster, model, global_batch, options=options)
+    if sync == "exact" and not relaxed:
+        return exact
+    if sync == "exact":
+        relaxed = {**relaxed, "options": RelaxedOptions(relaxed=False)}
+    got = plan_replicas(cluster, model, global_batch, exact_plan=exact.plan, **relaxed)
+    return PlanResult(plan=got.plan, explanation=got.explanation,
+                      candidates_evaluated=exact.candidates_evaluated + len(got.candidates),
+                      planning_s=exact.planning_s + got.planning_s, top=exact.top, grouping=exact.grouping)
 
 
 def _explain(search: _Search, best: Scored, exact: Scored, ranked: Sequence[Scored]) -> list[str]:
@@ -363,4 +385,4 @@ def _explain(search: _Search, best: Scored, exact: Scored, ranked: Sequence[Scor
 
 
 __all__ = ["REPLICA_SEARCH", "RelaxedOptions", "ReplicaSearchResult", "Scored", "blocks_of", "partitions",
-           "plan_replicas", "servers_for", "strategies"]
+           "plan_replicas", "plan_with_sync", "servers_for", "strategies"]

@@ -55,22 +55,24 @@ import math
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
 from deepcee.cluster import Cluster
 from deepcee.errors import InfeasiblePlanError, PlanError
 from deepcee.inputs.work import check_planning
-from deepcee.plan import SCHEDULES, Plan
-from deepcee.planner.cost_model import AnalyticCostModel, CostModel, SimulatorCostModel
-from deepcee.planner.explain import explain
-from deepcee.planner.grouping import (
-    DEFAULT_ISLAND_THRESHOLD_S,
-    DEFAULT_SPEED_RATIO,
-    Grouping,
-    group_devices,
+from deepcee.plan import Plan
+from deepcee.planner.chains import (
+    ChainBounds,
+    improve_chain,
+    island_units,
+    merged_units,
+    search_chains,
 )
+from deepcee.planner.cost_model import AnalyticCostModel, SimulatorCostModel
+from deepcee.planner.explain import Counterfactual, explain
+from deepcee.planner.grouping import Grouping, group_devices
+from deepcee.planner.options import SYNC_CHOICES, PlannerOptions
 from deepcee.planner.ranges import RangeTables
 from deepcee.planner.space import (
     SCREEN_RULES,
@@ -84,7 +86,6 @@ from deepcee.planner.space import (
     island_distances,
     island_orders,
     microbatch_sizes,
-    short_path,
 )
 from deepcee.planner.split import split_layers
 from deepcee.planner.steps import Candidate, Config, SearchState, final_rank_key, rank_key
@@ -101,67 +102,6 @@ log = logging.getLogger(__name__)
 
 _INF = math.inf
 
-SYNC_CHOICES = ("allreduce-ring", "allreduce-hier")
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class PlannerOptions:
-    """Knobs of :func:`plan_training`. Defaults are what the CLI uses."""
-
-    schedules: tuple[str, ...] = SCHEDULES
-    microbatch_sizes: tuple[int, ...] | None = None
-    """Microbatch sizes to try (divisors of the global batch); ``None``: every divisor."""
-    syncs: tuple[str, ...] = SYNC_CHOICES
-    max_stages: int | None = None
-    island_threshold_s: float = DEFAULT_ISLAND_THRESHOLD_S
-    speed_ratio: float = DEFAULT_SPEED_RATIO
-    allow_exclusion: bool = True
-    """Whether islands and slow groups may be left out."""
-    exhaustive_islands: int = 4
-    """Up to this many islands, try every island subset; above it, drop islands greedily."""
-    all_orders: bool = False
-    """Try every island order (default: the shortest slow-link path and its reverse)."""
-    sweep_top: int = 24
-    """Configurations that get the fill-minimising second DP (step 2)."""
-    model_top: int = 12
-    """Configurations scored by the cost model for every schedule and sync (step 3)."""
-    refine_top: int = 4
-    compact_top: int = 6
-    confirm_top: int = 5
-    """Plans confirmed with the simulator; 0 picks by the cost model alone."""
-    confirm_max_work: int = 150_000
-    """Most simulator work (devices x compute actions x 2, summed over the confirmed plans); the
-    best plans are confirmed in order while they fit (a plan alone above it is not simulated)."""
-    compact_max_actions: int = 800
-    """Build compact schedules only for plans with at most this many stages x microbatches."""
-    compact_budget: int = 250
-    """Stages x microbatches summed over the compact schedules built (after the first)."""
-    refine_budget: int = 40_000
-    """Work of boundary refinement in total, counted per cost-model evaluation as devices +
-    stages x microbatches (what one evaluation costs); unlimited in effect for small clusters."""
-    cost_model: CostModel | None = None
-    """Scores candidates (default :class:`AnalyticCostModel`)."""
-    confirm_model: CostModel | None = None
-    """Confirms the best (default :class:`SimulatorCostModel`)."""
-    system: str = "deepcee"
-
-    def __post_init__(self) -> None:
-        for s in self.schedules:
-            if s not in SCHEDULES:
-                raise PlanError(f"unknown schedule {s!r} (known: {', '.join(SCHEDULES)})", field="schedules")
-        if not self.schedules:
-            raise PlanError("need at least one schedule", field="schedules")
-        for s in self.syncs:
-            if s not in SYNC_CHOICES:
-                raise PlanError(f"sync {s!r} is not searched (choose from {', '.join(SYNC_CHOICES)})", field="syncs")
-        if self.max_stages is not None and self.max_stages < 1:
-            raise PlanError(f"max_stages must be >= 1, got {self.max_stages!r}", field="max_stages")
-        for name in ("sweep_top", "model_top", "refine_top", "compact_top", "confirm_top", "exhaustive_islands"):
-            if getattr(self, name) < 0:
-                raise PlanError(f"must be >= 0, got {getattr(self, name)!r}", field=name)
-
-
-
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PlanResult:
     """What :func:`plan_training` returns."""
@@ -174,83 +114,68 @@ class PlanResult:
     top: tuple[Candidate, ...]
     """The confirmed candidates, best first."""
     grouping: Grouping
+    counterfactuals: tuple[Counterfactual, ...] = ()
+    """The alternatives the explanation prints, each simulated (see [Note: counterfactuals])."""
+    scored: tuple[Candidate, ...] = ()
+    """Every plan the cost model scored that fits memory, best first (cost-model order)."""
 
 
 
-Hint = tuple[bool, int, int]
-"""(merged, granularity, microbatch size) of a chain's best layout."""
+def _progress(options: PlannerOptions, step: str, fraction: float) -> None:
+    if options.progress is not None:
+        options.progress(step, fraction)
 
 
-def _chain_value(search: SearchState, chain: Chain, hint: Hint | None = None) -> tuple[float, Hint | None]:
-    """Best closed form over the chain's layouts; with ``hint``, only layouts of the same kind and
-    microbatch sizes next to it (half, same, double granularity and size), which is how the
-    greedy search screens its moves."""
-    best: tuple[float, Hint | None] = (_INF, None)
-    for lay in chain_layouts(search.grouping, chain, search.max_stages):
+def _search_chains(search: SearchState, dist: np.ndarray) -> None:
+    """Islands and their order (see [Note: chain search] in :mod:`deepcee.planner.chains`)."""
+    g, opts = search.grouping, search.options
+    bounds = ChainBounds(search.cluster, search.model, g, search.global_batch, search.marginal_s,
+                         search.pipe_bandwidth)
+    exact = len(g.islands) <= opts.exhaustive_islands
+    units = island_units(g, opts) if exact else merged_units(g, dist, opts.exhaustive_islands)
+
+    def evaluate(chain: Chain) -> float:
+        # after the first chains: microbatch sizes within 4x of the best so far's and the two
+        # granularities next to its (the closed form is smooth in both); the best chains are
+        # laid out again in full below
+        layouts = chain_layouts(g, chain, search.max_stages)
         sizes = None
-        if hint is not None:
-            merged, g, n = hint
-            if lay.granularity != 0 and (lay.merged != merged or lay.granularity not in (g // 2, g, 2 * g)):
+        if len(seen) >= 8:
+            sizes = search.sizes_near(4)
+            near = search.granularity_near()
+            if near is not None:
+                layouts = sorted(layouts, key=lambda lay: (abs(math.log2(max(lay.granularity, 1) / near)),
+                                                           lay.granularity))[:1]
+        seen.append(chain)
+        return min((search.evaluate_layout(lay, sizes)[0] for lay in layouts), default=_INF)
+
+    seen: list[Chain] = []
+
+    report = (lambda f: opts.progress("island chains", f)) if opts.progress else None
+    result, done = search_chains(units, bounds, evaluate, budget=opts.chain_budget,
+                                 allow_exclusion=opts.allow_exclusion, incumbent=lambda: search.best_closed_form,
+                                 progress=report)
+    search.chain_result = result
+    for _, chain in sorted(done)[:4]:  # the best chains with every microbatch size
+        for lay in chain_layouts(g, chain, search.max_stages):
+            search.evaluate_layout(lay)
+    if not exact and done:
+        keeps = [len(isl.groups) for isl in g.islands]
+        for value, chain in sorted(done)[:2]:  # the two best merged chains seed the local search
+            if not math.isfinite(value):
                 continue
-            sizes = [x for x in search.sizes if x in (n // 2, n, 2 * n)]
-        value, n_best = search.evaluate_layout(lay, sizes)
-        if value < best[0]:
-            best = (value, (lay.merged, lay.granularity, n_best))
-    return best
-
-
-def _small_search(search: SearchState, dist: np.ndarray) -> None:
-    for chain in enumerate_chains(search.grouping, dist, search.options):
-        for layout in chain_layouts(search.grouping, chain, search.max_stages):
-            search.evaluate_layout(layout)
-
-
-def _greedy_search(search: SearchState, dist: np.ndarray) -> None:
-    """Large clusters: all islands in a short order, then drop islands / slow groups while it helps.
-
-    Moves are screened with the current best layout's neighbourhood (:func:`_chain_value` with a
-    hint); the accepted move's chain is then evaluated in full.
-    """
-    g = search.grouping
-    members = list(range(len(g.islands)))
-    keep = {i: len(g.islands[i].groups) for i in members}
-    chain: Chain = tuple((i, keep[i]) for i in short_path(dist, members))
-    best, hint = _chain_value(search, chain)
-    if not search.options.allow_exclusion:
-        return
-    for i in members:  # every island alone is a cheap, useful reference
-        _chain_value(search, ((i, keep[i]),))
-    while len(members) > 1:
-        moves: list[tuple[float, int, Chain, list[int], dict[int, int]]] = []
-        for i in members:
-            rest = [x for x in members if x != i]
-            c: Chain = tuple((x, keep[x]) for x in short_path(dist, rest))
-            moves.append((_chain_value(search, c, hint)[0], len(rest), c, rest, keep))
-            if keep[i] > 1:
-                k2 = {**keep, i: keep[i] - 1}
-                c = tuple((x, k2[x]) for x in short_path(dist, members))
-                moves.append((_chain_value(search, c, hint)[0], len(members), c, members, k2))
-        value, _, chain, new_members, new_keep = min(moves, key=lambda m: (m[0], m[1]))
-        if not value < best * (1 - 1e-3):
-            break
-        members, keep = new_members, new_keep
-        full, full_hint = _chain_value(search, chain)
-        best, hint = min(full, value), full_hint or hint
+            _, _, spent = improve_chain(chain, value, evaluate, islands=len(g.islands), keeps=keeps,
+                                        allow_exclusion=opts.allow_exclusion, budget=opts.chain_budget // 2)
+            search.chain_moves += spent
 
 
 def plan_training(cluster: Cluster, model: ModelProfile, global_batch: int, *,
-                  options: PlannerOptions | None = None, sync: str = "exact", **relaxed: Any) -> PlanResult:
+                  options: PlannerOptions | None = None) -> PlanResult:
     """Search the plan space for the fastest plan that fits memory. See the module docstring.
 
-    ``sync="relaxed"`` also searches replicas and relaxed strategies, judged by predicted time
-    to target (:func:`deepcee.planner.replicas.plan_replicas`, which takes ``relaxed``'s
-    keywords: ``efficiency``, ``objective``, ...); the default, ``"exact"``, is this search.
+    One pipeline, exact synchronisation; replicas and relaxed strategies are searched on top of
+    this by :func:`deepcee.planner.replicas.plan_with_sync` (``deepcee plan --sync relaxed``).
     """
-    if sync not in ("exact", "relaxed"):
-        raise PlanError(f"unknown sync {sync!r} (known: exact, relaxed)", field="sync")
-    if sync == "relaxed" or relaxed:
-        return _relaxed(cluster, model, global_batch, options, relaxed if sync == "relaxed" else
-                        {**relaxed, "options": _exact_only()})
     t0 = time.perf_counter()
     options = options or PlannerOptions()
     if not isinstance(global_batch, int) or global_batch < 1:
@@ -263,13 +188,12 @@ def plan_training(cluster: Cluster, model: ModelProfile, global_batch: int, *,
                      or AnalyticCostModel(), sizes=microbatch_sizes(global_batch, options), max_stages=max_stages)
     search.min_boundary_bytes = min((model.boundary_bytes(b) for b in range(1, model.num_layers)), default=0.0)
     dist = island_distances(cluster, grouping)
-    if len(grouping.islands) <= options.exhaustive_islands:
-        _small_search(search, dist)
-    else:
-        _greedy_search(search, dist)
+    _search_chains(search, dist)
+    _progress(options, "layer splits", 0.0)
     ranked = sorted(search.configs.values(), key=lambda c: c.key)
-    for cfg in ranked[: options.sweep_top]:
+    for k, cfg in enumerate(ranked[: options.sweep_top]):
         search.sweep(cfg)
+        _progress(options, "layer splits", (k + 1) / max(1, min(len(ranked), options.sweep_top)))
     ranked = sorted(search.configs.values(), key=lambda c: c.key)
     cands: list[Candidate] = []
     picked: set[int] = set()
@@ -287,31 +211,25 @@ def plan_training(cluster: Cluster, model: ModelProfile, global_batch: int, *,
     cands = sorted(_dedupe(cands), key=rank_key)
     top = _confirm(search, cands)
     best = top[0]
-    explanation = explain(search, best, cands)
+    _progress(options, "explanation", 0.0)
+    explanation, counterfactuals = explain(search, best, cands)
+    better = min((c for c in counterfactuals if options.allow_exclusion
+                  or len(c.plan.devices) == len(cluster.device_names)), key=lambda c: c.change, default=None)
+    if better is not None and better.change < -1e-9:
+        # a constrained search found a plan the simulator prefers: take it (and explain it instead)
+        est = better.plan.estimate
+        best = Candidate(plan=better.plan, estimate=AnalyticCostModel().estimate(better.plan, cluster, model),
+                         simulated=est)
+        top = [best, *top]
+        search.notes.append("the best plan came from a counterfactual search (explained above)")
+        explanation, counterfactuals = explain(search, best, cands + [best])
     plan = best.plan.replace(estimate=best.simulated or best.estimate, explanation=tuple(explanation))
     elapsed = time.perf_counter() - t0
     log.info("planned %s on %s in %.3f s (%d candidates): %.4g s per iteration", model.name, cluster.name,
              elapsed, search.evaluated, best.score_s)
     return PlanResult(plan=plan, explanation=tuple(explanation), candidates_evaluated=search.evaluated,
-                      planning_s=elapsed, top=tuple(top), grouping=grouping)
-
-
-def _exact_only() -> Any:
-    from deepcee.planner.replicas import RelaxedOptions
-
-    return RelaxedOptions(relaxed=False)
-
-
-def _relaxed(cluster: Cluster, model: ModelProfile, global_batch: int, options: PlannerOptions | None,
-             relaxed: dict[str, Any]) -> PlanResult:
-    """The replica search (:mod:`deepcee.planner.replicas`) on top of this one's exact plan."""
-    from deepcee.planner.replicas import plan_replicas
-
-    exact = plan_training(cluster, model, global_batch, options=options)
-    got = plan_replicas(cluster, model, global_batch, exact_plan=exact.plan, **relaxed)
-    return PlanResult(plan=got.plan, explanation=got.explanation,
-                      candidates_evaluated=exact.candidates_evaluated + len(got.candidates),
-                      planning_s=exact.planning_s + got.planning_s, top=exact.top, grouping=exact.grouping)
+                      planning_s=elapsed, top=tuple(top), grouping=grouping, counterfactuals=tuple(counterfactuals),
+                      scored=tuple(sorted(_dedupe(c for c in search.scored.values() if c is not None), key=rank_key)))
 
 
 def _dedupe(cands: Iterable[Candidate]) -> list[Candidate]:
@@ -327,6 +245,7 @@ def _coverage(ranked: list[Config]) -> list[Config]:
     out: dict[tuple, Config] = {}
     for cfg in ranked:
         out.setdefault(("stages", len(cfg.layout.slots)), cfg)
+        out.setdefault(("islands", frozenset(cfg.layout.islands)), cfg)
         for isl in cfg.layout.islands:
             out.setdefault(("island", isl), cfg)
     return list(out.values())

@@ -30,22 +30,19 @@ import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from deepcee.cluster import Cluster
 from deepcee.errors import PlanError
 from deepcee.plan import Plan, StagePlan
-from deepcee.planner.cost_model import PlanCost
+from deepcee.planner.cost_model import StageCosts
 from deepcee.planner.grouping import Grouping, distance_s
+from deepcee.planner.options import PlannerOptions
 from deepcee.planner.ranges import RangeTables, largest_remainder_shares
 from deepcee.profile import ModelProfile
 from deepcee.schedule.compact import RULE_GRID, Rules, build_compact, search_compact
 from deepcee.schedule.ir import format_schedule
-
-if TYPE_CHECKING:
-    from deepcee.planner.search import PlannerOptions
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -172,13 +169,14 @@ def island_orders(dist: np.ndarray, members: Sequence[int], all_orders: bool) ->
 
 
 def enumerate_chains(grouping: Grouping, dist: np.ndarray, options: PlannerOptions) -> list[Chain]:
-    """Every chain of the plan space for a small cluster (all subsets, orders, group prefixes)."""
+    """Every chain of the plan space (all island subsets, all orders, group prefixes); what
+    :func:`deepcee.planner.chains.search_chains` searches without listing."""
     n = len(grouping.islands)
     subsets = ([c for k in range(1, n + 1) for c in itertools.combinations(range(n), k)]
                if options.allow_exclusion else [tuple(range(n))])
     out: list[Chain] = []
     for sub in subsets:
-        for order in island_orders(dist, sub, options.all_orders):
+        for order in island_orders(dist, sub, True):
             keeps = [range(1, len(grouping.islands[i].groups) + 1) if options.allow_exclusion
                      else [len(grouping.islands[i].groups)] for i in order]
             for ks in itertools.product(*keeps):
@@ -188,12 +186,14 @@ def enumerate_chains(grouping: Grouping, dist: np.ndarray, options: PlannerOptio
 
 def build_plan(layout: StageLayout, split: Sequence[int], *, cluster: Cluster, model: ModelProfile,
                global_batch: int, microbatch_size: int, schedule: str, sync: str,
-               actions: tuple[tuple[str, ...], ...] = (), system: str = "deepcee") -> Plan:
+               actions: tuple[tuple[str, ...], ...] = (), system: str = "deepcee",
+               recompute: Sequence[bool] = ()) -> Plan:
     """The plan of one point of the plan space (shares proportional to speed)."""
     stages = []
     for s, devs in enumerate(layout.slots):
         shares = largest_remainder_shares(devs, [cluster.effective_flops_per_s(d) for d in devs], microbatch_size)
-        stages.append(StagePlan(layer_start=split[s], layer_stop=split[s + 1], devices=devs, shares=shares))
+        stages.append(StagePlan(layer_start=split[s], layer_stop=split[s + 1], devices=devs, shares=shares,
+                                recompute=bool(recompute[s]) if recompute else False))
     used = layout.devices
     return Plan(system=system, cluster=cluster.name, model=model.name, global_batch=global_batch,
                 microbatch_size=microbatch_size, num_microbatches=global_batch // microbatch_size,
@@ -213,6 +213,16 @@ def in_flight_counts(schedule: str, num_stages: int, num_microbatches: int) -> t
     return (1,) * s
 
 
+def schedule_in_flight(schedule: str, num_stages: int, num_microbatches: int) -> tuple[int, ...] | None:
+    """:func:`in_flight_counts` for a fixed schedule; ``None`` for ``compact``, which holds what
+    each stage's memory allows (see [Note: in-flight limit] in :mod:`deepcee.planner.split`)."""
+    return None if schedule == "compact" else in_flight_counts(schedule, num_stages, num_microbatches)
+
+
+FUSED_BACKWARD = ("gpipe", "1f1b")
+"""Schedules that run the fused ``B`` (the input gradient leaves after ``I + W``)."""
+
+
 SCREEN_RULES: tuple[Rules, ...] = tuple(r for r in RULE_GRID if r.feed_downstream == 0 and r.w_slack in (0.0, 1.0))
 """The compact builder's rule settings used to *screen* splits while refining a compact plan: the
 six that won most often on the random instances of ``benchmarks/planner_optimality.py`` (about
@@ -220,14 +230,15 @@ two thirds of all wins; the templates are always tried). The split a refinement 
 built with the full grid."""
 
 
-def compact_plan(plan: Plan, cluster: Cluster, model: ModelProfile, cost: PlanCost,
+def compact_plan(plan: Plan, cluster: Cluster, model: ModelProfile, cost: StageCosts,
                  tables: RangeTables, *, rules: Sequence[Rules] | None = None) -> Plan | None:
     """``plan`` with a compact schedule built from ``cost`` (its stage and link times) by
     :func:`~deepcee.schedule.compact.build_compact` (or with only ``rules``, see
     :data:`SCREEN_RULES`); ``None`` if some stage cannot hold even one microbatch."""
     limits = []
     for st in plan.stages:
-        k = tables.costs(st.devices, st.shares).max_in_flight(st.layer_start, st.layer_stop, plan.num_microbatches)
+        k = tables.costs(st.devices, st.shares).max_in_flight(st.layer_start, st.layer_stop, plan.num_microbatches,
+                                                              st.recompute)
         if k < 1:
             return None
         limits.append(k)

@@ -5,7 +5,16 @@ Torch-free. :class:`SplitTables` holds the DP inputs of one (layout, microbatch 
 stage the :class:`~deepcee.planner.ranges.RangeCosts` of its device set, per boundary the
 link costs of one microbatch for every boundary layer (:func:`boundary_arrays`, the terms
 of :func:`deepcee.planner.cost_model.boundary_cost` as arrays). :func:`split_layers` is the
-DP, tested against brute force.
+DP, tested against brute force; :func:`in_flight_split` the DP that also respects each stage's
+in-flight limit.
+
+[Note: in-flight limit]
+A stage that holds at most ``k`` microbatches at once, each for at least ``h`` seconds (its
+own ``F+I+W`` plus the round trip through every later stage and link, with nothing queued),
+cannot finish ``M`` microbatches in less than ``M x h / k`` (Little's law). ``k`` is the
+schedule's in-flight count (1F1B/ZB-H1 ``S - s``, ZB-H2 ``2(S-s)-1``, GPipe ``M``), or, for a
+compact schedule, what the stage's memory holds. This is how memory limits the link round
+trip time a pipeline can hide; the closed form and :func:`in_flight_split` both count it.
 """
 
 from __future__ import annotations
@@ -55,23 +64,63 @@ def boundary_arrays(cluster: Cluster, tables: RangeTables, src: tuple[str, ...],
 
 @dataclass(slots=True)
 class SplitTables:
-    """DP inputs of one (layout, n): per stage ``RangeCosts``, per boundary link arrays."""
+    """DP inputs of one (layout, n): per stage ``RangeCosts``, per boundary link arrays.
+
+    ``in_flight`` arguments are per stage microbatches held (a fixed schedule's counts), or
+    ``None`` for a compact schedule, which holds what memory allows (``RangeCosts.in_flight_caps``).
+    With ``recompute``, a range that does not fit memory without recomputation may use it.
+    """
 
     costs: list[RangeCosts]
     bounds: list[BoundaryArrays]
     m: int
-    _base: list[np.ndarray] | None = None
+    recompute: bool = True
+    _base: dict[bool, list[np.ndarray]] | None = None
+    _loads: dict | None = None
+    _little: dict | None = None
     _links: list[np.ndarray] | None = None
 
-    def loads(self, in_flight: Sequence[int]) -> list[np.ndarray]:
-        """Per stage the iteration load of every range, ``inf`` where empty or out of memory."""
+    def _bases(self, recompute: bool) -> list[np.ndarray]:
         if self._base is None:
+            self._base = {}
+        got = self._base.get(recompute)
+        if got is None:
             size = self.costs[0].compute_s.shape[0]
             invalid = np.tril(np.ones((size, size), dtype=bool))
-            self._base = [np.where(invalid, _INF, self.m * rc.compute_s + rc.allreduce_s + rc.optimizer_s)
-                          for rc in self.costs]
-        return [np.where(rc.memory_excess(k) > 0, _INF, base)
-                for rc, k, base in zip(self.costs, in_flight, self._base, strict=True)]
+            got = self._base[recompute] = [
+                np.where(invalid, _INF, self.m * rc.compute_with(recompute) + rc.allreduce_s + rc.optimizer_s)
+                for rc in self.costs]
+        return got
+
+    def options(self) -> tuple[bool, ...]:
+        return (False, True) if self.recompute else (False,)
+
+    def fits_with(self, s: int, k: int | None, recompute: bool) -> np.ndarray:
+        """Per range: stage ``s`` fits memory holding ``k`` microbatches (``None``: at least one)."""
+        rc = self.costs[s]
+        return rc.memory_excess(1 if k is None else k, recompute) <= 0
+
+    def loads(self, in_flight: Sequence[int] | None) -> list[np.ndarray]:
+        """Per stage the iteration load of every range, ``inf`` where empty or out of memory; a
+        range that fits only with recomputation gets the recomputing load."""
+        key = None if in_flight is None else tuple(in_flight)
+        if self._loads is None:
+            self._loads = {}
+        got = self._loads.get(key)
+        if got is None:
+            got = self._loads[key] = self._make_loads(in_flight)
+        return got
+
+    def _make_loads(self, in_flight: Sequence[int] | None) -> list[np.ndarray]:
+        out = []
+        for s in range(len(self.costs)):
+            k = None if in_flight is None else in_flight[s]
+            load = np.where(self.fits_with(s, k, False), self._bases(False)[s], _INF)
+            if self.recompute:
+                load = np.where(np.isfinite(load), load,
+                                np.where(self.fits_with(s, k, True), self._bases(True)[s], _INF))
+            out.append(load)
+        return out
 
     def link_loads(self) -> list[np.ndarray]:
         if self._links is None:
@@ -82,25 +131,128 @@ class SplitTables:
     def fills(self) -> list[np.ndarray]:
         return [np.zeros(0)] + [b.lat_f + b.ser_f + b.lat_b + b.ser_b for b in self.bounds]
 
-    def fits(self, split: Sequence[int], in_flight: Sequence[int]) -> bool:
-        return all(rc.memory_excess(k)[split[s], split[s + 1]] <= 0
-                   for s, (rc, k) in enumerate(zip(self.costs, in_flight, strict=True)))
+    def fits(self, split: Sequence[int], in_flight: Sequence[int] | None) -> bool:
+        return all(np.isfinite(load[split[s], split[s + 1]]) for s, load in enumerate(self.loads(in_flight)))
 
-    def closed_form(self, split: Sequence[int], loads: list[np.ndarray]) -> float:
-        """``T = bottleneck load + one microbatch through everything else`` (see [Note: search])."""
+    def recompute_flags(self, split: Sequence[int], in_flight: Sequence[int] | None) -> tuple[bool, ...]:
+        """Per stage: recompute only where the stage does not fit without it (the cheaper option)."""
+        return tuple(bool(self.recompute and not self.fits_with(s, None if in_flight is None else in_flight[s], False)
+                          [split[s], split[s + 1]]) for s in range(len(self.costs)))
+
+    def little_terms(self, s: int, flag: bool, in_flight: Sequence[int] | None, fused: bool) -> tuple:
+        """Cached per-range terms of stage ``s`` for :func:`in_flight_split`: iteration load, the
+        in-flight room ``k / M`` (a hold ``h`` meets the limit when ``h <= tau x k / M``), the
+        static mask (non-empty range that fits memory), ``F+I+W`` and the round-trip share."""
+        key = (s, flag, None if in_flight is None else in_flight[s], fused)
+        if self._little is None:
+            self._little = {}
+        got = self._little.get(key)
+        if got is None:
+            rc = self.costs[s]
+            size = rc.compute_s.shape[0]
+            valid = ~np.tril(np.ones((size, size), dtype=bool))
+            if in_flight is None:
+                k = rc.in_flight_caps(self.m, flag)
+                mem_ok = k >= 1
+            else:
+                k = np.full((size, size), float(min(in_flight[s], self.m)))
+                mem_ok = rc.memory_excess(in_flight[s], flag) <= 0
+            load = self.m * rc.compute_with(flag) + rc.allreduce_s + rc.optimizer_s
+            got = self._little[key] = (load, np.maximum(k, 1.0) / self.m, valid & mem_ok, rc.compute_with(flag),
+                                       rc.round_trip_s(fused, flag))
+        return got
+
+    def holds(self, split: Sequence[int], flags: Sequence[bool], fused: bool = False) -> list[float]:
+        """Per stage, how long one microbatch is held there with nothing queued: its own ``F+I+W``
+        and the round trip through every later stage and link (see [Note: in-flight limit])."""
+        fills, after, out = self.fills(), 0.0, []
+        for s in reversed(range(len(self.costs))):
+            a, b = split[s], split[s + 1]
+            rc = self.costs[s]
+            out.append(float(rc.compute_with(flags[s])[a, b]) + after)
+            after += float(rc.round_trip_s(fused, flags[s])[a, b]) + (float(fills[s][a]) if s else 0.0)
+        return out[::-1]
+
+    def caps_at(self, split: Sequence[int], flags: Sequence[bool], in_flight: Sequence[int] | None) -> list[int]:
+        """Microbatches each stage holds: the fixed schedule's, or what memory allows (compact)."""
+        if in_flight is not None:
+            return [min(k, self.m) for k in in_flight]
+        return [max(1, int(self.costs[s].in_flight_caps(self.m, flags[s])[split[s], split[s + 1]]))
+                for s in range(len(self.costs))]
+
+    def closed_form(self, split: Sequence[int], loads: list[np.ndarray], in_flight: Sequence[int] | None = None,
+                    fused: bool = False, flags: Sequence[bool] | None = None) -> float:
+        """``T = bottleneck load + one microbatch through everything else`` (see [Note: search]);
+        the loads include each stage's in-flight limit ([Note: in-flight limit]). ``flags``: per
+        stage recomputation (default: only where a stage does not fit without it)."""
         links, fills = self.link_loads(), self.fills()
+        flags = self.recompute_flags(split, in_flight) if flags is None else flags
+        if any(not np.isfinite(loads[s][split[s], split[s + 1]]) for s in range(len(self.costs))):
+            return _INF
+        holds = self.holds(split, flags, fused)
+        caps = self.caps_at(split, flags, in_flight)
         terms, per_mb = [], []
         for s in range(len(self.costs)):
             a, b = split[s], split[s + 1]
-            terms.append(loads[s][a, b])
-            per_mb.append(self.costs[s].compute_s[a, b])
+            c = float(self.costs[s].compute_with(flags[s])[a, b])
+            terms.append(float(self._bases(flags[s])[s][a, b]))
+            per_mb.append(c)
+            terms.append(self.m * holds[s] / caps[s])
+            per_mb.append(holds[s] / caps[s])
             if s:
                 terms.append(links[s][a])
                 per_mb.append(max(self.bounds[s - 1].ser_f[a], self.bounds[s - 1].ser_b[a]))
         k = int(np.argmax(terms))
-        fill = sum(self.costs[s].compute_s[split[s], split[s + 1]] for s in range(len(self.costs)))
+        fill = sum(float(self.costs[s].compute_with(flags[s])[split[s], split[s + 1]]) for s in range(len(self.costs)))
         fill += sum(fills[s][split[s]] for s in range(1, len(self.costs)))
         return float(terms[k] + fill - per_mb[k])
+
+
+def in_flight_split(tab: SplitTables, tau: float, in_flight: Sequence[int] | None, *,
+                    fused: bool = False) -> tuple[float, tuple[int, ...], tuple[bool, ...]] | None:
+    """The split with the shortest round trip whose every load stays under ``tau``, in-flight
+    limits included (see [Note: in-flight limit]); ``(round trip, split, recompute flags)``.
+
+    Dynamic programming from the last stage: ``V_s(a)`` is the least round trip of a microbatch
+    from stage ``s`` (starting at layer ``a``) to the end and back. Stage ``s`` on ``[a, b)``
+    is allowed when its load ``M (F+I+W) + all-reduce + optimizer``, its link's load and
+    ``M x (F+I+W + link round trip + V_{s+1}(b)) / k`` are all ``<= tau`` (``k`` the microbatches
+    it holds, which fit memory). Every constraint and the objective grow with ``V_{s+1}``, so
+    the least ``V_{s+1}`` is the best for every earlier stage: the result is exact for this
+    model. Each range may recompute (when ``tab.recompute``): it pays one more ``F`` and holds
+    only its input per microbatch, which raises ``k``.
+    """
+    n = len(tab.costs)
+    size = tab.costs[0].compute_s.shape[0]
+    links, fills = tab.link_loads(), tab.fills()
+    value = np.full(size, _INF)
+    value[size - 1] = 0.0
+    rows = np.arange(size)
+    backs: list[tuple[np.ndarray, np.ndarray]] = []
+    for s in reversed(range(n)):
+        after = np.where(links[s + 1] <= tau, fills[s + 1] + value, _INF) if s < n - 1 else value
+        best = pick = None
+        for flag in tab.options():
+            load, room, ok0, compute, trip = tab.little_terms(s, flag, in_flight, fused)
+            ok = ok0 & (load <= tau) & (compute + after[None, :] <= tau * room)
+            val = np.where(ok, trip + after[None, :], _INF)
+            if best is None:
+                best, pick = val, np.zeros(val.shape, dtype=bool)
+            else:
+                better = val < best
+                best = np.where(better, val, best)
+                pick = better
+        arg = np.argmin(best, axis=1)
+        value = best[rows, arg]
+        backs.append((arg, pick[rows, arg]))
+    if not np.isfinite(value[0]):
+        return None
+    split, flags, a = [0], [], 0
+    for arg, pick in reversed(backs):
+        flags.append(bool(pick[a]))
+        a = int(arg[a])
+        split.append(a)
+    return float(value[0]), tuple(split), tuple(flags)
 
 
 def split_layers(loads: list[np.ndarray], links: list[np.ndarray], *, computes: list[np.ndarray] | None = None,

@@ -15,25 +15,30 @@ import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from deepcee.cluster import Cluster
 from deepcee.plan import SCHEDULES, Estimate, Plan, StagePlan
-from deepcee.planner.cost_model import AnalyticCostModel, CostModel
+from deepcee.planner.chains import ChainResult
+from deepcee.planner.cost_model import CostModel, stage_costs
 from deepcee.planner.grouping import Grouping
+from deepcee.planner.options import PlannerOptions
 from deepcee.planner.ranges import RangeTables, largest_remainder_shares
 from deepcee.planner.space import (
+    FUSED_BACKWARD,
     SCREEN_RULES,
     StageLayout,
     build_plan,
     compact_plan,
-    in_flight_counts,
+    schedule_in_flight,
 )
-from deepcee.planner.split import BoundaryArrays, SplitTables, boundary_arrays, split_layers
+from deepcee.planner.split import (
+    BoundaryArrays,
+    SplitTables,
+    boundary_arrays,
+    in_flight_split,
+    split_layers,
+)
 from deepcee.profile import ModelProfile
-
-if TYPE_CHECKING:
-    from deepcee.planner.search import PlannerOptions
 
 _INF = math.inf
 
@@ -64,6 +69,8 @@ class Config:
     schedules: tuple[str, ...]
     closed_form_s: float
     key: tuple = ()
+    recompute: tuple[bool, ...] = ()
+    """Per stage, activation recomputation (empty: only where a stage does not fit without it)."""
 
 
 @dataclass(slots=True)
@@ -92,8 +99,15 @@ class SearchState:
     notes: list[str] = field(default_factory=list)
     compact_used: float = 0.0
     forced_compacts: int = 0
+    large_compacts: int = 0
+    score_used: int = 0
+    """Stages x microbatches timed by the cost model so far (see ``PlannerOptions.score_budget``)."""
     refine_used: int = 0
     _pipes: dict[tuple, float] = field(default_factory=dict)
+    chain_result: ChainResult | None = None
+    """What the chain search did (see [Note: chain search])."""
+    chain_moves: int = 0
+    """Chains evaluated by the local search (clusters of more than ``exhaustive_islands`` islands)."""
 
     # -- step 1 ---------------------------------------------------------------------------
     def shares(self, devs: tuple[str, ...], n: int) -> tuple[int, ...]:
@@ -117,7 +131,8 @@ class SearchState:
                     self.bounds[bkey] = boundary_arrays(self.cluster, self.tables, layout.slots[s - 1], shares[s - 1],
                                                         layout.slots[s], shares[s])
                 bounds.append(self.bounds[bkey])
-            got = self.dp_tables[key] = SplitTables(costs=costs, bounds=bounds, m=self.global_batch // n)
+            got = self.dp_tables[key] = SplitTables(costs=costs, bounds=bounds, m=self.global_batch // n,
+                                                    recompute=self.options.recompute)
         return got
 
     def lower_bound(self, layout: StageLayout) -> float:
@@ -158,6 +173,19 @@ class SearchState:
             got = self._pipes[key] = sum(pipes.values())
         return got
 
+    def sizes_near(self, factor: int) -> list[int] | None:
+        """Microbatch sizes within ``factor`` of the best configuration's so far (``None``: all)."""
+        if not self.configs:
+            return None
+        n = min(self.configs.values(), key=lambda c: c.key).n
+        return [x for x in self.sizes if n / factor <= x <= n * factor]
+
+    def granularity_near(self) -> float | None:
+        """The most devices per stage of the best configuration's layout so far."""
+        if not self.configs:
+            return None
+        return max(1, min(self.configs.values(), key=lambda c: c.key).layout.granularity)
+
     def evaluate_layout(self, layout: StageLayout, sizes: Sequence[int] | None = None) -> tuple[float, int]:
         """Step 1 for every microbatch size (or ``sizes``); the best closed form and its size
         (``inf`` if nothing fits or the layout cannot beat the best so far)."""
@@ -169,57 +197,102 @@ class SearchState:
         for n in self.sizes if sizes is None else sizes:
             if n < max(len(s) for s in layout.slots):
                 continue
-            tab = self.dp_inputs(layout, n)
-            loose = split_layers(tab.loads((1,) * stages), tab.link_loads())
-            if loose is None:
-                continue
-            pending: dict[tuple[int, ...], list[str]] = {}
-            shared = []
-            for sched in self.options.schedules:
-                in_flight = in_flight_counts(sched, stages, tab.m)
-                # the optimum under the loosest memory limit is optimal for any tighter limit it meets
-                (shared.append(sched) if tab.fits(loose[1], in_flight)
-                 else pending.setdefault(in_flight, []).append(sched))
-            results = [(loose, shared)] if shared else []
-            for in_flight, scheds in pending.items():
-                got = split_layers(tab.loads(in_flight), tab.link_loads())
-                if got is not None:
-                    results.append((got, scheds))
-            for (_, split), scheds in results:
-                cf = tab.closed_form(split, tab.loads(in_flight_counts(scheds[0], stages, tab.m)))
-                self.add_config(layout, n, split, tuple(scheds), cf)
+            for split, scheds, cf in self._splits(layout, n):
+                self.add_config(layout, n, split, scheds, cf)
                 if cf < best:
                     best, best_n = cf, n
         self.best_closed_form = min(self.best_closed_form, best)
         return best, best_n
 
+    def _splits(self, layout: StageLayout, n: int) -> list[tuple[tuple[int, ...], tuple[str, ...], float]]:
+        """The bottleneck DP's splits of ``layout`` at microbatch size ``n``: one under the loosest
+        memory limit (one microbatch in flight), shared by the schedules whose in-flight counts it
+        meets (it is optimal for them too), and one per other in-flight vector; each with its
+        closed form, the best over its schedules (whose in-flight limits differ)."""
+        tab = self.dp_inputs(layout, n)
+        stages = len(layout.slots)
+        loose = split_layers(tab.loads(None), tab.link_loads())
+        if loose is None:
+            return []
+        pending: dict[tuple[int, ...] | None, list[str]] = {}
+        shared = []
+        for sched in self.options.schedules:
+            if sched == "compact" and stages < 2:
+                continue
+            in_flight = schedule_in_flight(sched, stages, tab.m)
+            (shared.append(sched) if in_flight is None or tab.fits(loose[1], in_flight)
+             else pending.setdefault(in_flight, []).append(sched))
+        results = [(loose[1], shared)] if shared else []
+        for in_flight, scheds in pending.items():
+            got = split_layers(tab.loads(in_flight), tab.link_loads())
+            if got is not None:
+                results.append((got[1], scheds))
+        return [(split, tuple(scheds), self.closed_form(tab, split, scheds)) for split, scheds in results]
+
+    def closed_form(self, tab: SplitTables, split: Sequence[int], scheds: Sequence[str],
+                    flags: Sequence[bool] | None = None) -> float:
+        """The best closed form of ``split`` over ``scheds`` (each with its own in-flight limits)."""
+        stages = len(split) - 1
+        out = _INF
+        for sched in scheds:
+            in_flight = schedule_in_flight(sched, stages, tab.m)
+            out = min(out, tab.closed_form(split, tab.loads(in_flight), in_flight, fused=sched in FUSED_BACKWARD,
+                                           flags=flags))
+        return out
+
     def add_config(self, layout: StageLayout, n: int, split: tuple[int, ...], scheds: tuple[str, ...],
-                   cf: float) -> None:
+                   cf: float, recompute: tuple[bool, ...] = ()) -> None:
         self.evaluated += 1
-        key = (layout.slots, n, split, scheds)
-        if key not in self.configs:
+        if not math.isfinite(cf):
+            return
+        key = (layout.slots, n, split, recompute)
+        old = self.configs.get(key)
+        if old is None:
             self.configs[key] = Config(layout=layout, n=n, split=split, schedules=scheds, closed_form_s=cf,
-                                        key=(cf, len(self.configs)))
+                                       key=(cf, len(self.configs)), recompute=recompute)
+            return
+        # one configuration per split: the union of the schedules it fits, the best closed form
+        old.schedules = tuple(x for x in SCHEDULES if x in old.schedules or x in scheds)
+        if cf < old.closed_form_s:
+            old.closed_form_s, old.key = cf, (cf, old.key[1])
 
     # -- step 2 ---------------------------------------------------------------------------
+    SWEEP_FACTORS = (1.0, 1.08, 1.25, 1.6, 2.5)
+    """Bottleneck budgets of step 2, as multiples of the bottleneck DP's optimum."""
+
     def sweep(self, cfg: Config) -> None:
+        """Step 2: the in-flight-aware DP (:func:`~deepcee.planner.split.in_flight_split`) for
+        each in-flight class of the configuration's schedules and each budget of :data:`SWEEP_FACTORS`."""
         tab = self.dp_inputs(cfg.layout, cfg.n)
-        loads = tab.loads(in_flight_counts(cfg.schedules[0], len(cfg.layout.slots), tab.m))
-        links, fills = tab.link_loads(), tab.fills()
-        computes = [rc.compute_s for rc in tab.costs]
-        first = split_layers(loads, links)
-        if first is None:
-            return
-        for factor in (1.0, 1.1, 1.25, 1.5, 2.0):
-            got = split_layers(loads, links, computes=computes, fills=fills, tau=first[0] * factor * (1 + 1e-12))
-            if got is not None:
-                self.add_config(cfg.layout, cfg.n, got[1], cfg.schedules, tab.closed_form(got[1], loads))
+        stages = len(cfg.layout.slots)
+        classes: dict[tuple, list[str]] = {}
+        for sched in self.options.schedules:
+            if sched == "compact" and stages < 2:
+                continue
+            in_flight = schedule_in_flight(sched, stages, tab.m)
+            classes.setdefault((in_flight, sched in FUSED_BACKWARD), []).append(sched)
+        for (in_flight, fused), scheds in classes.items():
+            first = split_layers(tab.loads(in_flight), tab.link_loads())
+            if first is None:
+                continue
+            seen: set[tuple] = set()
+            for factor in self.SWEEP_FACTORS:
+                got = in_flight_split(tab, first[0] * factor * (1 + 1e-12), in_flight, fused=fused)
+                if got is None or (got[1], got[2]) in seen:
+                    continue
+                seen.add((got[1], got[2]))
+                cf = self.closed_form(tab, got[1], scheds, got[2])
+                self.add_config(cfg.layout, cfg.n, got[1], tuple(scheds), cf, got[2])
 
     # -- step 3 ---------------------------------------------------------------------------
     def score(self, plan: Plan) -> Candidate | None:
         key = (plan.stages, plan.schedule, plan.sync, plan.actions)
         if key in self.scored:
             return self.scored[key]
+        work = plan.num_stages * plan.num_microbatches
+        if self.score_used + work > self.options.score_budget and self.scored:
+            return None  # over budget: not scored (and not cached, a cheaper path may come back)
+        self.score_used += work
         self.evaluated += 1
         est = self.cost_model.estimate(plan, self.cluster, self.model)
         fits = all(b <= self.cluster.memory_bytes(d) for d, b in est.peak_memory_bytes.items())
@@ -233,13 +306,16 @@ class SearchState:
         scheds = [x for x in cfg.schedules if x != "compact"]
         if not full:
             scheds = [x for x in ("zb-h1", "1f1b", "zb-h2", "gpipe") if x in scheds][:1]
+        tab = self.dp_inputs(cfg.layout, cfg.n)
         for sched in scheds:
+            flags = cfg.recompute or tab.recompute_flags(cfg.split, schedule_in_flight(
+                sched, len(cfg.split) - 1, tab.m))
             # ring and hierarchical all-reduce coincide when no stage spans nodes
             spans = any(len({self.cluster.device(d).node for d in s}) > 1 for s in cfg.layout.slots)
             for sync in self.options.syncs if spans and full else self.options.syncs[:1]:
                 plan = build_plan(cfg.layout, cfg.split, cluster=self.cluster, model=self.model,
                                   global_batch=self.global_batch, microbatch_size=cfg.n, schedule=sched, sync=sync,
-                                  system=self.options.system)
+                                  system=self.options.system, recompute=flags)
                 cand = self.score(plan)
                 if cand is not None:
                     out.append(cand)
@@ -247,9 +323,10 @@ class SearchState:
                 and len(cfg.layout.slots) > 1:
             # memory admits no fixed schedule here, only a compact one with fewer microbatches in flight
             self.forced_compacts += 1
+            flags = cfg.recompute or tab.recompute_flags(cfg.split, None)
             base = build_plan(cfg.layout, cfg.split, cluster=self.cluster, model=self.model,
                               global_batch=self.global_batch, microbatch_size=cfg.n, schedule="zb-h1",
-                              sync=self.options.syncs[0], system=self.options.system)
+                              sync=self.options.syncs[0], system=self.options.system, recompute=flags)
             built = self.compact(base, screen=base.num_stages * base.num_microbatches
                                  > self.options.compact_max_actions, force=True)
             cand = self.score(built) if built is not None else None
@@ -260,70 +337,94 @@ class SearchState:
     def refine(self, cand: Candidate) -> Candidate:
         """Hill-climb: move stage boundaries by one layer while the cost model improves.
 
-        A compact plan's neighbours are tried with its action order (any order is valid for any
-        split) and as zb-h2; the three best of them also get a compact schedule of their own
-        (screening rules, while the compact budget lasts); the split it ends on gets a full
-        one, if that is better."""
-        best = cand
-        for _ in range(max(2, 96 // max(1, 6 * (best.plan.num_stages - 1))) if best.plan.num_stages <= 8 else 2):
-            plan = best.plan
-            splits = [st.layer_start for st in plan.stages] + [plan.num_layers]
-            trial = []
-            # neighbours: one boundary moved by one or two layers, or a run of two or three
-            # adjacent ones moved by one layer (long pipelines: one boundary by one layer)
-            wide = plan.num_stages <= 8
-            runs = [((k, k + r), step) for r in ((1, 2, 3) if wide else (1,)) for k in range(1, len(splits) - r)
-                    for step in ((-2, -1, 1, 2) if r == 1 and wide else (-1, 1))]
-            proxies: list[tuple[float, int, tuple[StagePlan, ...]]] = []
-            for (lo, hi), step in runs:
-                new = list(splits)
-                for k in range(lo, hi):
-                    new[k] += step
-                if any(x >= y for x, y in itertools.pairwise(new)):
-                    continue
-                stages = tuple(StagePlan(layer_start=new[s], layer_stop=new[s + 1], devices=st.devices,
-                                         shares=st.shares) for s, st in enumerate(plan.stages))
-                moved = [plan.replace(stages=stages)]
-                if plan.schedule == "compact":  # and zb-h2, a proxy of what a compact schedule of its own gives
-                    moved.append(plan.replace(stages=stages, schedule="zb-h2", actions=()))
-                work = len(moved) * (len(plan.devices) + plan.num_stages * plan.num_microbatches)
-                if self.refine_used + work > self.options.refine_budget:
-                    break
-                self.refine_used += work
-                got = [g for g in map(self.score, moved) if g is not None]
-                trial += got
-                if got:
-                    proxies.append((min(g.estimate.iteration_s for g in got), len(proxies), stages))
-            # the most promising neighbours of a compact plan get a compact schedule of their own
-            for _, _, stages in sorted(proxies)[:3] if plan.schedule == "compact" else ():
+        A compact plan's neighbours are *guided* by proxies: its action order on the moved split
+        (any order is valid for any split) and a compact schedule built with the screening
+        rules; the climb follows them, and only plans of the plan space are returned: a
+        compact schedule built in full for the split it ends on, or a neighbour as zb-h2.
+        (A compact plan's actions are always the builder's for its own split and costs, so an
+        exhaustive search that builds them per split covers every plan returned here.)"""
+        best, cursor = cand, cand
+        compact = cand.plan.schedule == "compact"
+        for _ in range(max(2, 96 // max(1, 6 * (cand.plan.num_stages - 1))) if cand.plan.num_stages <= 8 else 2):
+            plan = cursor.plan
+            trial, guide = self._neighbours(plan)
+            # the most promising neighbours of a compact plan get a (screened) compact schedule as a guide
+            for _, _, stages in sorted(guide)[:3] if compact else ():
                 built = self.compact(plan.replace(stages=stages, schedule="zb-h1", actions=()), screen=True)
                 got1 = self.score(built) if built is not None else None
                 if got1 is not None:
-                    trial.append(got1)
-            better = min(trial, key=rank_key, default=None)
-            if better is None or rank_key(better) >= rank_key(best):
+                    guide.append((got1.estimate.iteration_s, len(guide), stages))
+            real = min((c for c in trial if c.plan.schedule != "compact"), key=rank_key, default=None)
+            if real is not None and rank_key(real) < rank_key(best):
+                best = real
+            if compact:
+                if not guide:
+                    break
+                value, _, stages = min(guide)
+                if value >= cursor.estimate.iteration_s * (1 - 1e-12):
+                    break
+                cursor = Candidate(plan=plan.replace(stages=stages),
+                                   estimate=Estimate(iteration_s=value, samples_per_s=0.0))
+            elif real is None or rank_key(real) >= rank_key(cursor):
                 break
-            best = better
-        if best is not cand and best.plan.schedule == "compact":
-            rebuilt = self.compact(best.plan.replace(schedule="zb-h1", actions=()))
+            else:
+                cursor = real
+        if compact and cursor is not cand:
+            rebuilt = self.compact(cursor.plan.replace(schedule="zb-h1", actions=()))
             got = self.score(rebuilt) if rebuilt is not None else None
             if got is not None and rank_key(got) < rank_key(best):
                 best = got
         return best
 
+    def _neighbours(self, plan: Plan) -> tuple[list[Candidate], list[tuple[float, int, tuple[StagePlan, ...]]]]:
+        """Scored neighbours of ``plan`` (one boundary moved by one or two layers, or a run of two
+        or three adjacent ones by one; long pipelines: one boundary by one layer), within the
+        refine budget; for a compact plan, also (time, order, stages) guides of its order moved."""
+        splits = [st.layer_start for st in plan.stages] + [plan.num_layers]
+        wide = plan.num_stages <= 8
+        runs = [((k, k + r), step) for r in ((1, 2, 3) if wide else (1,)) for k in range(1, len(splits) - r)
+                for step in ((-2, -1, 1, 2) if r == 1 and wide else (-1, 1))]
+        trial: list[Candidate] = []
+        guide: list[tuple[float, int, tuple[StagePlan, ...]]] = []
+        for (lo, hi), step in runs:
+            new = list(splits)
+            for k in range(lo, hi):
+                new[k] += step
+            if any(x >= y for x, y in itertools.pairwise(new)):
+                continue
+            stages = tuple(StagePlan(layer_start=new[s], layer_stop=new[s + 1], devices=st.devices,
+                                     shares=st.shares, recompute=st.recompute) for s, st in enumerate(plan.stages))
+            moved = [plan.replace(stages=stages)]
+            if plan.schedule == "compact":
+                moved.append(plan.replace(stages=stages, schedule="zb-h2", actions=()))
+            work = len(moved) * (len(plan.devices) + plan.num_stages * plan.num_microbatches)
+            if self.refine_used + work > self.options.refine_budget:
+                break
+            self.refine_used += work
+            got = [self.score(x) for x in moved]
+            trial += [g for g in got if g is not None]
+            if plan.schedule == "compact" and got[0] is not None:
+                guide.append((got[0].estimate.iteration_s, len(guide), stages))
+        return trial, guide
+
     def compact(self, plan: Plan, *, screen: bool = False, force: bool = False) -> Plan | None:
         """``plan`` with a compact schedule, or ``None`` (a stage cannot hold one microbatch, or the
         compact budget of stages x microbatches is spent). ``screen``: with :data:`SCREEN_RULES`
-        only, charged a quarter of a full build; ``force``: regardless of size and budget."""
+        only, charged a quarter of a full build; ``force``: regardless of budget. Above
+        ``compact_max_actions`` stages x microbatches only the builder's templates are tried
+        (``rules=()``, linear in the size): the compact schedule of such a plan, by definition
+        of the plan space."""
         size = plan.num_stages * plan.num_microbatches
-        charge = size / 4 if screen else size
-        if not force and (size > self.options.compact_max_actions or (
+        large = size > self.options.compact_max_actions
+        charge = 0 if large else size / 4 if screen else size
+        if not force and ((large and self.large_compacts >= 2) or (
                 self.compact_used and self.compact_used + charge > self.options.compact_budget)):
             return None
         self.compact_used += charge
-        cost = AnalyticCostModel().breakdown(plan, self.cluster, self.model)
+        self.large_compacts += large
+        cost = stage_costs(plan, self.cluster, self.model)
         return compact_plan(plan, self.cluster, self.model, cost, self.tables,
-                            rules=SCREEN_RULES if screen else None)
+                            rules=() if large else SCREEN_RULES if screen else None)
 
 
 def rank_key(c: Candidate) -> tuple:

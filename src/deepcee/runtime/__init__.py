@@ -40,14 +40,14 @@ if TYPE_CHECKING:
     from deepcee.runtime.job import Job, OptimizerConfig, TrainConfig
     from deepcee.runtime.launch import launch_jobs, run_training
     from deepcee.runtime.partition import Topology
+    from deepcee.runtime.rank import run_jobs_on_rank
     from deepcee.runtime.records import TrainResult
     from deepcee.runtime.stage import StageRunner
-    from deepcee.runtime.trainer import run_jobs_on_rank
 
 _HOME = {
     "TrainResult": "records", "launch_jobs": "launch", "run_training": "launch",
     "Topology": "partition", "StageRunner": "stage", "Job": "job", "OptimizerConfig": "job",
-    "TrainConfig": "job", "run_jobs_on_rank": "trainer",
+    "TrainConfig": "job", "run_jobs_on_rank": "rank",
 }
 
 __all__ = [

@@ -16,6 +16,11 @@ relay's control socket (:data:`RELAY_CONTROL_ENV`, read by :func:`relay_control_
 
 Either way the runtime holds the store itself (a ``PrefixStore`` per use) to exchange
 start-up metadata with timeouts. Backend: ``gloo`` on CPU, ``nccl`` when the run uses CUDA.
+
+How a rank waits for its communication is a :class:`Waiter`: :class:`BlockingWaiter` (every
+run but an elastic one: one blocking wait with the run's timeout) or an elastic run's
+:class:`deepcee.runtime.elastic.Session`, which polls and watches for lost peers ([Note:
+elastic process groups] there). :func:`shutdown` ends a rank's process group cleanly.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import socket
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -200,6 +206,68 @@ def init_process_group(*, store: dist.Store, rank: int, world_size: int, backend
     log.debug("rank %d/%d joined (%s)", rank, world_size, backend)
 
 
-def shutdown() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
+class Waiter(Protocol):
+    """How a rank waits for its point-to-point transfers and collectives."""
+
+    out_of_band: bool
+    """Whether step records and decisions travel through the store instead of collectives."""
+
+    def wait(self, work: dist.Work, *, timeout_s: float, what: str, peer: str | None = None) -> None:
+        """Return when ``work`` is done; raise :class:`RuntimeSetupError` naming ``what`` (and the
+        ``peer`` device) when it failed or took longer than ``timeout_s``."""
+
+    def sleep_until(self, clock: Any, wall: float, *, timeout_s: float, what: str, peer: str | None = None) -> None:
+        """Sleep until ``wall`` on ``clock`` (a :class:`deepcee.runtime.emulation.Clock`; an
+        emulated delivery); a delivery further away than ``timeout_s`` is a dead link."""
+
+    def check(self) -> None:
+        """Raise if the run's communication is known to be broken (polled by out-of-band waits)."""
+
+    def gate(self, name: str) -> None:
+        """Before collectives the trainer makes outside any step (checkpoints, evaluations): an
+        elastic run's ranks meet here first, watching for faults, so an idle rank never blocks in
+        such a collective with peers whose step failed. Elsewhere nothing (the collective waits)."""
+
+
+class BlockingWaiter:
+    """One blocking wait per operation, with the run's timeout (every run but an elastic one)."""
+
+    out_of_band = False
+
+    def wait(self, work: dist.Work, *, timeout_s: float, what: str, peer: str | None = None) -> None:
+        try:
+            work.wait(timedelta(seconds=timeout_s))
+        except RuntimeError as exc:
+            raise RuntimeSetupError(f"{what} {_failure(exc, timeout_s)}") from None
+
+    def sleep_until(self, clock: Any, wall: float, *, timeout_s: float, what: str, peer: str | None = None) -> None:
+        if wall - clock.wall() > timeout_s:
+            raise RuntimeSetupError(f"{what} would not be delivered within {timeout_s:g} s (the link is dead)")
+        clock.sleep_until(wall)
+
+    def check(self) -> None:
+        return None
+
+    def gate(self, name: str) -> None:
+        return None
+
+
+def _failure(exc: BaseException, timeout_s: float) -> str:
+    """How an operation ended, in words: a timeout is one, a lost connection is not."""
+    first = str(exc).splitlines()[0][:160] if str(exc) else type(exc).__name__
+    if "imed out" in first or "timeout" in first.lower():
+        return f"did not complete within {timeout_s:g} s ({first})"
+    return f"failed: {first}"
+
+
+def shutdown(*, clean: bool = False) -> None:
+    """Leave the process group. ``clean`` (the run succeeded): first wait until every rank is
+    here, so no rank tears down its connections while a peer still talks on them."""
+    if not dist.is_initialized():
+        return
+    if clean:
+        try:
+            dist.barrier()
+        except RuntimeError as exc:  # a peer already gone: nothing left to wait for
+            log.debug("barrier before shutdown: %s", exc)
+    dist.destroy_process_group()

@@ -19,6 +19,11 @@ boundaries; it drives the trainer only through the trainer's public methods
   recorded with the step); then :meth:`~TrainerHooks.apply` (counted in the next step's time;
   recorded with it), and :meth:`~TrainerHooks.rank_change` adds this rank's part of a change
   to its next step record;
+- the step itself, on an active rank: :meth:`~TrainerHooks.before_update` just before the
+  optimizer applies the step's gradients (an elastic run's commit point);
+- a failure of a step or its boundary: :meth:`~TrainerHooks.recover` re-raises it, or (an
+  elastic run, [Note: elastic process groups] in :mod:`deepcee.runtime.elastic`) brings the
+  run to a state every survivor shares and returns the step to go on at;
 - the end: :meth:`~TrainerHooks.adapter_run` goes into the result.
 
 Torch-free (the trainer appears in annotations only).
@@ -84,6 +89,15 @@ class TrainerHooks(Protocol):
         """This rank's part of the change applied before the step it is about to record (once)."""
         ...
 
+    def before_update(self, trainer: Trainer, step: int) -> None:
+        """Just before the optimizer applies step ``step``'s gradients (may raise to stop it)."""
+        ...
+
+    def recover(self, trainer: Trainer, step: int, exc: BaseException) -> tuple[int, AppliedChange | None]:
+        """Step ``step`` (or its boundary) raised ``exc``: re-raise it, or return the step to go on
+        at and the change made (recorded with that step)."""
+        ...
+
     def adapter_run(self) -> AdapterRun | None:
         """What the result records about the plans of the run (rank 0, at the end)."""
         ...
@@ -132,6 +146,12 @@ class FixedPlan:
 
     def rank_change(self) -> RankChange | None:
         return None
+
+    def before_update(self, trainer: Trainer, step: int) -> None:
+        return None
+
+    def recover(self, trainer: Trainer, step: int, exc: BaseException) -> tuple[int, AppliedChange | None]:
+        raise exc
 
     def adapter_run(self) -> AdapterRun | None:
         return None

@@ -5,7 +5,7 @@ objects themselves (frozen dataclasses pickle as they are; nothing is turned int
 parsed again on the way to the ranks), the model, a :class:`TrainConfig` and, for a run
 whose plan changes while it runs, a :class:`~deepcee.runtime.hooks.HooksFactory` (the
 adapter's). Launchers: :func:`deepcee.runtime.launch.launch_jobs` (local processes) and
-:func:`deepcee.runtime.trainer.run_jobs_on_rank` (each rank, e.g. under ``torchrun``).
+:func:`deepcee.runtime.rank.run_jobs_on_rank` (each rank, e.g. under ``torchrun``).
 
 Torch is imported only to build an optimizer or to send a job to its ranks, so the entry points
 can build jobs cheaply.

@@ -2,12 +2,15 @@
 
 :func:`launch_jobs` starts one process per rank (``spawn``; one thread each and :data:`deepcee.runtime.dist.WORKER_ENV`; a ``FileStore``
 in a fresh temporary directory, so no ports are involved and nothing collides with other
-runs), runs :func:`deepcee.runtime.trainer.run_jobs_on_rank` in each, and waits. If a rank
+runs), runs :func:`deepcee.runtime.rank.run_jobs_on_rank` in each, and waits. If a rank
 fails, the others are stopped after a short grace period and the *first* failure (by time:
 later ones are usually timeouts it caused) is raised again in the parent, as the same
 :mod:`deepcee.errors` class, naming the rank. If the deadline passes, every process is
 killed and :class:`RuntimeSetupError` says which ranks were still running: a hang is a
-failure, never a stuck test.
+failure, never a stuck test. An elastic launch (a job with elastic settings, option
+``elastic``) outlives a rank instead ([Note: elastic supervision] in
+:mod:`deepcee.runtime.supervise`): its survivors train on, and a rank that died may be
+started again to rejoin.
 
 :func:`run_training` is the one-call public entry: plan + cluster + model -> :class:`TrainResult`
 (:mod:`deepcee.runtime.records`; ``launch_jobs`` returns the same, read back from each job's
@@ -25,7 +28,9 @@ bytes, drops, queueing per link resource) go to ``<run_dir>/relay.json`` of ever
 from __future__ import annotations
 
 import logging
+import os
 import shutil
+import sys
 import tempfile
 import uuid
 from collections.abc import Callable, Sequence
@@ -38,29 +43,38 @@ from deepcee.errors import RuntimeSetupError, SpecError
 from deepcee.plan import Plan, save_json_atomic
 from deepcee.runtime import dist as rdist
 from deepcee.runtime import runlock
+from deepcee.runtime.elastic import elastic_config
 from deepcee.runtime.emulation import choose_dilation
 from deepcee.runtime.job import Job, TrainConfig
+from deepcee.runtime.rank import run_jobs_on_rank
 from deepcee.runtime.realnet import launch_realnet
 from deepcee.runtime.records import TrainResult
-from deepcee.runtime.supervise import spawn_ranks, supervise
-from deepcee.runtime.trainer import run_jobs_on_rank
+from deepcee.runtime.supervise import Elastic, spawn_rank, spawn_ranks, supervise
 
 log = logging.getLogger(__name__)
 
 
 def launch(target: Callable[..., None], args: tuple[Any, ...], *, world_size: int, deadline_s: float,
-           grace_s: float = 2.0) -> None:
+           grace_s: float = 2.0, elastic: Elastic | None = None) -> None:
     """Run ``target(rank, world_size, store_path, *args)`` in ``world_size`` processes under a deadline.
 
     ``target`` must be importable (a module-level function); ``store_path`` is a fresh
     ``FileStore`` path. A rank's failure is raised here, the first one by time
     ([Note: first failure] in :mod:`deepcee.runtime.supervise`); no rank outlives the caller.
+    ``elastic``: rank deaths do not end the launch ([Note: elastic supervision]).
     """
     run_dir = Path(tempfile.mkdtemp(prefix="deepcee-launch-"))
+
+    def restart(rank: int) -> Any:
+        log.warning("starting rank %d again (elastic launch)", rank)
+        with rdist.worker_env():
+            return spawn_rank(target, args, rank=rank, world_size=world_size, run_dir=run_dir)
+
     try:
         with rdist.worker_env():
             workers = spawn_ranks(target, args, world_size=world_size, run_dir=run_dir)
-        supervise(workers, run_dir, deadline_s=deadline_s, grace_s=grace_s, label="launch")
+        supervise(workers, run_dir, deadline_s=deadline_s, grace_s=grace_s, label="launch", elastic=elastic,
+                  restart=restart)
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
 
@@ -68,7 +82,19 @@ def launch(target: Callable[..., None], args: tuple[Any, ...], *, world_size: in
 def _jobs_entry(rank: int, world_size: int, store_path: str, jobs: Sequence[Job], timeout_s: float,
                 log_level: int = logging.WARNING) -> None:
     _log_like_parent(log_level)
-    run_jobs_on_rank(jobs, rank, world_size, rdist.file_store(store_path, world_size, timeout_s))
+    # an elastic launch's ranks come and go: the store file must not be removed when a count of
+    # them has closed it (FileStore's clean-up), only with the launch's folder
+    elastic = any(elastic_config(j) is not None for j in jobs)
+    run_jobs_on_rank(jobs, rank, world_size, rdist.file_store(store_path, -1 if elastic else world_size, timeout_s))
+    if elastic:
+        # The rank's work is done and written. An elastic rank holds the process groups of
+        # earlier generations, some with a lost peer; their destructors at interpreter exit were
+        # seen to abort the process ("terminate called without an active exception", exit -6)
+        # after a run that succeeded, so the rank leaves without running them.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def _log_like_parent(level: int) -> None:
@@ -115,17 +141,21 @@ def _parent_level() -> int:
     return logging.getLogger("deepcee").getEffectiveLevel()
 
 
-def launch_jobs(jobs: Sequence[Job], *, world_size: int | None = None, deadline_s: float = 600.0) -> list[TrainResult]:
+def launch_jobs(jobs: Sequence[Job], *, world_size: int | None = None, deadline_s: float = 600.0,
+                elastic: Elastic | None = None) -> list[TrainResult]:
     """Run several jobs, in order, in one set of processes (one start-up for all of them).
 
-    Mode ``realnet`` jobs run in network namespaces through the relay (see the module docstring)."""
+    Mode ``realnet`` jobs run in network namespaces through the relay (see the module docstring).
+    A job with elastic settings runs alone, supervised as ``elastic`` says (default: no restarts)."""
     if not jobs:
         return []
+    if any(elastic_config(j) is not None for j in jobs):
+        elastic = elastic or Elastic()
     if any(j.config.mode == "realnet" for j in jobs):
         shaped, cluster, devices, dilation = _realnet_jobs(jobs, world_size)
         timeout = max(j.config.timeout_s for j in shaped)
         stats = launch_realnet(_jobs_entry, (shaped, timeout, _parent_level()), cluster=cluster, devices=devices,
-                               deadline_s=deadline_s, dilation=dilation)
+                               deadline_s=deadline_s, dilation=dilation, elastic=elastic)
         log.info("relay: %s", stats.to_dict())
         for j in shaped:  # drops and queueing are part of what a realnet run measured
             save_json_atomic(Path(j.run_dir) / "relay.json", {
@@ -139,7 +169,8 @@ def launch_jobs(jobs: Sequence[Job], *, world_size: int | None = None, deadline_
     timeout = max(j.config.timeout_s for j in jobs)
     for j in jobs:
         runlock.check_free(j.run_dir, job=j.name)  # fail before starting processes
-    launch(_jobs_entry, (list(jobs), timeout, _parent_level()), world_size=world, deadline_s=deadline_s)
+    launch(_jobs_entry, (list(jobs), timeout, _parent_level()), world_size=world, deadline_s=deadline_s,
+           elastic=elastic)
     return [TrainResult.from_run_dir(j.run_dir) for j in jobs]
 
 

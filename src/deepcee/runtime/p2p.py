@@ -25,7 +25,9 @@ busy, and the send start is only comparable on one host (one ``CLOCK_MONOTONIC``
 Receives of a step are posted before the step starts (gloo: a blocking send waits for the
 receiver, PLATFORM.md), tagged ``2m`` (forward) / ``2m+1`` (backward). On NCCL, which has
 no tags and serialises a pair's sends and receives on one stream, receives are posted when
-the schedule reaches them instead. Every wait has a timeout naming the peer rank and device.
+the schedule reaches them instead. Every wait has a timeout naming the peer rank and device;
+how it waits is the rank's :class:`~deepcee.runtime.dist.Waiter` (an elastic run's watches for
+lost peers). An emulated delivery further away than the timeout is a dead link.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ import torch.distributed as dist
 from deepcee.cluster import Cluster
 from deepcee.errors import RuntimeSetupError, SpecError
 from deepcee.runtime.boundary import BoundaryMeta, TensorMeta
+from deepcee.runtime.dist import BlockingWaiter, Waiter
 from deepcee.runtime.emulation import Clock, LinkShaper
 from deepcee.runtime.partition import Piece, Topology
 from deepcee.schedule.ir import Action, ActionKind
@@ -175,8 +178,10 @@ class P2P:
 
     def __init__(self, *, topology: Topology, rank: int, device: torch.device, timeout_s: float,
                  in_meta: Meta | None, out_meta: Meta | None, cluster: Cluster | None = None,
-                 shaper: LinkShaper | None = None, clock: Clock | None = None, prepost: bool = True) -> None:
+                 shaper: LinkShaper | None = None, clock: Clock | None = None, prepost: bool = True,
+                 waiter: Waiter | None = None) -> None:
         self.topo, self.rank, self.device, self.timeout_s = topology, rank, device, timeout_s
+        self.waiter = waiter or BlockingWaiter()
         self.in_meta, self.out_meta = in_meta, out_meta
         self.cluster, self.shaper, self.clock, self.prepost = cluster, shaper, clock or Clock(), prepost
         self.me = topology.placement(rank)
@@ -219,15 +224,13 @@ class P2P:
             if a.kind in (K.RECV_F, K.RECV_B):
                 self._recvs[(a.kind, a.microbatch)] = self._post(a.kind, a.microbatch)
 
+    def _what(self, pending: _Pending, verb: str) -> str:
+        return (f"{self.topo.describe(self.rank)}: {verb} {pending.what} {'from' if verb == 'receiving' else 'to'} "
+                f"{self.topo.describe(pending.piece.peer_rank)}")
+
     def _wait(self, pending: _Pending, verb: str) -> None:
-        try:
-            pending.work.wait(timedelta(seconds=self.timeout_s))
-        except RuntimeError as exc:
-            raise RuntimeSetupError(
-                f"{self.topo.describe(self.rank)}: {verb} {pending.what} "
-                f"{'from' if verb == 'receiving' else 'to'} {self.topo.describe(pending.piece.peer_rank)} "
-                f"did not complete within {self.timeout_s:g} s ({str(exc).splitlines()[0][:160]})"
-            ) from None
+        self.waiter.wait(pending.work, timeout_s=self.timeout_s, what=self._what(pending, verb),
+                         peer=pending.piece.peer_device)
 
     def _receive(self, kind: ActionKind, m: int) -> Any:
         pending = self._recvs.pop((kind, m), None) or self._post(kind, m)
@@ -249,7 +252,8 @@ class P2P:
             arrived = at if self.shaper is not None else self.clock.wall()
             self.stats.transfers.append((self._resource(p.piece.peer_device), n, sent, arrived))
         if self.shaper is not None:  # only emulated runs share one clock across processes
-            self.clock.sleep_until(deliver)
+            self.waiter.sleep_until(self.clock, deliver, timeout_s=self.timeout_s,
+                                    what=self._what(pending[-1], "receiving"), peer=pending[-1].piece.peer_device)
         self.stats.recv_wait_s += self.clock.wall() - t0
         return wire.meta.build([outs.get(i) for i in range(len(wire.meta.tensors))])
 

@@ -4,7 +4,8 @@ The format is [Note: checkpoint layout] in :mod:`deepcee.runtime.checkpoint`; na
 [Note: state names] in :mod:`deepcee.runtime.state`. Every function here is collective over
 the trainer's job group (every rank that trains calls it at the same point): DCP saves and
 loads are, and rank 0's verdict on which checkpoint to use, or why none can be used, is
-broadcast so every rank goes on, or fails, together.
+broadcast so every rank goes on, or fails, together. A rank of the group that holds no stage
+(idle under an adaptive run's plan) takes part with nothing to write or load.
 """
 
 from __future__ import annotations
@@ -120,7 +121,8 @@ def _load_stage(t: Trainer, choice: ckpt.Choice, *, optimizer: bool, every_block
     """Fill this rank's stage (and optimizer) from ``choice`` by name (collective); ``every_block``:
     every block this rank holds, model state only (before a stage exists)."""
     stored = _stored_keys(choice.folder)
-    start, stop = (0, len(t.blocks)) if every_block else _stage_span(t)
+    optimizer = optimizer and t.active
+    start, stop = (0, len(t.blocks)) if every_block else (_stage_span(t) if t.active else (0, 0))
     model = rstate.stage_tensors(t.blocks, t.state_names, start, stop)
     missing = [k for k in model if rstate.MODEL_PREFIX + k not in stored]
     _fail_together(t, None if not missing else (

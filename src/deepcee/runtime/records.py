@@ -1,7 +1,7 @@
 """What a run records: per-rank and per-step metrics and the run's result, as typed records.
 
 Every launch path returns the same :class:`TrainResult` (local processes, the real-network
-mode, ``torchrun`` through :func:`deepcee.runtime.trainer.run_jobs_on_rank`, and the adapter,
+mode, ``torchrun`` through :func:`deepcee.runtime.rank.run_jobs_on_rank`, and the adapter,
 which fills :attr:`TrainResult.adapter`). On disk, rank 0 writes one :meth:`StepMetrics.to_dict`
 per line of ``<run_dir>/metrics.jsonl`` and :meth:`TrainResult.to_dict` to
 ``<run_dir>/result.json``; ``from_dict`` reads them back (files written before the metrics

@@ -157,23 +157,32 @@ class SegmentParams:
 
 
 def allreduce_gradients(seg: SegmentParams, group: Any, *, timeout_s: float, describe: str,
-                        pace: Callable[[int, float], None] | None, clock: Clock) -> None:
+                        pace: Callable[[int, float], None] | None, clock: Clock, waiter: Any = None) -> None:
     """SUM all-reduce of ``seg``'s gradients over ``group`` ([Note: loss weighting] in
-    :mod:`deepcee.runtime.trainer`); ``pace(nbytes, t0)`` then waits for the modelled time."""
+    :mod:`deepcee.runtime.trainer`); ``pace(nbytes, t0)`` then waits for the modelled time.
+    ``waiter``: an elastic run's (:class:`deepcee.runtime.dist.Waiter`), which watches for lost peers."""
     if not seg.params:  # every holder of parameter-less layers skips it alike
         return
     t0 = clock.wall()
     flat = seg.flat_grads()
     work = dist.all_reduce(flat, group=group, async_op=True)
+    if waiter is not None:
+        waiter.wait(work, timeout_s=timeout_s,
+                    what=f"{describe}: gradient all-reduce of layers [{seg.segment.start}, {seg.segment.stop})")
+    else:
+        _wait_allreduce(work, seg, timeout_s=timeout_s, describe=describe)
+    seg.set_grads(flat)
+    if pace is not None:
+        pace(flat.numel() * flat.element_size(), t0)
+
+
+def _wait_allreduce(work: Any, seg: SegmentParams, *, timeout_s: float, describe: str) -> None:
     try:
         work.wait(timedelta(seconds=timeout_s))
     except RuntimeError as exc:
         raise RuntimeSetupError(f"{describe}: gradient all-reduce of layers [{seg.segment.start}, "
                                 f"{seg.segment.stop}) did not complete within {timeout_s:g} s: "
                                 f"{str(exc)[:160]}") from None
-    seg.set_grads(flat)
-    if pace is not None:
-        pace(flat.numel() * flat.element_size(), t0)
 
 
 # -- deterministic averaging over replicas ----------------------------------------------------

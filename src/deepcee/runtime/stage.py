@@ -157,7 +157,10 @@ class MicrobatchState:
     input: Any
     """The prepared input (a tensor or a structure, :mod:`deepcee.runtime.boundary`)."""
     output: Any
-    """Stage output, or the weighted loss on the last stage (autograd graph attached)."""
+    """Stage output, or the weighted loss on the last stage (autograd graph attached); ``None``
+    while a recomputing stage holds only the input (see [Note: recompute])."""
+    replay: tuple | None = None
+    """Recomputing stage: ``(targets, loss_scale, random state)`` to run the forward again."""
     outs: list[torch.Tensor] = field(default_factory=list)
     """The output tensors that get a gradient, and :attr:`output_grads` their gradients (set by I/B)."""
     output_grads: list[torch.Tensor] = field(default_factory=list)
@@ -180,12 +183,15 @@ class StageRunner:
 
     def __init__(self, blocks: Sequence[nn.Module], *, stage: int, is_first: bool, is_last: bool,
                  loss_fn: LossFn | None = None, device: torch.device | str = "cpu",
-                 dtype: torch.dtype = torch.float32, autocast: torch.dtype | None = None) -> None:
+                 dtype: torch.dtype = torch.float32, autocast: torch.dtype | None = None,
+                 recompute: bool = False) -> None:
         if is_last and loss_fn is None:
             raise ValueError("the last stage needs a loss_fn")
         self.stage, self.is_first, self.is_last = stage, is_first, is_last
         self.autocast = autocast
         """Mixed-precision compute dtype (CUDA autocast); boundaries stay in ``dtype``."""
+        self.recompute = recompute
+        """Keep only the stage input between F and the backward ([Note: recompute])."""
         self.module = nn.Sequential(*blocks).to(device=device, dtype=dtype)
         self.loss_fn = loss_fn
         self.device, self.dtype = torch.device(device), dtype
@@ -228,8 +234,10 @@ class StageRunner:
             p.grad = None
 
     def output_grad_mask(self, microbatch: int) -> tuple[bool, ...]:
-        """Per output tensor of a microbatch in flight, whether it gets a gradient (autograd tracks it)."""
-        return tuple(t.requires_grad for t in boundary.tensors(self._get(microbatch, "mask").output))
+        """Per output tensor of a microbatch in flight, whether it gets a gradient (autograd tracks
+        it); on a recomputing stage this runs the forward again now ([Note: recompute])."""
+        st = self._rebuilt(self._get(microbatch, "mask"))
+        return tuple(t.requires_grad for t in boundary.tensors(st.output))
 
     def discard(self) -> None:
         """Drop every microbatch's state (after forward-only work such as an evaluation)."""
@@ -241,16 +249,35 @@ class StageRunner:
         if microbatch in self._state:
             raise ScheduleError(f"stage {self.stage}: F of microbatch {microbatch} twice")
         x = self.prepare_input(inputs)
+        if self.is_last and targets is None:
+            raise ScheduleError(f"stage {self.stage}: last stage F of microbatch {microbatch} without targets")
+        if not self.recompute:
+            out = self._run(x, targets, loss_scale)
+            self._state[microbatch] = MicrobatchState(input=x, output=out)
+            return boundary.map_tensors(torch.Tensor.detach, out)
+        rng = _rng_state(self.device)
+        with torch.no_grad():
+            out = self._run(x, targets, loss_scale)
+        self._state[microbatch] = MicrobatchState(input=x, output=None, replay=(targets, loss_scale, rng))
+        return out
+
+    def _run(self, x: Any, targets: Any, loss_scale: float) -> Any:
         with torch.autocast(self.device.type, dtype=self.autocast, enabled=self.autocast is not None):
             out = self.module(x)
             if self.is_last:
-                if targets is None:
-                    raise ScheduleError(f"stage {self.stage}: last stage F of microbatch {microbatch} without targets")
                 out = self.loss_fn(out, boundary.to_device(targets, self.device)) * loss_scale
         if self.autocast is not None:  # boundaries in the stage dtype: the shapes agreed at start-up
             out = boundary.map_tensors(lambda t: t.to(self.dtype) if t.is_floating_point() else t, out)
-        self._state[microbatch] = MicrobatchState(input=x, output=out)
-        return boundary.map_tensors(torch.Tensor.detach, out)
+        return out
+
+    def _rebuilt(self, st: MicrobatchState) -> MicrobatchState:
+        """``st`` with its graph: the forward run again from the kept input and random state
+        (see [Note: recompute]); unchanged when the stage does not recompute."""
+        if st.output is None:
+            targets, scale, rng = st.replay
+            with _replaying(self.device, rng):
+                st.output = self._run(st.input, targets, scale)
+        return st
 
     def _take_output_grad(self, st: MicrobatchState, output_grad: Any) -> None:
         """Pair the output tensors that get a gradient with theirs (``st.outs``, ``st.output_grads``)."""
@@ -290,6 +317,7 @@ class StageRunner:
         st = self._get(microbatch, "I")
         if st.input_grad_done:
             raise ScheduleError(f"stage {self.stage}: I of microbatch {microbatch} twice")
+        st = self._rebuilt(st)
         self._take_output_grad(st, output_grad)
         st.input_grad_done = True
         ins = st.ins
@@ -332,12 +360,37 @@ class StageRunner:
         st = self._get(microbatch, "B")
         if st.input_grad_done:
             raise ScheduleError(f"stage {self.stage}: B of microbatch {microbatch} after its I")
+        st = self._rebuilt(st)
         self._take_output_grad(st, output_grad)
         live = [(o, g) for o, g in zip(st.outs, st.output_grads, strict=True) if o.requires_grad]
         if live:
             torch.autograd.backward([o for o, _ in live], [g for _, g in live])
         del self._state[microbatch]
         return self._input_grad(st, [t.grad for t in st.ins])
+
+
+def _rng_state(device: torch.device) -> tuple:
+    """The random state a forward starts from (CPU, and the device's own on CUDA)."""
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return torch.get_rng_state(), cuda
+
+
+class _replaying:
+    """Run a block of code from a saved random state, then put the current one back."""
+
+    def __init__(self, device: torch.device, state: tuple) -> None:
+        self.device, self.state = device, state
+
+    def __enter__(self) -> None:
+        self.saved = _rng_state(self.device)
+        torch.set_rng_state(self.state[0])
+        if self.state[1] is not None:
+            torch.cuda.set_rng_state(self.state[1], self.device)
+
+    def __exit__(self, *exc: object) -> None:
+        torch.set_rng_state(self.saved[0])
+        if self.saved[1] is not None:
+            torch.cuda.set_rng_state(self.saved[1], self.device)
 
 
 def _saver(saved: list, i: int) -> Callable:

@@ -109,6 +109,11 @@ def check_sync(plan: Plan, topo: Topology) -> None:
 # -- exact ----------------------------------------------------------------------------------
 
 
+def _elastic_waiter(t: Trainer) -> Any:
+    """An elastic run's waiter (it watches for lost peers), else ``None`` (a plain blocking wait)."""
+    return t.w.waiter if t.w.waiter.out_of_band else None
+
+
 def sync_exact(t: Trainer) -> float:
     """Every segment this rank holds: gradients summed over all holders. Returns wall seconds."""
     t0 = t.clock.wall()
@@ -122,7 +127,7 @@ def sync_exact(t: Trainer) -> float:
         devices = tuple(t.topo.device_of(r) for r in seg.segment.ranks)
         allreduce_gradients(seg, t.sync_groups[("segment", j)], timeout_s=t.cfg.timeout_s,
                             describe=t.topo.describe(t.w.rank), clock=t.clock,
-                            pace=t.pace_for(devices, kind))
+                            pace=t.pace_for(devices, kind), waiter=_elastic_waiter(t))
     return t.clock.wall() - t0
 
 
@@ -153,7 +158,8 @@ def sync_in_replica(t: Trainer) -> float:
                         params=t.stage.params)
     kind = st.sync or t.plan.sync
     allreduce_gradients(seg, group, timeout_s=t.cfg.timeout_s, describe=t.topo.describe(t.w.rank), clock=t.clock,
-                        pace=t.pace_for(st.devices, kind if kind in ALLREDUCE_SYNCS else "allreduce-ring"))
+                        pace=t.pace_for(st.devices, kind if kind in ALLREDUCE_SYNCS else "allreduce-ring"),
+                        waiter=_elastic_waiter(t))
     return t.clock.wall() - t0
 
 

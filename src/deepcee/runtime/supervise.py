@@ -16,7 +16,9 @@ abort in native code, a failed start) is noted by the supervisor with the wall t
 the exit (within one poll, :data:`POLL_S`). After the first failure the other ranks get
 ``grace_s`` to fail on their own (usually timeouts the first one caused), then all are
 killed; :func:`first_error` names the *earliest* failure, record or not, and counts the
-others. A domain error comes back as the same :mod:`deepcee.errors` class, anything else as
+others. A record-less death is dated one poll before the supervisor saw it (the earliest it
+can have happened), so the records its peers write right after it (a closed connection) never
+come first. A domain error comes back as the same :mod:`deepcee.errors` class, anything else as
 :class:`RuntimeSetupError` with the rank's traceback. Past ``deadline_s`` every rank is
 killed and :class:`RuntimeSetupError` names those still running: a hang is a failure,
 never a stuck caller.
@@ -29,6 +31,14 @@ get the signal set before ``exec`` as well (:func:`death_signal_preexec`); it su
 ``exec`` of ``ip netns exec`` and of Python. The kernel sends it when the *thread* that
 started the child exits, so start ranks from the thread that waits for them (both launchers
 do). Linux only; elsewhere the supervisor's own kill on every exit path remains.
+
+[Note: elastic supervision]
+An elastic launch (:class:`Elastic`; ranks run :func:`deepcee.runtime.elastic.run_elastic_job`)
+outlives a rank: a rank that dies is only noted (its survivors re-form without it), and, with
+``restart_after_s``, started again that long after its death (``restart(rank)``; it asks to
+rejoin). The launch ends when every rank has exited, or ``finish_grace_s`` after the first
+rank finished (exit code 0: the run is over; a rank still stopped or waiting is killed then).
+It succeeds when some rank finished; otherwise the first failure is raised as above.
 
 Standard library and :mod:`deepcee.errors` only (a realnet rank imports this module before
 anything else).
@@ -48,6 +58,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -194,17 +205,21 @@ class SpawnedWorker:
         return self.process.exitcode
 
 
+def spawn_rank(target: Target, args: tuple[Any, ...], *, rank: int, world_size: int, run_dir: Path) -> SpawnedWorker:
+    """Start rank ``rank`` (``spawn``: a fresh interpreter) running :func:`run_rank`; ``store_path``
+    is ``run_dir/store``, error records go to ``run_dir``."""
+    p = mp.get_context("spawn").Process(target=run_rank, name=f"deepcee-rank{rank}", args=(
+        target, rank, world_size, str(run_dir / "store"), args, str(run_dir), os.getpid()))
+    p.start()
+    return SpawnedWorker(p)
+
+
 def spawn_ranks(target: Target, args: tuple[Any, ...], *, world_size: int, run_dir: Path) -> list[SpawnedWorker]:
-    """Start ``world_size`` ranks (``spawn``: a fresh interpreter each) running :func:`run_rank`;
-    ``store_path`` is ``run_dir/store``, error records go to ``run_dir``."""
-    ctx = mp.get_context("spawn")
+    """Start ``world_size`` ranks with :func:`spawn_rank`."""
     workers: list[SpawnedWorker] = []
     try:
         for rank in range(world_size):
-            p = ctx.Process(target=run_rank, name=f"deepcee-rank{rank}", args=(
-                target, rank, world_size, str(run_dir / "store"), args, str(run_dir), os.getpid()))
-            p.start()
-            workers.append(SpawnedWorker(p))
+            workers.append(spawn_rank(target, args, rank=rank, world_size=world_size, run_dir=run_dir))
     except BaseException:
         stop(workers)
         raise
@@ -230,7 +245,9 @@ def first_error(error_dir: Path, exits: Mapping[int, tuple[float, int]] | None =
     record-less failure (e.g. the end of the rank's stderr)."""
     records = {r["rank"]: r for r in (json.loads(p.read_text()) for p in error_dir.glob(ERROR_GLOB))}
     silent = {rank: seen for rank, seen in (exits or {}).items() if rank not in records}
-    failures = sorted([(r["time"], rank) for rank, r in records.items()] + [(t, rank) for rank, (t, _) in silent.items()])
+    # a silent death happened at most one poll before it was seen (see [Note: first failure])
+    failures = sorted([(r["time"], rank) for rank, r in records.items()]
+                      + [(t - 2 * POLL_S, rank) for rank, (t, _) in silent.items()])
     if not failures:
         return None
     rank = failures[0][1]
@@ -246,15 +263,39 @@ def first_error(error_dir: Path, exits: Mapping[int, tuple[float, int]] | None =
     return RuntimeSetupError(f"rank {rank} failed: {first['type']}: {first['message']}{others}\n{first['traceback']}")
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Elastic:
+    """How an elastic launch is supervised ([Note: elastic supervision])."""
+
+    restart_after_s: float | None = None
+    """Start a rank that died again this many seconds later (``None``: never)."""
+    max_restarts: int = 1
+    """Restarts per rank at most."""
+    finish_grace_s: float = 30.0
+    """Once a rank has finished, how long the others may take before they are killed."""
+
+    def __post_init__(self) -> None:
+        if self.restart_after_s is not None and not 0 <= self.restart_after_s < 3600:
+            raise errors.SpecError(f"must be in [0, 3600) seconds, got {self.restart_after_s!r}", field="restart_after_s")
+        if self.max_restarts < 0 or self.finish_grace_s <= 0:
+            raise errors.SpecError(f"max_restarts must be >= 0 and finish_grace_s > 0, got {self.max_restarts!r}, "
+                                   f"{self.finish_grace_s!r}", field="elastic")
+
+
 def supervise(workers: Sequence[Worker], error_dir: Path, *, deadline_s: float, grace_s: float = 2.0,
               label: str = "launch", check: Callable[[], None] | None = None,
-              explain: Callable[[int], str] | None = None) -> None:
+              explain: Callable[[int], str] | None = None, elastic: Elastic | None = None,
+              restart: Callable[[int], Worker] | None = None) -> None:
     """Wait for ``workers`` (rank ``r`` is ``workers[r]``); raise the first failure, or
     :class:`RuntimeSetupError` past ``deadline_s`` naming the ranks still running.
 
     ``check()`` runs at every poll and may raise to abort (e.g. a helper process died).
-    Every worker is dead and reaped when this returns or raises.
+    ``elastic``: rank deaths do not end the launch ([Note: elastic supervision]; ``restart``
+    starts a rank again). Every worker is dead and reaped when this returns or raises.
     """
+    if elastic is not None:
+        return _supervise_elastic(list(workers), error_dir, deadline_s=deadline_s, label=label, check=check,
+                                  explain=explain, elastic=elastic, restart=restart)
     t_end = time.monotonic() + deadline_s
     exits: dict[int, tuple[float, int]] = {}
     failed_at = None
@@ -282,3 +323,53 @@ def supervise(workers: Sequence[Worker], error_dir: Path, *, deadline_s: float, 
     err = first_error(error_dir, exits, explain=explain)
     if err is not None:
         raise err
+
+
+def _supervise_elastic(workers: list[Worker], error_dir: Path, *, deadline_s: float, label: str,
+                       check: Callable[[], None] | None, explain: Callable[[int], str] | None, elastic: Elastic,
+                       restart: Callable[[int], Worker] | None) -> None:
+    """[Note: elastic supervision]. ``workers[r]`` is replaced when rank ``r`` is restarted."""
+    t_end = time.monotonic() + deadline_s
+    exits: dict[int, tuple[float, int]] = {}
+    dead_since: dict[int, float] = {}
+    restarts = dict.fromkeys(range(len(workers)), 0)
+    finished_at = None
+    try:
+        while True:
+            now = time.monotonic()
+            for rank, code in enumerate(w.poll() for w in workers):
+                if code not in (None, 0) and rank not in dead_since:
+                    exits[rank] = (time.time(), code)
+                    dead_since[rank] = now
+                if code == 0 and finished_at is None:
+                    finished_at = now
+            for rank in [r for r, t in dead_since.items() if _restart_due(elastic, restart, restarts[r], now - t)]:
+                if finished_at is None:
+                    workers[rank] = restart(rank)
+                    restarts[rank] += 1
+                    del dead_since[rank]
+            waiting = finished_at is None and any(_restart_due(elastic, restart, restarts[r], None)
+                                                  for r in dead_since)
+            codes = [w.poll() for w in workers]
+            if (None not in codes and not waiting) or (
+                    finished_at is not None and now - finished_at > elastic.finish_grace_s):
+                break
+            if check is not None:
+                check()
+            if now > t_end:
+                running = [r for r, code in enumerate(codes) if code is None]
+                err = first_error(error_dir, exits, explain=explain)
+                raise RuntimeSetupError(f"{label} deadline of {deadline_s:g} s passed; ranks {running} still running"
+                                        + (f"; first failure: {err}" if err else ""))
+            time.sleep(POLL_S)
+    finally:
+        stop(workers)
+    if finished_at is None:
+        err = first_error(error_dir, exits, explain=explain)
+        raise err or RuntimeSetupError(f"{label}: no rank finished")
+
+
+def _restart_due(elastic: Elastic, restart: Callable[[int], Worker] | None, done: int, dead_s: float | None) -> bool:
+    """Whether a rank dead for ``dead_s`` seconds is to be restarted now (``None``: ever)."""
+    return (restart is not None and elastic.restart_after_s is not None and done < elastic.max_restarts
+            and (dead_s is None or dead_s >= elastic.restart_after_s))

@@ -34,7 +34,7 @@ import pickle
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -75,10 +75,12 @@ from deepcee.runtime.partition import replica_plan
 from deepcee.runtime.progress import RunLog, gather_rank_infos
 from deepcee.runtime.realnet.relay import RelayControl
 from deepcee.runtime.records import (
+    AppliedChange,
     RankMetrics,
     ResumeRecord,
     StepMetrics,
     TrainResult,
+    read_step_metrics,
     step_metrics,
     train_result,
 )
@@ -95,7 +97,7 @@ STORE_POLL_S = 5e-4
 of a ``FileStore`` costs about 10 us."""
 
 
-__all__ = ["Trainer", "Worker", "plan_digest", "run_jobs_on_rank", "write_error"]
+__all__ = ["Trainer", "Worker", "plan_digest", "write_error"]
 
 
 @dataclass(slots=True)
@@ -110,6 +112,9 @@ class Worker:
     """The cluster node this rank's machine runs (torchrun with a host mapping), else empty."""
     launcher_rank: int | None = None
     """The rank torchrun gave this process, before it was mapped to a device."""
+    waiter: rdist.Waiter = field(default_factory=rdist.BlockingWaiter)
+    """How this rank waits for its transfers and collectives (an elastic run's session watches
+    for lost peers while it waits)."""
 
 
 class Trainer:
@@ -123,6 +128,14 @@ class Trainer:
         self.run_dir = Path(job.run_dir)
         self._groups: dict[tuple[int, ...], Any] = {}
         self._records_sent = 0
+        self.records_key = job.name
+        """Store prefix of the out-of-band step records (an elastic run's generation changes it)."""
+        self.run_lock: runlock.RunLock | None = None
+        self.writer: ckpt.MetricsWriter | None = None
+        self.runlog: RunLog | None = None
+        self.records: list[StepMetrics] = []
+        self.rank_infos: list[Any] | None = None
+        self.start_step = self.first_step = 0
         self.ties = rparams.model_ties(job.model)
         self.optstep = OptimizerStep(job.config)
         self.resumed: ResumeRecord | None = None
@@ -149,6 +162,14 @@ class Trainer:
         if key not in self._groups:
             self._groups[key] = dist.new_group(list(key), timeout=timedelta(seconds=self.cfg.timeout_s))
         return self._groups[key]
+
+    def forget_groups(self) -> list[Any]:
+        """Every process group this trainer made, forgotten (an elastic run's next generation
+        makes its own); returned so the caller can keep them from being destroyed mid-operation."""
+        groups = list(self._groups.values())
+        self._groups.clear()
+        self._records_sent = 0
+        return groups
 
     def _make_job_group(self) -> Any:
         """The group metrics are gathered over: the plan's ranks (``None``: the world)."""
@@ -198,6 +219,23 @@ class Trainer:
         """Model blocks (and weights to start from), data, emulation (dilation, pacing, link
         shaping or the relay's trace epoch, the shared epoch) and, on an active rank, its stage
         (resumed from the newest intact checkpoint when asked)."""
+        self.setup_local()
+        if self.cfg.init_from:
+            persist.init_weights(self, self.cfg.init_from)
+        if self.active:
+            self.build_stage(self.job.name)
+        # an adaptive run's idle ranks take part in the checkpoint collectives (they may hold a stage later)
+        resumes = self.active or self.is_server or self.hooks.gathers_over_world()
+        self.start_step = self.first_step = self._resume() if resumes else 0
+        self.hooks.prepare(self)
+        # emulated time (and every bandwidth trace and straggler) starts when all ranks are ready to train
+        self._barrier()
+        self.start_clock(self._epoch())
+        if self.active:
+            self.p2p = self.make_p2p()
+
+    def setup_local(self) -> None:
+        """What this rank sets up on its own (no collective): blocks, data, dilation and pacing."""
         peak_memory.reset_peak(self.w.device)  # this job's peak, not an earlier job's of the launch
         self.blocks, self.loss_fn = self._blocks()
         self.model_digest = rparams.model_digest(self.blocks)
@@ -208,15 +246,10 @@ class Trainer:
         if self.cfg.eval_every and eval_source(self.dataset) is None:
             raise SpecError("the dataset has no held-out batches (an eval_batches(batch_size) method, or "
                             "evaluation data; see docs/running.md)", field="eval_every")
-        if self.cfg.init_from:
-            persist.init_weights(self, self.cfg.init_from)
         paced = self.cfg.mode in PACED_MODES
-        relay = self._relay_control() if self.cfg.mode == "realnet" else None
+        self.relay = self._relay_control() if self.cfg.mode == "realnet" else None
         if self.plan.strategy.kind != "exact":
             rstrat.check_relaxed(self)
-        if self.active:
-            self.build_stage(self.job.name)
-        self.start_step = self._resume() if self.active or self.is_server else 0
         slowdowns = [self.cluster.device(d).slowdown for d in self.hooks.paced_devices(self)]
         self.dilation = (self.cfg.dilation or choose_dilation(slowdowns, self.cfg.cores)) if paced else 1.0
         self.info = emulation_info(self.cfg.mode, self.dilation, self.cfg.cores)
@@ -224,22 +257,21 @@ class Trainer:
         self.pacer = DevicePacer(slowdown=self.cluster.device(device).slowdown, dilation=self.dilation,
                                  enabled=paced, clock=self.clock,
                                  stragglers=[s for s in self.cfg.stragglers if s.device == device])
-        self.hooks.prepare(self)
-        # emulated time (and every bandwidth trace and straggler) starts when all ranks are ready to train
-        self._barrier()
-        self.epoch = self.pacer.epoch = self._epoch()
+
+    def start_clock(self, epoch: float) -> None:
+        """Emulated time (and every bandwidth trace and straggler) counts from ``epoch`` (the run's
+        shared instant): pacing, link shaping, messages, the relay."""
+        self.epoch = self.pacer.epoch = epoch
         self.shaper = None
         if self.cfg.mode == "emulated":
             self.shaper = LinkShaper(dilation=self.dilation, ledger=FileLedger(self.run_dir / "links"),
                                      epoch=self.epoch, clock=self.clock)
         self.messenger = Messenger(rank=self.w.rank, topo=self.topo, cluster=self.cluster, torch_device=self.w.device,
                                    timeout_s=self.cfg.timeout_s, shaper=self.shaper, clock=self.clock)
-        if relay is not None and self.w.rank == 0:
+        if self.relay is not None and self.w.rank == 0:
             # the relay's traces count from the same instant as emulated time (CLOCK_MONOTONIC
             # is one clock for every namespace of this machine)
-            relay.set_epoch(self.epoch)
-        if self.active:
-            self.p2p = self.make_p2p()
+            self.relay.set_epoch(self.epoch)
 
     def _relay_control(self) -> RelayControl:
         """The relay of a realnet launch; a clear error when this rank was not started by one."""
@@ -264,7 +296,8 @@ class Trainer:
         self.stage = StageRunner(self.blocks[st.layer_start:st.layer_stop], stage=p.stage, is_first=p.stage == 0,
                                  is_last=last, loss_fn=self.loss_fn, device=self.w.device,
                                  dtype=getattr(torch, self.cfg.dtype),
-                                 autocast=getattr(torch, self.cfg.autocast) if self.cfg.autocast else None)
+                                 autocast=getattr(torch, self.cfg.autocast) if self.cfg.autocast else None,
+                                 recompute=st.recompute)
         self.schedule = lowered_schedule(self.pipeline)
         self.actions = self.schedule[p.stage]
         self.my_segments = [(j, SegmentParams.of(seg, self.blocks)) for j, seg in enumerate(self.topo.segments())
@@ -294,7 +327,7 @@ class Trainer:
         in_meta, out_meta = self.metas
         return P2P(topology=self.topo, rank=self.w.rank, device=self.w.device, timeout_s=self.cfg.timeout_s,
                    in_meta=in_meta, out_meta=out_meta, cluster=self.cluster, shaper=self.shaper, clock=self.clock,
-                   prepost=self.w.device.type != "cuda")
+                   prepost=self.w.device.type != "cuda", waiter=self.w.waiter)
 
     def _dry_run(self, in_meta: TensorMeta | BoundaryMeta | None) -> TensorMeta | BoundaryMeta | None:
         """Per-sample output meta of this stage (``None`` on the last), from a forward of two
@@ -316,9 +349,10 @@ class Trainer:
             raise RuntimeSetupError(f"stage output holds {num_samples(out)} samples for {n} inputs")
         return BoundaryMeta.of(out)
 
-    def _epoch(self) -> float:
+    def _epoch(self, *, read: bool = False) -> float:
+        """The run's shared epoch: rank 0 sets it (``read``: only read the one set)."""
         key = f"{self.job.name}/epoch"
-        if self.w.rank == 0:
+        if self.w.rank == 0 and not read:
             self.w.store.set(key, repr(self.clock.wall()))
         self.w.store.wait([key], timedelta(seconds=self.cfg.timeout_s))
         return float(self.w.store.get(key).decode())
@@ -369,7 +403,7 @@ class Trainer:
 
     def _gather(self, obj: Any) -> list[Any] | None:
         """Every rank's step record on rank 0 (``None`` elsewhere). See [Note: metrics out of band]."""
-        if self.cfg.mode == "realnet":
+        if self.cfg.mode == "realnet" or self.w.waiter.out_of_band:
             return self._gather_through_store(obj)
         out = [None] * dist.get_world_size(group=self.job_group) if self.w.rank == 0 else None
         dist.gather_object(obj, out, dst=0, group=self.job_group)
@@ -386,7 +420,7 @@ class Trainer:
     # training makes them (transfers, all-reduces), as on a real deployment without metrics.
     def _gather_through_store(self, obj: Any) -> list[Any] | None:
         self._records_sent += 1
-        prefix = f"{self.job.name}/records/{self._records_sent}"
+        prefix = f"{self.records_key}/records/{self._records_sent}"
         self.w.store.set(f"{prefix}/{self.w.rank}", pickle.dumps(obj))
         if self.w.rank != 0:
             return None
@@ -394,6 +428,7 @@ class Trainer:
         keys = [f"{prefix}/{r}" for r in range(dist.get_world_size(group=self.job_group))]
         t_end = self.clock.wall() + self.cfg.timeout_s
         while not self.w.store.check(keys):
+            self.w.waiter.check()
             if self.clock.wall() > t_end:
                 missing = [k.rsplit("/", 1)[1] for k in keys if not self.w.store.check([k])]
                 raise RuntimeSetupError(f"rank 0: no step record from ranks {missing} within {self.cfg.timeout_s:g} s")
@@ -425,54 +460,89 @@ class Trainer:
         """Whether something done every ``every`` steps is due after ``done`` steps (and after the last)."""
         return bool(every) and (done % every == 0 or done == self.cfg.steps)
 
-    def train(self) -> TrainResult | None:
-        """Run the steps; rank 0 returns the result (also written to ``result.json``)."""
+    def open_outputs(self, step: int) -> None:
+        """Rank 0's metrics file, progress lines and step records, the run going on at ``step``:
+        lines of steps from ``step`` on are dropped, the records of this launch's earlier steps
+        read back (a rank that becomes rank 0 mid-run takes over from the file). Elsewhere none."""
+        self.close_outputs()
+        if self.w.rank != 0:
+            return
+        path = self.run_dir / "metrics.jsonl"
+        self.writer = ckpt.MetricsWriter(path, append=step > 0, start_step=step)
+        self.records = ([r for r in read_step_metrics(path) if self.first_step <= r.step < step]
+                        if step > self.first_step else [])
+        self.runlog = RunLog.for_run(self.cfg, self.run_dir, global_batch=self.plan.global_batch)
+
+    def close_outputs(self) -> None:
+        for out in (self.writer, self.runlog):
+            if out is not None:
+                out.close()
+        self.writer = self.runlog = None
+
+    def train(self, *, joining: bool = False) -> TrainResult | None:
+        """Run the steps; rank 0 returns the result (also written to ``result.json``).
+
+        A failed step goes to the hooks' :meth:`~deepcee.runtime.hooks.TrainerHooks.recover`
+        (re-raised, unless the run is elastic: then the run goes on at the step it returns).
+        ``joining``: a device that comes back mid-run (its hooks set it up; no start-up collective)."""
         if self.plan.strategy.kind != "exact":
             return self._train_relaxed()
-        ranks = gather_rank_infos(self)
-        writer, runlog = None, None
-        if self.w.rank == 0:
-            writer = ckpt.MetricsWriter(self.run_dir / "metrics.jsonl", append=self.start_step > 0,
-                                        start_step=self.start_step)
-            runlog = RunLog.for_run(self.cfg, self.run_dir, global_batch=self.plan.global_batch)
-        capture: dict[str, Any] = {}
-        records: list[StepMetrics] = []
-        carried = None
-        self._barrier()
+        self.rank_infos = None if joining else gather_rank_infos(self)
+        self.capture: dict[str, Any] = {}
+        self.open_outputs(self.start_step)
+        if not joining:
+            self._barrier()
+        step, carried = self.start_step, None
         t_prev = self.clock.wall()
-        for step in range(self.start_step, self.cfg.steps):
-            mine = self._train_step(step, capture) if self.active else self._serve_step()
-            gathered = self._gather(mine)
-            now = self.clock.wall()
-            step_s = now - t_prev
-            # evaluations and checkpoints are not part of any step's time
-            eval_loss = evaluate(self) if self._due(self.cfg.eval_every, step + 1) else None
-            if self._due(self.cfg.checkpoint_every, step + 1):
-                self._checkpoint(step + 1)
-            boundary = self.hooks.decide(self, step, gathered)
-            t_prev = self.clock.wall()  # the decision is not part of any step; applying it is
-            if writer is not None:
-                ranks_now = [r for r in gathered if r is not None]
-                norm = next((r.grad_norm for r in ranks_now if r.grad_norm is not None), None)
-                records.append(step_metrics(step, ranks_now, step_s, global_batch=self.plan.global_batch,
-                                            emulation=self.info, epoch=self.epoch if self.cfg.trace else None,
-                                            change=carried, boundary=boundary, lr=self.optstep.lr(step),
-                                            grad_norm=norm, eval_loss=eval_loss, strategy=self.plan.strategy))
-                writer.write(records[-1].to_dict())
-                runlog.step(records[-1])
-            if reached(eval_loss, self.cfg.target_loss):
-                break  # every rank has the same (all-reduced) evaluation loss: all stop here
-            carried = self.hooks.apply(self)
-        self._save_capture(capture)
-        if writer is None:
+        while step < self.cfg.steps:
+            try:
+                carried, t_prev, stop = self._step(step, carried, t_prev)
+                step += 1
+                if stop:
+                    break  # every rank has the same (all-reduced) evaluation loss: all stop here
+            except Exception as exc:  # noqa: BLE001  (the hooks decide; FixedPlan re-raises)
+                step, carried = self.hooks.recover(self, step, exc)
+                t_prev = self.clock.wall()
+        return self._finish()
+
+    def _step(self, step: int, carried: AppliedChange | None,
+              t_prev: float) -> tuple[AppliedChange | None, float, bool]:
+        """Step ``step`` and its boundary; returns the change applied for the next step, when it
+        started, and whether the run stops here (the target loss reached)."""
+        mine = self._train_step(step, self.capture) if self.active else self._serve_step()
+        gathered = self._gather(mine)
+        step_s = self.clock.wall() - t_prev
+        # evaluations and checkpoints are not part of any step's time
+        if self._due(self.cfg.eval_every, step + 1) or self._due(self.cfg.checkpoint_every, step + 1):
+            self.w.waiter.gate(f"boundary/{step}")
+        eval_loss = evaluate(self) if self._due(self.cfg.eval_every, step + 1) else None
+        if self._due(self.cfg.checkpoint_every, step + 1):
+            self._checkpoint(step + 1)
+        boundary = self.hooks.decide(self, step, gathered)
+        t_prev = self.clock.wall()  # the decision is not part of any step; applying it is
+        if self.writer is not None:
+            ranks_now = [r for r in gathered if r is not None]
+            norm = next((r.grad_norm for r in ranks_now if r.grad_norm is not None), None)
+            self.records.append(step_metrics(step, ranks_now, step_s, global_batch=self.plan.global_batch,
+                                             emulation=self.info, epoch=self.epoch if self.cfg.trace else None,
+                                             change=carried, boundary=boundary, lr=self.optstep.lr(step),
+                                             grad_norm=norm, eval_loss=eval_loss, strategy=self.plan.strategy))
+            self.writer.write(self.records[-1].to_dict())
+            self.runlog.step(self.records[-1])
+        if reached(eval_loss, self.cfg.target_loss):
+            return None, t_prev, True
+        return self.hooks.apply(self), t_prev, False
+
+    def _finish(self) -> TrainResult | None:
+        self._save_capture(self.capture)
+        if self.writer is None:
             return None
-        writer.close()
-        runlog.close()
+        self.close_outputs()
         result = train_result(
-            records, job=self.job.name, plan=self.plan, plan_digest=self.digest, start_step=self.start_step,
+            self.records, job=self.job.name, plan=self.plan, plan_digest=self.digest, start_step=self.first_step,
             steps=self.cfg.steps, emulation=self.info, run_dir=str(self.run_dir), adapter=self.hooks.adapter_run(),
             sync=rstrat.describe_sync(self.plan, self.topo),
-            ranks=ranks or (), resumed=self.resumed, target_loss=self.cfg.target_loss)
+            ranks=self.rank_infos or (), resumed=self.resumed, target_loss=self.cfg.target_loss)
         save_json_atomic(self.run_dir / "result.json", result.to_dict())
         return result
 
@@ -517,6 +587,7 @@ class Trainer:
         if self.cfg.capture and step == self.start_step:
             capture["grads"] = self._named(lambda p: p.grad)
         owned = norm_owned(self) if self.optstep.measures_norm else []
+        self.hooks.before_update(self, step)  # an elastic run's commit point
         outcome = self.optstep(step, self.optimizer, self.stage.params, owned, self.active_group,
                                pace=self.pacer.run)  # the emulated device steps at its own speed too
         return self.rank_metrics(rec, sync_s, outcome, loss_scale)
@@ -533,37 +604,6 @@ class Trainer:
             transfers=tuple((res, n, self.emulated_s(t0), self.emulated_s(t1)) for res, n, t0, t1 in stats.transfers),
             change=self.hooks.rank_change(), grad_norm=None if outcome is None else outcome.grad_norm,
             peak_memory_bytes=peak_memory.peak_bytes(self.w.device))
-
-
-def run_jobs_on_rank(jobs: Sequence[Job], rank: int, world_size: int, store: dist.Store, *,
-                     local_rank: int = 0, node: str = "", launcher_rank: int | None = None,
-                     ) -> list[TrainResult | None]:
-    """Join the process group and run ``jobs`` in order on this rank; rank 0 gets the results.
-
-    Each job's run folder is locked by rank 0 while the job runs (:mod:`deepcee.runtime.runlock`);
-    when another run holds it, every rank fails with rank 0's message."""
-    rdist.single_thread()
-    use_cuda = any(j.config.use_cuda for j in jobs)
-    device = rdist.pick_device(use_cuda, local_rank)
-    timeout = max(j.config.timeout_s for j in jobs)
-    rdist.init_process_group(store=store, rank=rank, world_size=world_size, backend=rdist.backend_for(device),
-                             timeout_s=timeout, device=device)
-    results = []
-    try:
-        for job in jobs:
-            Path(job.run_dir).mkdir(parents=True, exist_ok=True)
-            worker = Worker(rank=rank, world_size=world_size, store=store, device=device, node=node,
-                            launcher_rank=launcher_rank)
-            with runlock.agree(job.run_dir, job=job.name, rank=rank, store=store, timeout_s=job.config.timeout_s):
-                trainer = Trainer(job, worker, None if job.hooks is None else job.hooks.hooks(job, worker))
-                if trainer.takes_part:
-                    trainer.setup()
-                    results.append(trainer.train())
-                else:
-                    results.append(None)
-    finally:
-        rdist.shutdown()
-    return results
 
 
 def write_error(run_dir: str | Path, rank: int, exc: BaseException) -> None:

@@ -23,7 +23,9 @@ Method (all candidates are timed by the model of :func:`deepcee.schedule.passes.
 3. Coordinate descent on the per-stage caps of the best greedy setting (one stage's cap
    up or down by one at a time, kept when the makespan drops).
 4. The fixed templates (:data:`TEMPLATES`: GPipe and 1F1B with split backward, i.e. GPipe-split
-   and ZB-H1, and ZB-H2) that satisfy the memory limit are timed too; the best candidate
+   and ZB-H1, ZB-H2, and ZB-H2's shape with per-stage warm-up ``min(limit, need + 1)``,
+   :func:`capped_zero_bubble`, which always fits the limit) that satisfy the memory limit are
+   timed too (with ``rules=()`` only they are: the fast path for long pipelines); the best candidate
    wins (ties: fewer microbatches in flight, then the order tried). The result is therefore
    never slower than an admissible GPipe, 1F1B, ZB-H1 or ZB-H2, and it is deterministic.
 """
@@ -38,9 +40,9 @@ from dataclasses import dataclass
 
 from deepcee.errors import ScheduleError
 from deepcee.schedule.builders import BUILDERS, split_backward
-from deepcee.schedule.interpreter import LinkCost
+from deepcee.schedule.interpreter import Execution, LinkCost, stage_tables
 from deepcee.schedule.ir import Action, ActionKind, Schedule
-from deepcee.schedule.passes import dry_run, in_flight_per_stage, per_boundary, per_stage
+from deepcee.schedule.passes import dry_run, in_flight_per_stage, lower, per_boundary, per_stage
 
 log = logging.getLogger(__name__)
 K = ActionKind
@@ -76,7 +78,7 @@ RULE_GRID: tuple[Rules, ...] = tuple(
 )
 """The rule settings tried by :func:`build_compact`, in tie-break order."""
 
-TEMPLATES: tuple[str, ...] = ("gpipe-split", "zb-h1", "zb-h2")
+TEMPLATES: tuple[str, ...] = ("gpipe-split", "zb-h1", "zb-h2", "zb-capped")
 """Fixed templates tried by :func:`build_compact`: GPipe with ``B`` split into ``I, W``,
 ZB-H1 (which is 1F1B split so) and ZB-H2. A split form is never slower than its ``B`` form
 under the dry-run model: the stage's timeline is the same but each input gradient leaves
@@ -158,17 +160,18 @@ def search_compact(
     best: tuple[float, int, int, Schedule, str] | None = None
     best_template: tuple[float, str] = (math.inf, "")
     count = 0
+    need = in_flight_need(costs)
+    warm = tuple(min(lim, n + 1) for lim, n in zip(limits, need, strict=True))
     for name in TEMPLATES:
-        sched = _template(name, costs.s, costs.m)
+        sched = _template(name, costs.s, costs.m, warm)
         held = in_flight_per_stage(sched)
         if any(h > lim for h, lim in zip(held, limits, strict=True)):
             continue
-        span = dry_run(sched, **timing).makespan_s
+        span = _makespan(sched, costs)
         count += 1
         best_template = min(best_template, (span, name))
         key = (span, sum(held), count, sched, f"template {name}")
         best = key if best is None or key[:3] < best[:3] else best
-    need = in_flight_need(costs)
     seen: set[Schedule] = set()
     greedy_best: tuple[float, int, Rules, tuple[int, ...]] | None = None
     for r in rules:
@@ -189,9 +192,10 @@ def search_compact(
             key = (span, sum(in_flight_per_stage(sched)), count, sched, label)
             if best is None or key[:3] < best[:3]:
                 best = key
-    assert best is not None  # the greedy always yields a candidate
+    if best is None:
+        raise ScheduleError("no schedule: no template fits the memory limit and no greedy rule was given")
     span, _, _, sched, source = best
-    checked = dry_run(sched, **timing).makespan_s
+    checked = _makespan(sched, costs) if source.startswith("template") else dry_run(sched, **timing).makespan_s
     if not math.isclose(checked, span, rel_tol=1e-9, abs_tol=1e-12):
         raise ScheduleError(f"internal: greedy timing {span!r} disagrees with the dry run {checked!r} ({source})")
     log.debug("compact: %s, makespan %.6g s (best template %s %.6g s, %d candidates)",
@@ -199,6 +203,12 @@ def search_compact(
     return CompactResult(schedule=sched, makespan_s=span, source=source,
                          best_template=best_template[1] or None,
                          best_template_makespan_s=best_template[0], candidates=count)
+
+
+def _makespan(sched: Schedule, costs: _Costs) -> float:
+    """The dry run's makespan of a valid (template) schedule, without recording every action."""
+    run = Execution(stage_tables(lower(sched), costs.f, costs.i, costs.w, costs.cf, costs.cb))
+    return max(run.pipeline(0.0)[0])
 
 
 def _cap_descent(costs: _Costs, limits: tuple[int, ...], rules: Rules, caps: tuple[int, ...],
@@ -227,7 +237,27 @@ def _cap_descent(costs: _Costs, limits: tuple[int, ...], rules: Rules, caps: tup
     return found
 
 
-def _template(name: str, num_stages: int, num_microbatches: int) -> Schedule:
+def capped_zero_bubble(num_stages: int, num_microbatches: int, warmup: Sequence[int]) -> Schedule:
+    """ZB-H2's shape with per-stage warm-up forwards ``w_s`` (made non-increasing along the
+    pipeline and at least 1, which keeps it deadlock-free: a stage never waits for more
+    forwards than the one before it sends before its first ``I``): ``w_s`` forwards, then
+    ``I_k, W_k, F_{w_s+k}`` cycles, then ``I, W`` to drain. Stage ``s`` holds ``w_s`` microbatches."""
+    m, out, prev = num_microbatches, [], num_microbatches
+    for s in range(num_stages):
+        w = max(1, min(warmup[s], m, prev))
+        prev = w
+        row = [Action(s, K.F, k) for k in range(w)]
+        for k in range(m - w):
+            row += [Action(s, K.I, k), Action(s, K.W, k), Action(s, K.F, w + k)]
+        for k in range(m - w, m):
+            row += [Action(s, K.I, k), Action(s, K.W, k)]
+        out.append(tuple(row))
+    return tuple(out)
+
+
+def _template(name: str, num_stages: int, num_microbatches: int, warmup: Sequence[int] = ()) -> Schedule:
+    if name == "zb-capped":
+        return capped_zero_bubble(num_stages, num_microbatches, warmup)
     if name.endswith("-split"):
         return split_backward(BUILDERS[name.removesuffix("-split")](num_stages, num_microbatches))
     return BUILDERS[name](num_stages, num_microbatches)

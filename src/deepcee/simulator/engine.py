@@ -9,6 +9,9 @@ times are on the same clock, keep advancing across iterations):
   order, sends never block, receives wait for every piece, FIFO link resources).
   ``F``/``I``/``W``/``B`` take ``model.time_s(layers of s, pass, device share, device kind,
   device slowdown)``.
+- [Note: recompute timing] A stage with ``recompute`` (see :mod:`deepcee.plan`) runs its
+  forward again right before each backward: its ``I`` and ``B`` take ``F`` longer (``W``
+  reuses what that ``I`` built). The runtime does the same (:mod:`deepcee.runtime.stage`).
 - ``SEND_F``/``SEND_B`` issue one transfer per sample overlap between the sender and a device
   of the next (previous) stage (see [Note: share-based resharding] in :mod:`deepcee.plan`), of
   ``samples x model.boundary_bytes(boundary layer)`` bytes, over ``cluster.link(src, dst)``:
@@ -63,7 +66,7 @@ from deepcee.plan import Estimate, Plan, share_overlaps
 from deepcee.profile import ModelProfile
 from deepcee.schedule.interpreter import TRANSFER, Execution, Tables
 from deepcee.schedule.program import lowered_schedule, stage_in_flight
-from deepcee.simulator.memory import device_memory
+from deepcee.simulator.memory import device_memory, recomputed_live
 from deepcee.simulator.runtime_model import DEFAULT_RUNTIME, RuntimeModel
 
 log = logging.getLogger(__name__)
@@ -244,6 +247,8 @@ class _Simulation:
         share = st.shares[st.devices.index(device)]
         kind, slowdown = self.cluster.kind_of(device), self.cluster.device(device).slowdown
         f, i, w, b = (self.model.time_s(st.layer_start, st.layer_stop, p, share, kind, slowdown) for p in "FIWB")
+        if st.recompute:  # the forward runs again just before the backward (see [Note: recompute timing])
+            i, b = i + f, b + f
         return f, i, w, b
 
     def run(self, start_s: float, iterations: int) -> None:
@@ -377,14 +382,21 @@ def _bottleneck(path: tuple[Segment, ...], stage_of: Mapping[str, int]) -> str:
     return f"{name}: {t / total:.0%} of the critical path ({t:.4g} s of {total:.4g} s)"
 
 
-def _peak_memory(plan: Plan, cluster: Cluster, model: ModelProfile, runtime: RuntimeModel) -> dict[str, float]:
+def peak_memory(plan: Plan, cluster: Cluster, model: ModelProfile,
+                runtime: RuntimeModel | None = None) -> dict[str, float]:
+    """Peak bytes per device of ``plan`` as ``runtime`` runs it
+    (:func:`deepcee.simulator.memory.device_memory`, plan and runtime terms, with its schedule's
+    in-flight counts and, where a stage recomputes, its live counts)."""
+    runtime = runtime or DEFAULT_RUNTIME
     in_flight = stage_in_flight(plan)
+    live = recomputed_live(lowered_schedule(plan)) if any(st.recompute for st in plan.stages) else ()
     out = {}
     for s, st in enumerate(plan.stages):
         for d, share in zip(st.devices, st.shares, strict=True):
             out[d] = device_memory(model, st.layer_start, st.layer_stop, share=share, in_flight=in_flight[s],
                                    num_microbatches=plan.num_microbatches, kind=cluster.device(d).kind,
-                                   sync=plan.sync, stage_devices=len(st.devices), runtime=runtime).total_bytes
+                                   sync=plan.sync, stage_devices=len(st.devices), runtime=runtime,
+                                   recompute=st.recompute, recompute_live=live[s] if live else 1).total_bytes
     return out
 
 
@@ -424,7 +436,7 @@ def simulate(plan: Plan, cluster: Cluster, model: ModelProfile, *, start_s: floa
         idle_s={d: max(0.0, total_s - b - s - w)
                 for d, b, s, w in zip(sim.devices, sim.busy, sim.sync, sim.wait, strict=True)},
         bubble_fraction=min(1.0, max(0.0, bubble)),
-        peak_memory_bytes=_peak_memory(plan, cluster, model, runtime),
+        peak_memory_bytes=peak_memory(plan, cluster, model, runtime),
         critical_path=path,
         bottleneck=_bottleneck(path, stage_of),
         events=sim.events() if record else (),

@@ -16,6 +16,13 @@ device of a stage holding layers ``[a, b)`` with a share of ``n`` samples per mi
 - boundary buffers: the received input and the output of one microbatch share,
   ``n x (boundary_bytes(a) + boundary_bytes(b))``.
 
+With activation recomputation (:attr:`deepcee.plan.StagePlan.recompute`) a microbatch in
+flight keeps only its stage input, ``n x boundary_bytes(a)``, and its activations exist only
+from the re-run forward (just before its ``I`` or ``B``) until its ``W`` (or the end of its
+``B``): ``k x n x boundary_bytes(a) + r x n x activation_bytes_per_sample(a, b)``, where ``r``
+is the most microbatches between their ``I`` and their ``W`` at once
+(:func:`recomputed_live`; 1 for every fixed schedule, whose ``W`` follows its ``I`` directly).
+
 *Runtime terms* (what the runtime running the plan adds,
 :class:`~deepcee.simulator.runtime_model.RuntimeModel`, and what the profiler measured):
 
@@ -37,9 +44,11 @@ device of a stage holding layers ``[a, b)`` with a share of ``n`` samples per mi
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from deepcee.profile import ModelProfile
+from deepcee.schedule.ir import Action, ActionKind
 from deepcee.simulator.runtime_model import DEFAULT_RUNTIME, RuntimeModel
 
 
@@ -75,6 +84,41 @@ def state_bytes(model: ModelProfile, start: int, stop: int, *, sync: str = "allr
     return params * model.state_bytes_per_parameter
 
 
+def stashed_bytes_per_sample(model: ModelProfile, start: int, stop: int, *, recompute: bool = False) -> float:
+    """Bytes one sample of one microbatch in flight keeps: its activations, or with recomputation
+    its stage input only."""
+    return model.boundary_bytes(start) if recompute else model.activation_bytes(start, stop)
+
+
+def recomputed_live(schedule: Sequence[Sequence[Action]]) -> tuple[int, ...]:
+    """Per stage, the most microbatches whose recomputed activations are live at once: from the
+    start of their ``I`` (or ``B``) until the end of their ``W`` (or ``B``). Compute actions only
+    are read, so a lowered schedule works too."""
+    i, w, b = ActionKind.I, ActionKind.W, ActionKind.B
+    out = []
+    for row in schedule:
+        live = peak = 0
+        for a in row:
+            k = a.kind
+            if k is i or k is b:
+                live += 1
+                if live > peak:
+                    peak = live
+            if k is w or k is b:
+                live -= 1
+        out.append(peak)
+    return tuple(out)
+
+
+def activation_bytes(model: ModelProfile, start: int, stop: int, *, share: int, in_flight: int,
+                     recompute: bool = False, recompute_live: int = 1) -> float:
+    """The stashed-activation term (see the module docstring), with or without recomputation."""
+    out = in_flight * share * stashed_bytes_per_sample(model, start, stop, recompute=recompute)
+    if recompute:
+        out += min(recompute_live, in_flight) * share * model.activation_bytes(start, stop)
+    return out
+
+
 def runtime_buffer_bytes(model: ModelProfile, start: int, stop: int, *, share: int, in_flight: int,
                          num_microbatches: int, stage_devices: int, runtime: RuntimeModel,
                          sync: str = "allreduce-ring") -> float:
@@ -88,12 +132,14 @@ def runtime_buffer_bytes(model: ModelProfile, start: int, stop: int, *, share: i
 
 def device_memory(model: ModelProfile, start: int, stop: int, *, share: int, in_flight: int,
                   num_microbatches: int, kind: str | None, sync: str = "allreduce-ring", stage_devices: int = 1,
-                  runtime: RuntimeModel | None = None) -> MemoryBreakdown:
+                  runtime: RuntimeModel | None = None, recompute: bool = False,
+                  recompute_live: int = 1) -> MemoryBreakdown:
     """Every term of one device's peak (plan and runtime terms). ``kind``: the device's kind
     (``None``: the largest measured overhead of any kind, never fewer bytes than the device's)."""
     rt = runtime or DEFAULT_RUNTIME
     state = state_bytes(model, start, stop, sync=sync, stage_devices=stage_devices)
-    activations = in_flight * share * model.activation_bytes(start, stop)
+    activations = activation_bytes(model, start, stop, share=share, in_flight=in_flight, recompute=recompute,
+                                   recompute_live=recompute_live)
     boundary = share * (model.boundary_bytes(start) + model.boundary_bytes(stop))
     buffers = runtime_buffer_bytes(model, start, stop, share=share, in_flight=in_flight,
                                    num_microbatches=num_microbatches, stage_devices=stage_devices, runtime=rt,
@@ -112,9 +158,11 @@ def device_memory(model: ModelProfile, start: int, stop: int, *, share: int, in_
 
 
 def device_memory_bytes(model: ModelProfile, start: int, stop: int, *, share: int, in_flight: int,
-                        sync: str = "allreduce-ring", stage_devices: int = 1) -> float:
+                        sync: str = "allreduce-ring", stage_devices: int = 1, recompute: bool = False,
+                        recompute_live: int = 1) -> float:
     """The plan terms of one device's peak (see the module docstring; :func:`device_memory`
     adds the runtime's)."""
-    activations = in_flight * share * model.activation_bytes(start, stop)
+    activations = activation_bytes(model, start, stop, share=share, in_flight=in_flight, recompute=recompute,
+                                   recompute_live=recompute_live)
     buffers = share * (model.boundary_bytes(start) + model.boundary_bytes(stop))
     return state_bytes(model, start, stop, sync=sync, stage_devices=stage_devices) + activations + buffers

@@ -84,6 +84,7 @@ from deepcee.runtime.realnet.netns import (
 from deepcee.runtime.realnet.relay import OWNER_MARKER, RELAY_FILE, RelayControl
 from deepcee.runtime.realnet.shaping import PairSpec, RelayConfig, RelayStats, ResourceSpec
 from deepcee.runtime.supervise import (
+    Elastic,
     Worker,
     death_signal_preexec,
     rank_argv,
@@ -282,7 +283,7 @@ class RealNetwork:
         return p
 
     def run(self, target: Callable[..., None], args: tuple[Any, ...], *, deadline_s: float,
-            grace_s: float = 2.0) -> RelayStats:
+            grace_s: float = 2.0, elastic: Elastic | None = None) -> RelayStats:
         """Run ``target(rank, world_size, store_path, *args)`` on every rank; the relay's counters after.
 
         Supervised as :func:`deepcee.runtime.launch.launch` is (:func:`deepcee.runtime.supervise.supervise`:
@@ -293,14 +294,18 @@ class RealNetwork:
         payload = write_payload(run_dir / "payload.pkl", target, args, world_size=self.world_size,
                                 store_path=str(run_dir / "store"), error_dir=str(run_dir))
         workers: list[Worker] = []
+
+        def start(r: int) -> Worker:
+            # stderr to a file: a rank that dies in native code (abort, segfault) leaves no error
+            # record, and its last words are the only clue; they are echoed here after the run.
+            with open(run_dir / f"stderr-rank{r}.log", "ab") as err:
+                return self.popen(r, rank_argv(payload, r), stderr=err)
+
         try:
             for r in range(self.world_size):
-                # stderr to a file: a rank that dies in native code (abort, segfault) leaves no error
-                # record, and its last words are the only clue; they are echoed here after the run.
-                with open(run_dir / f"stderr-rank{r}.log", "wb") as err:
-                    workers.append(self.popen(r, rank_argv(payload, r), stderr=err))
+                workers.append(start(r))
             supervise(workers, run_dir, deadline_s=deadline_s, grace_s=grace_s, label="realnet",
-                      check=self._check_relay,
+                      check=self._check_relay, elastic=elastic, restart=start,
                       explain=lambda r: f"; rank {r}'s stderr ends: {_tail(run_dir / f'stderr-rank{r}.log', 1500)}")
         finally:
             stop(workers)
@@ -335,7 +340,8 @@ def _echo_stderr(run_dir: Path, world_size: int) -> None:
 def launch_realnet(target: Callable[..., None], args: tuple[Any, ...], *, cluster: Cluster, devices: Sequence[str],
                    deadline_s: float, dilation: float = 1.0, mtu_bytes: int = 1500, offload: bool = True,
                    queue_limit_s: float = DEFAULT_QUEUE_LIMIT_S,
-                   congestion_control: str | None = DEFAULT_CONGESTION_CONTROL, grace_s: float = 2.0) -> RelayStats:
+                   congestion_control: str | None = DEFAULT_CONGESTION_CONTROL, grace_s: float = 2.0,
+                   elastic: Elastic | None = None) -> RelayStats:
     """Run ``target(rank, world_size, store_path, *args)`` with rank ``r`` on ``devices[r]`` over real TCP.
 
     ``deadline_s`` bounds everything (set-up, run, tear-down excluded). Returns the relay's
@@ -348,4 +354,4 @@ def launch_realnet(target: Callable[..., None], args: tuple[Any, ...], *, cluste
         left = t_end - time.monotonic()
         if left <= 0:
             raise RuntimeSetupError(f"realnet deadline of {deadline_s:g} s passed during set-up")
-        return net.run(target, args, deadline_s=left, grace_s=grace_s)
+        return net.run(target, args, deadline_s=left, grace_s=grace_s, elastic=elastic)

@@ -1,0 +1,244 @@
+"""Which islands, in which order: the search over island chains (torch-free).
+
+A *chain* is an ordered list of ``(island index, groups kept)`` (see [Note: plan space] in
+:mod:`deepcee.planner.space`); :func:`search_chains` finds the chains worth laying out and
+hands each to an ``evaluate`` callback (the best closed form over the chain's layouts and
+microbatch sizes, :meth:`deepcee.planner.steps.SearchState.evaluate_layout`).
+
+[Note: chain search]
+Chains are built from *units*: with at most ``exhaustive_islands`` islands a unit is one
+island (with each choice of groups kept); above that, islands are first merged into
+``exhaustive_islands`` clusters by their 1 MB transfer time (average linkage) and a unit is a
+cluster's islands in a short-path order (or its reverse). Every ordered subset of units is a
+chain. Chains are taken best first by a lower bound that no plan on the chain beats in the
+simulator (:meth:`ChainBounds.bound`):
+
+- compute: all samples over the summed speed of the chain's devices;
+- each hop between consecutive islands: all samples x the model's smallest boundary bytes
+  over the summed bandwidth of every link resource between the two islands, plus the hop's
+  latency;
+- latency: a microbatch goes out and back over every hop once: the sum of both latencies;
+- memory: the chain's devices hold the model state at least once (else the chain is skipped).
+
+A chain's extensions are bounded by the same terms with every unit not yet in it added to
+the compute term, so a best-first (branch and bound) search evaluates exactly the chains
+whose bound is below the best plan found so far (its closed form, with a margin,
+:data:`PRUNE_MARGIN`), in bound order: with one island per unit the result is exact over
+chains up to the proven gap printed, ``simulated best / least bound left - 1`` (0 when no
+chain left can beat the simulated best). ``chain_budget``
+caps the evaluations; when it stops the search early, :attr:`ChainResult.gap` is the proven
+gap: how much better than the best found an unevaluated chain could be, at most.
+
+With merged units, the exact search over units seeds a local search on single islands
+(:func:`improve_chain`): drop an island, insert a left-out one anywhere, swap two neighbours,
+reverse a run, change the groups kept; the best improving move is taken until none improves
+(deterministic: moves are tried in a fixed order, ties keep the earlier).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from scipy.cluster.hierarchy import fcluster, linkage
+from scipy.spatial.distance import squareform
+
+from deepcee.cluster import Cluster
+from deepcee.planner.grouping import Grouping
+from deepcee.planner.options import PlannerOptions
+from deepcee.planner.space import Chain, short_path
+from deepcee.profile import ModelProfile
+
+log = logging.getLogger(__name__)
+
+_INF = math.inf
+PRUNE_MARGIN = 0.3
+"""Chains are evaluated while their bound is below the best closed form x (1 + this): the
+closed form can be optimistic, and the bound must not cut a chain the simulator would prefer.
+The gap printed is against the simulated best, so it holds whatever the closed form said."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ChainResult:
+    """What :func:`search_chains` did."""
+
+    best_s: float
+    """Best closed form over the evaluated chains (``inf`` if none fits)."""
+    evaluated: int
+    """Chains evaluated."""
+    gap: float
+    """Proven gap: an unevaluated chain could beat ``best_s`` by at most this fraction (0 when
+    every chain with a bound below the best was evaluated)."""
+    exact: bool
+    """Whether units were single islands (so the search is exact over chains)."""
+    considered: int
+    """Chains whose bound was computed."""
+    open_bound: float = _INF
+    """The least lower bound of a chain not evaluated (``inf``: none is left): no plan on an
+    unevaluated chain simulates faster than this."""
+
+
+class ChainBounds:
+    """The lower-bound terms of [Note: chain search] per island and per island pair."""
+
+    def __init__(self, cluster: Cluster, model: ModelProfile, grouping: Grouping, global_batch: int,
+                 marginal_s: Callable[[str], float], pipe_bandwidth: Callable[[tuple, tuple], float]) -> None:
+        self.grouping, self.batch = grouping, global_batch
+        n = len(grouping.islands)
+        self.kept = [[tuple(d for g in isl.groups[:k] for d in g.devices) for k in range(len(isl.groups) + 1)]
+                     for isl in grouping.islands]
+        self.speed = [[sum(1.0 / marginal_s(d) for d in devs) for devs in row] for row in self.kept]
+        self.memory = [[sum(cluster.memory_bytes(d) for d in devs) for devs in row] for row in self.kept]
+        self.state = model.parameter_count * model.state_bytes_per_parameter
+        least = min((model.boundary_bytes(b) for b in range(1, model.num_layers)), default=0.0)
+        self.hop = np.zeros((n, n))
+        self.latency = np.zeros((n, n))
+        for i, j in itertools.permutations(range(n), 2):
+            a, b = self.kept[i][-1], self.kept[j][-1]
+            self.hop[i, j] = global_batch * least / pipe_bandwidth(a, b)
+            self.latency[i, j] = cluster.link(a[0], b[0]).latency_s
+
+    def hops(self, chain: Chain) -> tuple[float, float]:
+        """(worst hop, summed round-trip latency) of ``chain``."""
+        worst, lat = 0.0, 0.0
+        for (i, _), (j, _) in itertools.pairwise(chain):
+            worst = max(worst, self.hop[i, j] + self.latency[i, j], self.hop[j, i] + self.latency[j, i])
+            lat += self.latency[i, j] + self.latency[j, i]
+        return worst, lat
+
+    def bound(self, chain: Chain, extra_speed: float = 0.0) -> float:
+        """Lower bound of every plan on ``chain`` (``extra_speed``: devices that may still join)."""
+        speed = sum(self.speed[i][k] for i, k in chain) + extra_speed
+        worst, lat = self.hops(chain)
+        return max(self.batch / speed if speed > 0 else _INF, worst, lat)
+
+    def fits(self, chain: Chain) -> bool:
+        return sum(self.memory[i][k] for i, k in chain) >= self.state
+
+
+Unit = tuple[Chain, ...]
+"""The choices of one unit: each a run of ``(island, groups kept)``."""
+
+
+def island_units(grouping: Grouping, options: PlannerOptions) -> list[Unit]:
+    """One unit per island; its choices are the prefixes of its groups (all of them only,
+    without exclusion)."""
+    out = []
+    for i, isl in enumerate(grouping.islands):
+        keeps = range(1, len(isl.groups) + 1) if options.allow_exclusion else [len(isl.groups)]
+        out.append(tuple(((i, k),) for k in reversed(keeps)))
+    return out
+
+
+def merged_units(grouping: Grouping, dist: np.ndarray, count: int) -> list[Unit]:
+    """``count`` units of nearby islands (average linkage on ``dist``), each in a short-path order
+    or its reverse, every group kept."""
+    n = len(grouping.islands)
+    labels = fcluster(linkage(squareform(dist, checks=False), method="average"), t=count, criterion="maxclust")
+    out = []
+    for lab in sorted(set(labels), key=lambda x: min(i for i in range(n) if labels[i] == x)):
+        members = [i for i in range(n) if labels[i] == lab]
+        path = short_path(dist, members)
+        runs = [tuple((i, len(grouping.islands[i].groups)) for i in p) for p in (path, path[::-1])]
+        out.append(tuple(dict.fromkeys(runs)))
+    return out
+
+
+def search_chains(units: list[Unit], bounds: ChainBounds, evaluate: Callable[[Chain], float], *,
+                  budget: int, allow_exclusion: bool, incumbent: Callable[[], float],
+                  progress: Callable[[float], None] | None = None) -> tuple[ChainResult, list[tuple[float, Chain]]]:
+    """Best-first search over ordered subsets of ``units`` (see [Note: chain search]).
+
+    ``evaluate(chain)`` lays a chain out and returns its best closed form; ``incumbent()`` is the
+    best closed form so far (the search state keeps it). Returns the result and every evaluated
+    chain with its value."""
+    total = [max((bounds.speed[i][k] for run in unit for i, k in run), default=0.0) for unit in units]
+    heap: list[tuple[float, int, int, tuple[int, ...], Chain]] = []
+    tick = itertools.count()
+    considered = 0
+
+    def push(used: tuple[int, ...], chain: Chain) -> None:
+        nonlocal considered
+        considered += 1
+        rest = sum(total[u] for u in range(len(units)) if u not in used)
+        if (allow_exclusion or len(used) == len(units)) and bounds.fits(chain):
+            heapq.heappush(heap, (bounds.bound(chain), next(tick), 0, used, chain))
+        if len(used) < len(units):
+            heapq.heappush(heap, (bounds.bound(chain, rest), next(tick), 1, used, chain))
+
+    for u, unit in enumerate(units):
+        for run in unit:
+            push((u,), run)
+    done: list[tuple[float, Chain]] = []
+    gap, open_bound = 0.0, _INF
+    while heap:
+        bound, _, kind, used, chain = heapq.heappop(heap)
+        best = incumbent()
+        if bound >= best * (1 + PRUNE_MARGIN):
+            open_bound = bound
+            break
+        if kind == 1:
+            for u in range(len(units)):
+                if u not in used:
+                    for run in units[u]:
+                        push((*used, u), chain + run)
+            continue
+        if len(done) >= budget:
+            gap = best / bound - 1.0 if bound > 0 else _INF
+            open_bound = bound
+            break
+        done.append((evaluate(chain), chain))
+        if progress is not None:
+            progress(len(done) / budget)
+    best = incumbent()
+    return ChainResult(best_s=best, evaluated=len(done), gap=max(0.0, gap), exact=all(len(u[0]) == 1 for u in units),
+                       considered=considered, open_bound=open_bound), done
+
+
+def _moves(chain: Chain, islands: int, keeps: Sequence[int], allow_exclusion: bool) -> list[Chain]:
+    """Neighbours of ``chain`` (see [Note: chain search]), in a fixed order."""
+    out: list[Chain] = []
+    used = {i for i, _ in chain}
+    if allow_exclusion and len(chain) > 1:
+        out += [chain[:k] + chain[k + 1:] for k in range(len(chain))]
+    for i in range(islands):
+        if i not in used:
+            out += [chain[:k] + ((i, keeps[i]),) + chain[k:] for k in range(len(chain) + 1)]
+    out += [chain[:k] + (chain[k + 1], chain[k]) + chain[k + 2:] for k in range(len(chain) - 1)]
+    for a, b in itertools.combinations(range(len(chain) + 1), 2):
+        if b - a >= 3:
+            out.append(chain[:a] + chain[a:b][::-1] + chain[b:])
+    if allow_exclusion:
+        for k, (i, kept) in enumerate(chain):
+            for other in range(1, keeps[i] + 1):
+                if other != kept:
+                    out.append(chain[:k] + ((i, other),) + chain[k + 1:])
+    return out
+
+
+def improve_chain(start: Chain, value: float, evaluate: Callable[[Chain], float], *, islands: int,
+                  keeps: Sequence[int], allow_exclusion: bool, budget: int) -> tuple[float, Chain, int]:
+    """Local search from ``start`` (its value ``value``): the best improving move until none
+    improves or ``budget`` evaluations are spent. Returns (value, chain, evaluations)."""
+    seen = {start: value}
+    spent = 0
+    while spent < budget:
+        best: tuple[float, Chain] | None = None
+        for move in _moves(start, islands, keeps, allow_exclusion):
+            if move in seen:
+                continue
+            if spent >= budget:
+                break
+            seen[move] = evaluate(move)
+            spent += 1
+            if seen[move] < value * (1 - 1e-9) and (best is None or seen[move] < best[0]):
+                best = (seen[move], move)
+        if best is None:
+            break
+        value, start = best
+    return value, start, spent

@@ -1,0 +1,97 @@
+"""The planner's knobs (torch-free): :class:`PlannerOptions`, read by every step of the search.
+
+Its own module so that the search's parts (:mod:`~deepcee.planner.space`,
+:mod:`~deepcee.planner.steps`, :mod:`~deepcee.planner.chains`, :mod:`~deepcee.planner.explain`)
+and its callers (``compare``, the adapter, the CLI) import it without importing the search.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from deepcee.errors import PlanError
+from deepcee.plan import SCHEDULES
+from deepcee.planner.cost_model import CostModel
+from deepcee.planner.grouping import DEFAULT_ISLAND_THRESHOLD_S, DEFAULT_SPEED_RATIO
+
+SYNC_CHOICES = ("allreduce-ring", "allreduce-hier")
+
+Progress = Callable[[str, float], None]
+"""``(what, fraction done)``: called by long searches (see :attr:`PlannerOptions.progress`)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PlannerOptions:
+    """Knobs of :func:`~deepcee.planner.search.plan_training`. Defaults are what the CLI uses."""
+
+    schedules: tuple[str, ...] = SCHEDULES
+    microbatch_sizes: tuple[int, ...] | None = None
+    """Microbatch sizes to try (divisors of the global batch); ``None``: every divisor."""
+    syncs: tuple[str, ...] = SYNC_CHOICES
+    max_stages: int | None = None
+    island_threshold_s: float = DEFAULT_ISLAND_THRESHOLD_S
+    speed_ratio: float = DEFAULT_SPEED_RATIO
+    allow_exclusion: bool = True
+    """Whether islands and slow groups may be left out."""
+    recompute: bool = True
+    """Whether stages may recompute activations (keep only the stage input per microbatch in
+    flight and run the forward again before the backward: memory for compute)."""
+    exhaustive_islands: int = 8
+    """Up to this many islands, every ordered island subset is searched (branch and bound on a
+    lower bound, so the result is exact over chains); above it, the islands are merged into this
+    many and the exact search on the merged islands seeds a local search (see
+    :mod:`deepcee.planner.chains`)."""
+    sweep_top: int = 24
+    """Configurations that get the in-flight-aware second DP (step 2)."""
+    model_top: int = 12
+    """Configurations scored by the cost model for every schedule and sync (step 3)."""
+    refine_top: int = 4
+    compact_top: int = 6
+    confirm_top: int = 5
+    """Plans confirmed with the simulator; 0 picks by the cost model alone."""
+    confirm_max_work: int = 150_000
+    """Most simulator work (devices x compute actions x 2, summed over the confirmed plans); the
+    best plans are confirmed in order while they fit (a plan alone above it is not simulated)."""
+    compact_max_actions: int = 800
+    """Build compact schedules only for plans with at most this many stages x microbatches."""
+    compact_budget: int = 600
+    """Stages x microbatches summed over the compact schedules built (after the first)."""
+    refine_budget: int = 40_000
+    """Work of boundary refinement in total, counted per cost-model evaluation as devices +
+    stages x microbatches (what one evaluation costs); unlimited in effect for small clusters."""
+    score_budget: int = 150_000
+    """Stages x microbatches timed by the cost model in total (one evaluation times each stage's
+    list once); past it the search stops scoring new plans (the best are scored first)."""
+    chain_budget: int = 150
+    """Most island chains evaluated in full (closed form for every layout and microbatch size);
+    chains are taken in increasing lower bound, so the budget only matters when many chains
+    have bounds below the best plan found (the printed gap then says how much could be missed)."""
+    explain_counterfactuals: bool = True
+    """Plan and simulate the counterfactuals the explanation prints (each island left out or
+    added, one stage more or fewer)."""
+    cost_model: CostModel | None = None
+    """Scores candidates (default :class:`~deepcee.planner.cost_model.AnalyticCostModel`)."""
+    confirm_model: CostModel | None = None
+    """Confirms the best (default :class:`~deepcee.planner.cost_model.SimulatorCostModel`)."""
+    progress: Progress | None = None
+    """Called with ``(step, fraction)`` as the search goes (the CLI prints it after 2 s)."""
+    system: str = "deepcee"
+
+    def __post_init__(self) -> None:
+        for s in self.schedules:
+            if s not in SCHEDULES:
+                raise PlanError(f"unknown schedule {s!r} (known: {', '.join(SCHEDULES)})", field="schedules")
+        if not self.schedules:
+            raise PlanError("need at least one schedule", field="schedules")
+        for s in self.syncs:
+            if s not in SYNC_CHOICES:
+                raise PlanError(f"sync {s!r} is not searched (choose from {', '.join(SYNC_CHOICES)})", field="syncs")
+        if self.max_stages is not None and self.max_stages < 1:
+            raise PlanError(f"max_stages must be >= 1, got {self.max_stages!r}", field="max_stages")
+        for name in ("sweep_top", "model_top", "refine_top", "compact_top", "confirm_top", "exhaustive_islands",
+                     "chain_budget"):
+            if getattr(self, name) < 0:
+                raise PlanError(f"must be >= 0, got {getattr(self, name)!r}", field=name)
+        if self.exhaustive_islands < 1:
+            raise PlanError(f"must be >= 1, got {self.exhaustive_islands!r}", field="exhaustive_islands")

@@ -1,0 +1,596 @@
+"""Elastic training: when a device is lost, the survivors leave the broken process group and go on.
+
+One :class:`Session` per rank of an elastic job (:func:`run_elastic_job` is what such a rank
+runs). The decisions (which plan the survivors train, which state moves, whether a checkpoint
+must be restored) belong to the run's hooks (the adapter's, :mod:`deepcee.adapter.elastic`);
+this module is the mechanism under them.
+
+[Note: elastic process groups]
+torch.distributed cannot drop a rank from a gloo group, and an operation on a group with a lost
+member may never finish: a receive posted to a killed peer stays pending, a collective with a
+stopped one waits out the group's timeout, and a gloo wait that times out closes its pair,
+poisoning the group. So an elastic run trains in *generations*. Generation ``g`` is a fresh
+default process group over its members (devices in launch order; rank = position), formed
+through the launch's store under ``<job>/elastic/g<g>/pg``. On a fault every survivor leaves
+generation ``g`` (``destroy_process_group``, keeping a reference to each old group object,
+whose destructor would otherwise join gloo's threads, still blocked on the lost peer until the
+old timeout) and forms ``g+1``, renumbered ``0..n-1``. Everything else goes out of band,
+through the store, which outlives any member:
+
+- heartbeats: a thread per rank writes ``hb/<device>`` (a counter, pid, host) every
+  ``heartbeat_s`` and reads the other members'; a member whose process is gone (same host:
+  ``/proc``) or whose counter stood still for ``lost_after_s`` is reported lost;
+- the fault flag ``g<g>/fault``, set once (compare-and-set) by whoever saw a fault first (an
+  error or a timeout of its own operation, or a lost member). Every wait of an elastic rank
+  polls its operation and this flag (an in-process event the heartbeat thread sets), so no
+  survivor stays blocked on the lost: each raises :class:`PeerLost` within a heartbeat;
+- the commit point: a step's optimizer update is applied only once every member has reached
+  it (``g<g>/commit/<step>``, whose outcome is decided once, by compare-and-set), so the
+  survivors of a fault hold the same step: every update of it, or none;
+- agreement: survivors write join records (steps applied, layers held); the first to arrive
+  leads (compare-and-set ``g<g>/leader``): it waits until every member has joined or is lost,
+  asks the hooks for the next generation (a :class:`Transition`) and publishes it
+  (``g<g>/decision``); a member left out of it (e.g. one end of a dead link) must rejoin;
+- rejoin: a device that comes back (a restarted process finds its own heartbeat key; a stopped
+  one finds it was left out) writes ``rejoin/<device>``; rank 0 takes it in at a step boundary
+  with a transition like a fault's, handed over as ``admit/<device>``; ``done`` ends waiting.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import socket
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from deepcee.errors import DeepceeError, RuntimeSetupError, SpecError
+
+if TYPE_CHECKING:
+    from deepcee.runtime.job import Job
+    from deepcee.runtime.records import TrainResult
+    from deepcee.runtime.trainer import Trainer
+
+log = logging.getLogger(__name__)
+
+PIDS_DIR = "pids"
+"""``<run_dir>/pids/<device>``: the pid of the process running the device now."""
+POLL_MAX_S = 1e-3
+"""Longest sleep between two looks at a pending operation (the first ones are shorter)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ElasticConfig:
+    """How an elastic run notices a lost device and takes a returning one back."""
+
+    heartbeat_s: float = 0.25
+    """How often each rank writes its heartbeat and looks at the others'."""
+    lost_after_s: float = 5.0
+    """A member whose heartbeat stood still this long is lost (a hung process or host). A
+    process gone from this machine is lost at the next heartbeat."""
+    rejoin: bool = True
+    """Take a device that comes back in again at the next step boundary."""
+
+    def __post_init__(self) -> None:
+        for name in ("heartbeat_s", "lost_after_s"):
+            v = getattr(self, name)
+            if not (isinstance(v, int | float) and 0 < v < 3600):
+                raise SpecError(f"must be a number of seconds in (0, 3600), got {v!r}", field=name)
+        if self.lost_after_s < 4 * self.heartbeat_s:
+            raise SpecError(f"must be at least 4 heartbeats ({4 * self.heartbeat_s:g} s), got {self.lost_after_s!r}",
+                            field="lost_after_s")
+
+
+class PeerLost(RuntimeSetupError):
+    """This rank's generation has a fault: a member is lost, or an operation failed or timed out."""
+
+    def __init__(self, message: str, *, suspect: str | None = None) -> None:
+        super().__init__(message)
+        self.suspect = suspect
+
+
+class Excluded(RuntimeSetupError):
+    """This rank was left out of the next generation (it was thought lost): it must rejoin."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LostDevice:
+    device: str
+    rank: int
+    """Its rank in the generation it was lost from."""
+    reason: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class JoinRecord:
+    """What a survivor tells the leader."""
+
+    device: str
+    rank: int
+    applied: int
+    """Steps whose update this rank holds (the next step it would run)."""
+    version: int
+    """The plan version in force on this rank."""
+    layers: tuple[int, ...]
+    """The layers whose current state this rank holds (its stage's, if it has one)."""
+    detected_s: float
+    """Wall time (``time.time()``) it noticed the fault."""
+    last: Any = None
+    """Its step record of step ``applied - 1`` (for a record rank 0 never got)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Transition:
+    """The next generation, as the leader (or rank 0, for a rejoin) decided it."""
+
+    gen: int
+    devices: tuple[str, ...]
+    """Members in rank order."""
+    resume_step: int
+    lost: tuple[LostDevice, ...] = ()
+    joined: tuple[str, ...] = ()
+    """Devices that come back."""
+    detail: Any = None
+    """The hooks' part: plan, state moves or checkpoint, version."""
+    fault_s: float | None = None
+    """Wall time of the first fault report (``None``: a rejoin)."""
+    decided_s: float = 0.0
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Fault:
+    """The first report of a generation's fault."""
+
+    by: str
+    suspect: str | None
+    reason: str
+    at_s: float
+
+
+class Decide(Protocol):
+    """The leader's call into the hooks: the next generation from the survivors' records."""
+
+    def __call__(self, gen: int, joins: Sequence[JoinRecord], lost: Sequence[LostDevice],
+                 rejoining: Sequence[str], fault: Fault | None) -> Transition: ...
+
+
+def _proc_alive(pid: int) -> bool:
+    """Running (a zombie counts as dead) on this host."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def _loads(raw: bytes) -> Any:
+    return pickle.loads(raw)  # noqa: S301  (written by this run's own ranks)
+
+
+class Session:
+    """One rank's part in an elastic run. See [Note: elastic process groups]."""
+
+    out_of_band = True
+    """Step records and decisions travel through the store (:class:`deepcee.runtime.dist.Waiter`)."""
+
+    def __init__(self, store: dist.Store, config: ElasticConfig, *, device: str, launch_devices: Sequence[str],
+                 timeout_s: float, torch_device: torch.device) -> None:
+        self.store, self.cfg, self.me = store, config, device
+        self.launch_devices = tuple(launch_devices)
+        self.timeout_s, self.torch_device = timeout_s, torch_device
+        self.gen, self.members = 0, self.launch_devices
+        self.applied = 0
+        self.fault = threading.Event()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._seen: dict[str, tuple[str, float]] = {}  # device -> (heartbeat value, when it last changed)
+        self._host = socket.gethostname()
+        self._graveyard: list[Any] = []
+        self.returning = self.store.check([f"hb/{device}"])
+        """A process of this device ran in this launch before (it was restarted): it must rejoin."""
+
+    # -- heartbeats and the fault flag ----------------------------------------------------------
+    def start(self) -> None:
+        self._beat(0)
+        self._thread = threading.Thread(target=self._run, name="deepcee-heartbeat", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5 * self.cfg.heartbeat_s + 1)
+
+    def _beat(self, n: int) -> None:
+        self.store.set(f"hb/{self.me}", f"{n} {os.getpid()} {self._host}")
+
+    def _run(self) -> None:
+        n = 0
+        while not self._stop.wait(self.cfg.heartbeat_s):
+            n += 1
+            try:
+                self._beat(n)
+                self._watch()
+            except Exception as exc:  # the store went away (the launch ended): nothing left to watch
+                log.debug("heartbeat of %s stopped: %s", self.me, exc)
+                return
+
+    def _watch(self) -> None:
+        with self._lock:
+            gen, members = self.gen, self.members
+        if self.store.check([f"g{gen}/fault"]):
+            self.fault.set()
+            return
+        for d in members:
+            # a member never heard from is still starting (imports take seconds): a start that
+            # fails shows as the process group not forming
+            reason = None if d == self.me else self.lost_reason(d, started=True)
+            if reason is not None:
+                self.report(f"device {d} is lost: {reason}", suspect=d)
+                return
+
+    def lost_reason(self, device: str, *, started: bool = False) -> str | None:
+        """Why ``device`` counts as lost now, or ``None`` while it lives (``started``: only once
+        it has written a heartbeat)."""
+        now = time.monotonic()
+        key = f"hb/{device}"
+        value = self.store.get(key).decode() if self.store.check([key]) else ""
+        seen = self._seen.get(device)
+        if seen is None or seen[0] != value:
+            self._seen[device] = seen = (value, now)
+        if not value and started:
+            return None
+        if value:
+            _, pid, host = value.split()
+            if host == self._host and not _proc_alive(int(pid)):
+                return f"its process (pid {pid}) is gone"
+        if now - seen[1] > self.cfg.lost_after_s:
+            return f"no heartbeat for {now - seen[1]:.1f} s"
+        return None
+
+    def report(self, reason: str, *, suspect: str | None = None) -> Fault:
+        """Flag this generation's fault (the first report wins); returns the one that stands."""
+        mine = Fault(by=self.me, suspect=suspect, reason=reason, at_s=time.time())
+        raw = self.store.compare_set(f"g{self.gen}/fault", "", pickle.dumps(mine))
+        self.fault.set()
+        return _loads(raw)
+
+    def first_fault(self) -> Fault | None:
+        key = f"g{self.gen}/fault"
+        return _loads(self.store.get(key)) if self.store.check([key]) else None
+
+    def check(self) -> None:
+        """Raise :class:`PeerLost` if this generation has a fault."""
+        if self.fault.is_set():
+            f = self.first_fault()
+            raise PeerLost(f"generation {self.gen}: {f.reason if f else 'fault'} (reported by {f.by if f else '?'})",
+                           suspect=f.suspect if f else None)
+
+    # -- waiting on operations of the generation ------------------------------------------------
+    def wait(self, work: dist.Work, *, timeout_s: float, what: str, peer: str | None = None) -> None:
+        """Wait for ``work`` while watching the fault flag; an error or timeout is reported as a fault.
+
+        gloo's point-to-point works never say they are complete before ``wait()`` is called
+        (``is_completed()`` stays false), so the blocking wait runs in a thread of its own while
+        this one watches the flag; on a fault that thread is left behind, blocked on the lost
+        peer until its connection closes or the wait times out (the old group stays referenced
+        until then, [Note: elastic process groups])."""
+        if work.is_completed():  # collectives do say so
+            try:
+                work.wait()
+                return None
+            except RuntimeError as exc:
+                return self._finish_wait(exc, what, peer)
+        done = threading.Event()
+        box: list[BaseException] = []
+
+        def block() -> None:
+            try:
+                work.wait(timedelta(seconds=timeout_s))
+            except BaseException as exc:  # noqa: BLE001  (handed to the waiting thread)
+                box.append(exc)
+            finally:
+                done.set()
+
+        threading.Thread(target=block, name="deepcee-wait", daemon=True).start()
+        pause = 1e-4
+        while not done.wait(pause):
+            self.check()
+            pause = min(2 * pause, POLL_MAX_S)
+        # a second wait() on a gloo receive would wait for another message: never call it again
+        return self._finish_wait(box[0], what, peer) if box else None
+
+    def _finish_wait(self, exc: BaseException, what: str, peer: str | None) -> None:
+        first = str(exc).splitlines()[0][:160] if str(exc) else type(exc).__name__
+        verb = "did not complete in time" if "imed out" in first or "timeout" in first.lower() else "failed"
+        raise self._fail(f"{what} {verb}: {first}", peer) from None
+
+    def sleep_until(self, clock: Any, wall: float, *, timeout_s: float, what: str, peer: str | None = None) -> None:
+        """Sleep until ``wall`` on ``clock`` (an emulated delivery) while watching the fault flag."""
+        t_end = clock.wall() + timeout_s
+        while (now := clock.wall()) < wall:
+            self.check()
+            if now > t_end:
+                raise self._fail(f"{what} was not delivered within {timeout_s:g} s (the link is dead)", peer)
+            clock.sleep(min(wall - now, self.cfg.heartbeat_s))
+
+    def _fail(self, reason: str, peer: str | None) -> PeerLost:
+        self.check()  # a fault already flagged is the cause; this error is its consequence
+        f = self.report(f"{self.me}: {reason}", suspect=peer)
+        return PeerLost(f"generation {self.gen}: {f.reason}", suspect=f.suspect)
+
+    def wait_key(self, key: str, what: str) -> bytes:
+        """The value of ``key`` once some rank has set it, watching the fault flag."""
+        t_end = time.monotonic() + self.timeout_s
+        while not self.store.check([key]):
+            self.check()
+            if time.monotonic() > t_end:
+                raise self._fail(f"no {what} within {self.timeout_s:g} s", None)
+            time.sleep(POLL_MAX_S)
+        return self.store.get(key)
+
+    # -- the commit point and out-of-band messages ----------------------------------------------
+    def commit(self, step: int, *, parties: int) -> None:
+        """Return once all ``parties`` (the members that hold a stage) have reached step
+        ``step``'s update; :class:`PeerLost` if it must not happen (one outcome for all)."""
+        key = f"g{self.gen}/commit/{step}"
+        outcome_key = f"{key}/outcome"
+        self.store.add(key, 1)
+        t_end = time.monotonic() + self.timeout_s
+        pause = 1e-5
+        while True:
+            if self.store.check([outcome_key]):
+                outcome = self.store.get(outcome_key)
+                break
+            if self.store.add(key, 0) >= parties:
+                outcome = self.store.compare_set(outcome_key, "", "commit")
+                break
+            if self.fault.is_set() or time.monotonic() > t_end:
+                outcome = self.store.compare_set(outcome_key, "", "abort")
+                break
+            time.sleep(pause)
+            pause = min(2 * pause, POLL_MAX_S)
+        if outcome != b"commit":
+            self.check()
+            raise self._fail(f"step {step}: not every member reached its update within {self.timeout_s:g} s", None)
+        self.applied = step + 1
+
+    def gate(self, name: str) -> None:
+        """Return once every member has reached ``name``; :class:`PeerLost` on a fault or timeout."""
+        key = f"g{self.gen}/gate/{name}"
+        self.store.add(key, 1)
+        t_end = time.monotonic() + self.timeout_s
+        while self.store.add(key, 0) < len(self.members):
+            self.check()
+            if time.monotonic() > t_end:
+                raise self._fail(f"not every member reached {name} within {self.timeout_s:g} s", None)
+            time.sleep(POLL_MAX_S)
+
+    def publish(self, key: str, obj: Any) -> None:
+        self.store.set(f"g{self.gen}/{key}", pickle.dumps(obj))
+
+    def receive(self, key: str, what: str) -> Any:
+        return _loads(self.wait_key(f"g{self.gen}/{key}", what))
+
+    # -- agreement ------------------------------------------------------------------------------
+    def recover(self, join: JoinRecord, decide: Decide) -> Transition:
+        """Agree with the other survivors on the next generation (see the module's note)."""
+        gen = self.gen
+        if not self.fault.is_set():
+            self.report(f"{self.me}: its step failed", suspect=None)
+        self.store.set(f"g{gen}/join/{self.me}", pickle.dumps(join))
+        leader = self.store.compare_set(f"g{gen}/leader", "", self.me).decode()
+        if leader == self.me:
+            self._lead(decide)
+        raw = self._await_decision(gen, leader)
+        return _loads(raw)
+
+    def _lead(self, decide: Decide) -> None:
+        gen = self.gen
+        joins, lost = self._roll_call()
+        rejoining = self.rejoin_requests()
+        try:
+            tr = decide(gen, joins, lost, rejoining, self.first_fault())
+        except DeepceeError as exc:  # every survivor fails with the leader's reason
+            self.store.set(f"g{gen}/decision", pickle.dumps(exc))
+            raise
+        self.admit(tr)
+        self.store.set(f"g{gen}/decision", pickle.dumps(tr))
+
+    def _roll_call(self) -> tuple[list[JoinRecord], list[LostDevice]]:
+        """Wait until every member of this generation has joined or is lost."""
+        t_end = time.monotonic() + self.timeout_s
+        joins: dict[str, JoinRecord] = {}
+        lost: dict[str, LostDevice] = {}
+        while True:
+            for r, d in enumerate(self.members):
+                if d in joins or d in lost:
+                    continue
+                key = f"g{self.gen}/join/{d}"
+                if self.store.check([key]):
+                    joins[d] = _loads(self.store.get(key))
+                elif (why := self.lost_reason(d)) is not None:
+                    lost[d] = LostDevice(device=d, rank=r, reason=why)
+                elif time.monotonic() > t_end:
+                    lost[d] = LostDevice(device=d, rank=r, reason=f"alive but did not join within {self.timeout_s:g} s")
+            if len(joins) + len(lost) == len(self.members):
+                return [joins[d] for d in self.members if d in joins], [lost[d] for d in self.members if d in lost]
+            time.sleep(self.cfg.heartbeat_s / 5)
+
+    def _await_decision(self, gen: int, leader: str) -> bytes:
+        key = f"g{gen}/decision"
+        while not self.store.check([key]):
+            if leader != self.me and self.lost_reason(leader) is not None:
+                raise RuntimeSetupError(f"{self.me}: the leader of the recovery of generation {gen}, {leader}, "
+                                        f"was lost too ({self.lost_reason(leader)})")
+            time.sleep(self.cfg.heartbeat_s / 5)
+        raw = self.store.get(key)
+        verdict = _loads(raw)
+        if isinstance(verdict, BaseException):
+            raise verdict
+        return raw
+
+    # -- forming and leaving process groups -----------------------------------------------------
+    def leave(self, groups: Sequence[Any] = ()) -> None:
+        """Leave the current generation's process groups without waiting for their operations."""
+        if dist.is_initialized():
+            self._graveyard.extend([dist.group.WORLD, *groups])
+            dist.destroy_process_group()
+
+    def enter(self, tr: Transition) -> int:
+        """Form generation ``tr.gen`` with its members; returns this rank's new rank."""
+        with self._lock:
+            self.gen, self.members = tr.gen, tr.devices
+        self.fault.clear()
+        self._seen.clear()
+        rank = tr.devices.index(self.me)
+        kwargs = {"device_id": self.torch_device} if self.torch_device.type == "cuda" else {}
+        try:
+            dist.init_process_group("nccl" if self.torch_device.type == "cuda" else "gloo",
+                                    store=dist.PrefixStore(f"g{tr.gen}/pg", self.store), rank=rank,
+                                    world_size=len(tr.devices), timeout=timedelta(seconds=self.timeout_s), **kwargs)
+        except (RuntimeError, dist.DistBackendError) as exc:
+            raise self._fail(f"generation {tr.gen} did not form: {str(exc)[:160]}", None) from None
+        return rank
+
+    def release(self) -> None:
+        """Drop the old generations' groups (their destructors may wait out an old timeout)."""
+        self._graveyard.clear()
+
+    # -- rejoining ------------------------------------------------------------------------------
+    def rejoin_requests(self) -> list[str]:
+        """Devices of the launch, not members now, that asked to come back."""
+        if not self.cfg.rejoin:
+            return []
+        return [d for d in self.launch_devices if d not in self.members and self.store.check([f"rejoin/{d}"])
+                and self.lost_reason(d) is None]
+
+    def admit(self, tr: Transition) -> None:
+        """Hand ``tr`` to the devices it takes back in."""
+        for d in tr.joined:
+            self.store.set(f"admit/{d}/{self._request_id(d)}", pickle.dumps(tr))
+            self.store.delete_key(f"rejoin/{d}")
+
+    def _request_id(self, device: str) -> str:
+        return self.store.get(f"rejoin/{device}").decode()
+
+    def await_admission(self) -> Transition | None:
+        """Ask to come back and wait until a transition takes this device in (``None``: the run ended)."""
+        rid = f"{os.getpid()}-{time.time():.6f}"
+        self.store.set(f"rejoin/{self.me}", rid)
+        key = f"admit/{self.me}/{rid}"
+        while not self.store.check([key]):
+            if self.store.check(["done"]):
+                return None
+            time.sleep(self.cfg.heartbeat_s)
+        return _loads(self.store.get(key))
+
+    def finish(self) -> None:
+        """The run is over: a device still waiting to rejoin stops waiting."""
+        self.store.set("done", "1")
+
+
+# ---------------------------------------------------------------------------------------------
+# a rank of an elastic launch
+# ---------------------------------------------------------------------------------------------
+
+
+class JoiningHooks(Protocol):
+    """What an elastic job's hooks do beyond :class:`deepcee.runtime.hooks.TrainerHooks`."""
+
+    def admitted(self, tr: Transition) -> None:
+        """Before the trainer of a device that comes back exists: the members and plan of ``tr``."""
+
+    def join(self, trainer: Trainer, tr: Transition) -> None:
+        """Take part in ``tr`` as a device that comes back (the trainer is in generation ``tr.gen``)."""
+
+
+class ElasticFactory(Protocol):
+    """:attr:`deepcee.runtime.job.Job.hooks` of an elastic job."""
+
+    elastic: ElasticConfig
+
+    def warm(self, job: Job, device: torch.device) -> None:
+        """One-off costs of a process that comes back (imports, first passes), paid before it asks."""
+
+
+def elastic_config(job: Job) -> ElasticConfig | None:
+    """The job's elastic settings (its hooks factory's ``elastic``), or ``None``."""
+    return getattr(job.hooks, "elastic", None)
+
+
+def run_elastic_job(job: Job, rank: int, world_size: int, store: dist.Store, *, device: torch.device,
+                    node: str = "", launcher_rank: int | None = None) -> TrainResult | None:
+    """One rank of an elastic launch: generation 0 from the start, or, for a device that comes
+    back, the generation that admits it; trains until the end (rank 0 returns the result)."""
+    from deepcee.runtime import runlock
+    from deepcee.runtime.trainer import Trainer, Worker
+
+    cfg = elastic_config(job)
+    devices = tuple(job.hooks.rank_devices(job))
+    if world_size != len(devices):
+        raise RuntimeSetupError(f"an elastic job runs one rank per device of {list(devices)}, the launch has "
+                                f"{world_size}")
+    s = Session(dist.PrefixStore(f"{job.name}/elastic", store), cfg, device=devices[rank], launch_devices=devices,
+                timeout_s=job.config.timeout_s, torch_device=device)
+    returning = s.returning
+    s.start()
+    pids = Path(job.run_dir) / PIDS_DIR
+    pids.mkdir(parents=True, exist_ok=True)
+    (pids / devices[rank]).write_text(str(os.getpid()))  # who runs which device (operators, fault tests)
+    try:
+        while True:
+            try:
+                if not returning:
+                    s.enter(Transition(gen=0, devices=devices, resume_step=0))
+                    w = Worker(rank=rank, world_size=world_size, store=store, device=device, node=node,
+                               launcher_rank=launcher_rank, waiter=s)
+                    with runlock.agree(job.run_dir, job=job.name, rank=rank, store=store,
+                                       timeout_s=job.config.timeout_s) as lock:
+                        t = Trainer(job, w, job.hooks.hooks(job, w))
+                        t.run_lock = lock
+                        t.setup()
+                        result = t.train()
+                else:
+                    result = _rejoin(job, s, store, device, node)
+                if result is not None:
+                    s.finish()
+                return result
+            except Excluded as exc:
+                log.warning("%s: %s; asking to rejoin", s.me, exc)
+                s.leave()
+                returning = True
+    finally:
+        s.close()
+        s.leave()
+        s.release()
+
+
+def _rejoin(job: Job, s: Session, store: dist.Store, device: torch.device, node: str) -> TrainResult | None:
+    from deepcee.runtime.trainer import Trainer, Worker
+
+    job.hooks.warm(job, device)
+    tr = s.await_admission()
+    if tr is None:
+        log.info("%s: the run ended before it could rejoin", s.me)
+        return None
+    rank = s.enter(tr)
+    w = Worker(rank=rank, world_size=len(tr.devices), store=store, device=device, node=node, waiter=s)
+    hooks = job.hooks.hooks(job, w)
+    hooks.admitted(tr)
+    t = Trainer(replace(job, plan=tr.detail.plan), w, hooks)  # the new plan's groups, as every member makes them
+    hooks.join(t, tr)
+    return t.train(joining=True)
+
+
+__all__ = ["ElasticConfig", "Excluded", "JoinRecord", "LostDevice", "PeerLost", "Session", "Transition",
+           "elastic_config", "run_elastic_job"]
