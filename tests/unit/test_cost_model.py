@@ -8,6 +8,7 @@ stage-level costs; the tests below tie it to the dry run (bit for bit) and to th
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -178,6 +179,28 @@ def test_memory_uses_the_schedule_in_flight_counts(schedule, expect):
                                                                     in_flight=k))
         assert cost.memory_bytes[st.devices[0]] == pytest.approx(full.total_bytes)
     assert cost.fits
+
+
+def test_recomputation_and_runtime_terms_combine():
+    """A recomputing stage keeps its input per microbatch in flight plus one microbatch's
+    activations (planner-10's plan terms); the runtime terms come on top, the same in the cost
+    model and the simulator."""
+    c = _chain_cluster(2)
+    model = _uniform_model(4, act=1e6)
+    p = _plan(c, [0, 2, 4], [("n0:0",), ("n1:0",)], 2, 4, "1f1b")
+    p = Plan(**{**{f: getattr(p, f) for f in ("system", "cluster", "model", "global_batch", "microbatch_size",
+                                              "num_microbatches", "schedule", "sync")},
+                "stages": (replace(p.stages[0], recompute=True), p.stages[1])})
+    cost = AnalyticCostModel().breakdown(p, c, model)
+    assert dict(cost.memory_bytes) == pytest.approx(dict(simulate(p, c, model, record=False).peak_memory_bytes))
+    st, k = p.stages[0], cost.in_flight[0]
+    full = device_memory(model, 0, 2, share=2, in_flight=k, num_microbatches=4, kind="gpu", recompute=True)
+    assert full.activation_bytes == pytest.approx(k * 2 * model.boundary_bytes(0) + 2 * model.activation_bytes(0, 2))
+    assert full.plan_bytes == pytest.approx(device_memory_bytes(model, 0, 2, share=2, in_flight=k, recompute=True))
+    assert cost.memory_bytes[st.devices[0]] == pytest.approx(full.total_bytes)
+    plain = device_memory(model, 0, 2, share=2, in_flight=k, num_microbatches=4, kind="gpu")
+    assert full.runtime_buffer_bytes == plain.runtime_buffer_bytes and k > 1
+    assert full.total_bytes < plain.total_bytes
 
 
 def test_out_of_memory_is_reported():
