@@ -237,7 +237,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         cluster = _apply_trace(cluster, args.link_trace, args.trace_links)
     if plan.num_replicas > 1 or args.straggler:
         return _simulate_replicas(args, plan, cluster, model)
-    result = simulate(plan, cluster, model, iterations=args.iterations)
+    from deepcee.simulator.runtime_model import runtime_model
+
+    runtime = runtime_model(args.runtime, mode=args.mode)
+    result = simulate(plan, cluster, model, iterations=args.iterations, runtime=runtime)
     print(f"plan {args.plan}: {plan.system}, {plan.num_stages} stages, schedule {plan.schedule}, "
           f"{plan.num_microbatches} x {plan.microbatch_size} samples")
     print(f"simulated: {result.iteration_s * 1e3:.2f} ms per iteration, {result.samples_per_s:.2f} samples/s, "
@@ -246,8 +249,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         print("iteration times (ms): " + " ".join(f"{t * 1e3:.1f}" for t in result.iteration_times_s))
     print(f"bottleneck: {result.bottleneck}")
     print("peak memory (GiB): " + ", ".join(f"{d} {b / 2**30:.2f}" for d, b in result.peak_memory_bytes.items()))
-    source = "emulated cluster" if cluster.emulation else "datasheet device speeds, analytic cost model"
-    print(f"all figures simulated ({source})")
+    for line in simulated_labels(model, cluster, runtime.name, args.profile):
+        print(line)
     if args.timeline:
         _write_json(args.timeline, chrome_trace(result, plan))
         print(f"wrote {args.timeline} (Chrome trace; open in Perfetto)")
@@ -268,14 +271,29 @@ def _simulate_replicas(args: argparse.Namespace, plan, cluster, model) -> int:
     print(f"plan {args.plan}: {plan.system}")
     for line in describe_result(result, plan, stragglers):
         print(line)
-    source = "emulated cluster" if cluster.emulation else "datasheet device speeds, analytic cost model"
-    print(f"all figures simulated ({source})")
+    for line in simulated_labels(model, cluster, "as the replica simulator models it", None):
+        print(line)
     if args.timeline:
         _write_json(args.timeline, replica_chrome_trace(result, plan))
         print(f"wrote {args.timeline} (Chrome trace; open in Perfetto)")
     if args.plot:
         print("note: --plot draws one pipeline; use --timeline for plans with replicas or stragglers")
     return 0
+
+
+def simulated_labels(model, cluster, runtime: str, profile_ref: str | None) -> list[str]:
+    """What simulated figures rest on: a measured profile or datasheet figures, the memory terms,
+    the runtime whose behaviour was assumed (every simulated figure says so)."""
+    if model.is_measured:
+        where = f"a measured profile ({profile_ref or model.source})"
+    else:
+        where = "datasheet figures (declared device speeds, FLOP-based layer costs)"
+    memory = ("memory with the measured fixed overhead and allocator margin" if model.measured_memory
+              else "memory of the plan's tensors and the runtime's buffers only (no measured device overhead)")
+    lines = [f"all figures simulated on {where}; {memory}; runtime: {runtime}"]
+    if cluster.emulation:
+        lines.append(f"cluster figures from emulation: {cluster.emulation}")
+    return lines
 
 
 def _apply_trace(cluster, trace_ref: str, between: tuple[str, str] | None):
@@ -400,7 +418,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
                                                  repeats=2, max_s_per_pair=8.0),
                  "device_config": ProbeConfig(microbatch_sizes=(1, 4), warmup=1, repeats=3, score_repeats=1)}
     result = profile_cluster(cluster, fields["model"], args.output, emulated=not args.real, deadline_s=args.deadline,
-                             loss_fn=fields["loss_fn"], dataset=fields["dataset"], name=args.model, **quick)
+                             loss_fn=fields["loss_fn"], dataset=fields["dataset"], name=args.model, realnet=args.realnet, **quick)
     print(result.grouping.describe(), end="")
     for name, path in result.files.items():
         print(f"wrote {path} ({name})")
@@ -423,8 +441,14 @@ def cmd_validate(args: argparse.Namespace) -> int:
     _check_net(args.model)
     from deepcee.profiler.fidelity import validate_cluster
 
+    mode = args.mode
+    if mode == "auto":
+        from deepcee.runtime.realnet import realnet_unavailable
+
+        mode = "emulated" if realnet_unavailable() else "realnet"
+        print(f"mode {mode}" + (" (realnet unavailable here: figures partly modelled)" if mode == "emulated" else ""))
     validate_cluster(cluster, args.model, num_plans=args.plans, steps=args.steps, out_dir=args.output,
-                     profile_dir=args.profile_dir)
+                     profile_dir=args.profile_dir, mode=mode)
     print(f"wrote {Path(args.output) / 'validate.json'}")
     return 0
 
@@ -623,6 +647,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--deadline", type=number(DEADLINE), default=900.0, help="hard limit for the whole profile, seconds")
     p.add_argument("--quick", action="store_true", help="a small probe budget (two microbatch sizes, three rounds; "
                    "one device pair per node pair, two message sizes): a first look in about a minute")
+    p.add_argument("--realnet", action="store_true", help="probe the links as real TCP through the shaping relay "
+                   "(emulated devices; root and /dev/net/tun)")
     p.set_defaults(func=cmd_profile)
 
     p = sub.add_parser("group", help="print the two-level groups (islands by network, groups by speed)")
@@ -642,6 +668,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=number(DEMO_STEPS), default=6, help="steps per plan (the first is warm-up)")
     p.add_argument("--profile-dir", help="reuse cluster.json/profile.json from `deepcee profile` instead of "
                    "profiling first")
+    p.add_argument("--mode", choices=("auto", "realnet", "emulated"), default="auto",
+                   help="realnet: real TCP through the shaping relay (needs root and /dev/net/tun); emulated: the "
+                   "runtime's link shaper and modelled all-reduce (partly modelled); auto: realnet where possible")
     p.add_argument("-o", "--output", default="reports/validate")
     p.set_defaults(func=cmd_validate)
 
@@ -684,6 +713,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--straggler", action="append", default=[], metavar="DEVICE:FACTOR[:START[:STOP]]",
                    help="slow DEVICE down FACTOR times from START to STOP (simulated seconds; default the whole "
                         "run); repeatable")
+    p.add_argument("--runtime", choices=("deepcee", "deepspeed"), default="deepcee",
+                   help="simulate the plan as run by deepcee's runtime or a DeepSpeed-style one (blocking in-stream "
+                   "sends, gradient clipping, a collective at every step's end)")
+    p.add_argument("--mode", choices=("realnet", "emulated", "real"), default="realnet",
+                   help="deepcee's launch mode whose behaviour to assume (default realnet: records out of band)")
     p.set_defaults(func=cmd_simulate)
 
     p = sub.add_parser("compare", help="deepcee vs baselines vs the upper bound on one cluster")

@@ -393,7 +393,7 @@ def profile_cases(bases: dict[str, Any], rng: random.Random) -> Iterator[Case]:
         (("input_bytes",), -1, None), (("gradient_bytes_per_parameter",), 1e9, None),
         (("optimizer",), "lion", None), (("dtype",), 5, None), (("hyper", "x"), {"y": 1}, None),
         (("layers",), [], None), (("layers", 0, "colour"), "red", None), (("name",), MISSING, "name"),
-        (("schema_version",), 2, None),
+        (("schema_version",), 3, None),
     ]:
         yield json_case(fam, f"{dotted(path)}={value if value is not MISSING else 'missing'}", "profile", path,
                         value, needle, argv=argv)

@@ -188,6 +188,9 @@ def test_with_the_project_planner_replans_around_the_slow_link(cluster) -> None:
     opt = adaptive.optimum.samples_per_s
     assert adaptive.iterations[-1].samples_per_s >= 0.9 * opt
     assert static.iterations[-1].samples_per_s < 0.5 * opt
-    # one iteration to detect, two checks to confirm, one iteration carrying the state move
-    assert adaptive.recovery_iterations(DROP_S, 0.9) <= 4
+    # one or two iterations to detect, two checks to confirm, one iteration carrying the state
+    # move: the CUSUM needs 3 samples and the queued gradient transfers after the drop merge into
+    # one busy period each, so whether the drop's own iteration yields 3 of them depends on where
+    # in it the drop falls (with the realnet runtime's timing, 1.616 s iterations, it yields 2)
+    assert adaptive.recovery_iterations(DROP_S, 0.9) <= 5
     assert adaptive.samples_per_s > 1.5 * static.samples_per_s

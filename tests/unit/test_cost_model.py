@@ -8,6 +8,7 @@ stage-level costs; the tests below tie it to the dry run (bit for bit) and to th
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -33,8 +34,9 @@ from deepcee.profile import LayerProfile, ModelProfile
 from deepcee.scenarios import load_scenario
 from deepcee.schedule.builders import build_schedule
 from deepcee.schedule.passes import dry_run, lower
-from deepcee.simulator.engine import optimizer_step_s, simulate
-from deepcee.simulator.memory import device_memory_bytes
+from deepcee.simulator.engine import allreduce_time_s, optimizer_step_s, simulate
+from deepcee.simulator.memory import device_memory, device_memory_bytes
+from deepcee.simulator.runtime_model import DEFAULT_RUNTIME
 
 FIXED = ("gpipe", "1f1b", "zb-h1", "zb-h2")
 
@@ -153,7 +155,8 @@ def test_data_parallel_plan_is_compute_plus_allreduce_plus_optimizer():
     p = _plan(c, [0, 3], [devs], 8, 2, "1f1b")
     cost = AnalyticCostModel().breakdown(p, c, model)
     per_mb = sum(model.time_s(0, 3, x, 2, c.kinds["gpu"]) for x in "FIW")
-    ar = allreduce_s(c, devs, model.gradient_bytes(0, 3), "allreduce-ring")
+    ar = allreduce_time_s(c, devs, model.gradient_bytes(0, 3), "allreduce-ring", DEFAULT_RUNTIME)
+    assert ar > allreduce_s(c, devs, model.gradient_bytes(0, 3), "allreduce-ring")  # gloo's ready handshakes
     opt = optimizer_step_s(model, 0, 3, c.kinds["gpu"])
     assert cost.iteration_s == pytest.approx(2 * per_mb + ar + opt)
     assert ar > 0 and cost.allreduce_s == (pytest.approx(ar),)
@@ -170,9 +173,34 @@ def test_memory_uses_the_schedule_in_flight_counts(schedule, expect):
     for s, st in enumerate(p.stages):
         k = expect(s, 4, 5)
         assert cost.in_flight[s] == k
-        assert cost.memory_bytes[st.devices[0]] == pytest.approx(
-            device_memory_bytes(model, st.layer_start, st.layer_stop, share=2, in_flight=k))
+        full = device_memory(model, st.layer_start, st.layer_stop, share=2, in_flight=k, num_microbatches=5,
+                             kind="gpu")
+        assert full.plan_bytes == pytest.approx(device_memory_bytes(model, st.layer_start, st.layer_stop, share=2,
+                                                                    in_flight=k))
+        assert cost.memory_bytes[st.devices[0]] == pytest.approx(full.total_bytes)
     assert cost.fits
+
+
+def test_recomputation_and_runtime_terms_combine():
+    """A recomputing stage keeps its input per microbatch in flight plus one microbatch's
+    activations (planner-10's plan terms); the runtime terms come on top, the same in the cost
+    model and the simulator."""
+    c = _chain_cluster(2)
+    model = _uniform_model(4, act=1e6)
+    p = _plan(c, [0, 2, 4], [("n0:0",), ("n1:0",)], 2, 4, "1f1b")
+    p = Plan(**{**{f: getattr(p, f) for f in ("system", "cluster", "model", "global_batch", "microbatch_size",
+                                              "num_microbatches", "schedule", "sync")},
+                "stages": (replace(p.stages[0], recompute=True), p.stages[1])})
+    cost = AnalyticCostModel().breakdown(p, c, model)
+    assert dict(cost.memory_bytes) == pytest.approx(dict(simulate(p, c, model, record=False).peak_memory_bytes))
+    st, k = p.stages[0], cost.in_flight[0]
+    full = device_memory(model, 0, 2, share=2, in_flight=k, num_microbatches=4, kind="gpu", recompute=True)
+    assert full.activation_bytes == pytest.approx(k * 2 * model.boundary_bytes(0) + 2 * model.activation_bytes(0, 2))
+    assert full.plan_bytes == pytest.approx(device_memory_bytes(model, 0, 2, share=2, in_flight=k, recompute=True))
+    assert cost.memory_bytes[st.devices[0]] == pytest.approx(full.total_bytes)
+    plain = device_memory(model, 0, 2, share=2, in_flight=k, num_microbatches=4, kind="gpu")
+    assert full.runtime_buffer_bytes == plain.runtime_buffer_bytes and k > 1
+    assert full.total_bytes < plain.total_bytes
 
 
 def test_out_of_memory_is_reported():
@@ -290,3 +318,21 @@ def test_measured_one_device_stages_match_the_simulator(schedule: str):
                                    cost.backward_s[s]), strict=True):
             assert got == model.time_s(st.layer_start, st.layer_stop, x, 2, c.kinds["gpu"])
     assert all(b < i + w for b, i, w in zip(cost.backward_s, cost.input_grad_s, cost.weight_grad_s, strict=True))
+
+
+def test_other_layers_count_only_where_the_device_memory_is_the_host_memory():
+    """deepcee's runtime builds every layer on the host and moves its stage's to the device."""
+    import dataclasses
+
+    from deepcee.profile import DeviceMemory
+
+    model = _uniform_model(4)
+    gpu = dataclasses.replace(model, measured_memory={"gpu": DeviceMemory(fixed_bytes=1e8)})
+    cpu = dataclasses.replace(model, measured_memory={"gpu": DeviceMemory(fixed_bytes=1e8, host_memory=True)})
+    on_device = device_memory(gpu, 0, 2, share=1, in_flight=1, num_microbatches=2, kind="gpu")
+    on_host = device_memory(cpu, 0, 2, share=1, in_flight=1, num_microbatches=2, kind="gpu")
+    assert on_device.other_layers_bytes == 0
+    assert on_host.other_layers_bytes == pytest.approx(model.gradient_bytes(2, 4)) and model.gradient_bytes(2, 4) > 0
+    written = DeviceMemory.from_dict({"fixed_bytes": 1.0, "method": "resident set after torch"})
+    assert written.host_memory and not DeviceMemory.from_dict({"fixed_bytes": 1.0}).host_memory
+    assert DeviceMemory.from_dict(DeviceMemory(fixed_bytes=1.0, host_memory=True).to_dict()).host_memory

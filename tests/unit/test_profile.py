@@ -84,3 +84,44 @@ def test_call_overhead_is_paid_once_per_stage_action() -> None:
     assert m.with_measured("k", (t, t, t), source="x").measured_call_overhead == {}
     with pytest.raises(ProfileError, match="call overhead for kind 'gpu' without measured timings"):
         ModelProfile(name="m", layers=layers(1), input_bytes=1.0, measured_call_overhead={"gpu": call})
+
+
+def test_schema_2_interpolates_between_measured_sizes() -> None:
+    t = LayerTiming(forward=(0.001, 0.01), input_grad=(0.0, 0.01), weight_grad=(0.0, 0.01), backward=(0.0, 0.02),
+                    sizes=(1, 2, 4), points={"F": (0.010, 0.014, 0.030), "B": (0.02, 0.03, 0.05)})
+    assert t.time_s("F", 2) == pytest.approx(0.014)
+    assert t.time_s("F", 3) == pytest.approx(0.022)  # between 2 and 4, not the line's 0.031
+    assert t.time_s("F", 6) == pytest.approx(0.030 + 2 * 0.01)  # beyond: the line's slope from the last point
+    assert t.time_s("F", 0.5) == pytest.approx(0.010 - 0.5 * 0.01)
+    assert t.time_s("I", 3) == pytest.approx(0.03)  # no points for I: the line
+    assert t.time_s("B", 3) == pytest.approx(0.04)
+    with pytest.raises(ProfileError, match="3 times for sizes"):
+        LayerTiming(forward=(0, 0), input_grad=(0, 0), weight_grad=(0, 0), sizes=(1, 2), points={"F": (1, 2, 3)})
+
+
+def test_schema_2_measurements_round_trip_and_schema_1_still_loads() -> None:
+    from deepcee.profile import DeviceMemory, LinkCurve
+
+    t = LayerTiming(forward=(0.001, 0.01), input_grad=(0.001, 0.01), weight_grad=(0.002, 0.02), sizes=(1, 2),
+                    points={"F": (0.011, 0.021)}, optimizer_s=0.003)
+    call = LayerTiming(forward=(0.0005, 0.0), input_grad=(0.0, 0.0), weight_grad=(0.0, 0.0), optimizer_s=0.001)
+    m = ModelProfile(name="m", layers=layers(2), input_bytes=8.0).with_measured("k", (t, t), source="x",
+                                                                              call_overhead=call)
+    m = m.__class__(**{**{f: getattr(m, f) for f in m.__dataclass_fields__},
+                       "measured_memory": {"k": DeviceMemory(fixed_bytes=3e8, fragmentation_fraction=0.2, method="m"),
+                                           "g": DeviceMemory(fixed_bytes=5e8)},
+                       "links": {"a->b": LinkCurve(sizes_bytes=(16, 1024), serialisation_s=(0.0, 1e-3),
+                                                   bandwidth_bytes_per_s=1e6)},
+                       "step_overhead_wall_s": {"realnet": 0.002}})
+    d = json.loads(json.dumps(m.to_dict()))
+    assert d["schema_version"] == 2 and profile_from_dict(d) == m
+    assert m.optimizer_step_s(0, 2, "k", slowdown=2.0) == pytest.approx(2 * (0.001 + 2 * 0.003))
+    assert m.optimizer_step_s(0, 2, "gpu") is None
+    assert m.memory_overhead("k").fixed_bytes == 3e8 and m.memory_overhead(None).fixed_bytes == 5e8
+    assert m.link_curve("a", "b").serialise_s(520) == pytest.approx(0.5e-3)
+    old = ModelProfile(name="m", layers=layers(2), input_bytes=8.0).with_measured("k", (t, t), source="x").to_dict()
+    for key in ("sizes", "points", "optimizer_s"):
+        for layer in old["measured"]["k"]:
+            layer.pop(key, None)
+    v1 = profile_from_dict({**old, "schema_version": 1})
+    assert v1.measured["k"][0].points == {} and v1.measured_memory == {} and v1.optimizer_step_s(0, 1, "k") is None

@@ -12,12 +12,14 @@ from deepcee.profile import LayerTiming
 from deepcee.profiler.fidelity import (
     FidelityReport,
     FidelityRow,
+    MemoryRow,
     default_plans,
     format_table,
     generated_plans,
     validation_plans,
     without_measurements,
 )
+from deepcee.profiler.fidelity_report import ranking
 from deepcee.scenarios import load_scenario
 from deepcee.simulator.engine import simulate
 
@@ -78,17 +80,36 @@ def test_analytic_baseline_drops_measurements():
 
 
 def test_report_summary_json_and_table():
+    mem = (MemoryRow(device="a", predicted_bytes=110e6, measured_bytes=100e6),)
     rows = tuple(FidelityRow(name=f"p{k}", schedule="gpipe", num_stages=2, microbatch_size=4, num_microbatches=4,
                              layout="x", dilation=3.0, measured_s=0.1, measured_steps_s=(0.2, 0.1, 0.1),
-                             simulated_s=0.1 * (1 + e), analytic_s=0.08)
-                 for k, e in enumerate((0.1, -0.3)))
+                             simulated_s=0.1 * (1 + e), analytic_s=0.08, memory=mem, pacing=pace)
+                 for k, (e, pace) in enumerate(((0.1, 1.0), (-0.3, 1.5))))
     rep = FidelityReport(rows=rows, spread_plan="p0", spread_medians_s=(0.1, 0.11, 0.09), cluster="c", model="m",
-                         cores=0.6, steps=3, warmup_steps=1, emulation="emulated", wall_s=1.0)
+                         cores=0.6, steps=3, warmup_steps=1, emulation="emulated", wall_s=1.0, mode="realnet",
+                         runtime="deepcee (mode realnet)")
     assert rep.mean_abs_error == pytest.approx(0.2) and rep.max_abs_error == pytest.approx(0.3)
     assert rep.analytic_mean_abs_error == pytest.approx(0.2) and rep.analytic_max_abs_error == pytest.approx(0.2)
-    assert rep.spread == pytest.approx(0.2)
+    assert rep.spread == pytest.approx(0.2) and rep.memory_under == []
     d = rep.to_dict()
     assert d["format"] == "deepcee.fidelity" and d["rows"][1]["error"] == pytest.approx(-0.3)
+    assert d["memory"]["mean_over"] == pytest.approx(0.1) and d["memory"]["under"] == 0
+    assert "real TCP" in d["labels"]["measured_mode"] and "datasheet" in d["labels"]["analytic"]
     table = format_table(rep)
-    assert "| p1 | gpipe | 2 | 4 x 4 | 3.00 | 100.0 | 70.0 | -30.0% | 80.0 | -20.0% |" in table
-    assert "spread (p0, 3 runs): 20.0%" in table
+    assert "| p1 | gpipe | 2 | 4 x 4 | 3.00 | 1.50! | 100.0 | 70.0 | -30.0% | 80.0 | -20.0% | 105 / 95 |" in table
+    assert [r.name for r in rep.paced_rows] == ["p0"] and d["pacing"]["behind"] == ["p1"]
+    assert "Host behind the emulated pace (pacing > 1.10, marked !): p1." in table
+    assert "spread (p0, 3 runs): 20.0%" in table and "0 under the measured peak" in table
+
+
+def _row(name, measured, simulated):
+    return FidelityRow(name=name, schedule="gpipe", num_stages=2, microbatch_size=1, num_microbatches=2, layout="",
+                       dilation=1.0, measured_s=measured, measured_steps_s=(measured,), simulated_s=simulated,
+                       analytic_s=simulated)
+
+
+def test_ranking_holds_pairs_apart_by_more_than_the_margin():
+    rows = [_row("a", 1.00, 1.2), _row("b", 1.03, 1.1), _row("c", 1.50, 1.0), _row("d", 2.0, 3.0)]
+    held, wrong = ranking(rows)
+    # a-b differ by 3%: not held; a-c, a-d, b-c, b-d, c-d are, and c is ranked faster than a and b
+    assert held == 5 and sorted(wrong) == [("a", "c"), ("b", "c")]

@@ -139,3 +139,29 @@ def test_job_takes_objects_not_dicts(tmp_path) -> None:
         Job(name="j", plan=PLAN.to_dict(), cluster=cluster, model="gpt-tiny", config=cfg, run_dir=str(tmp_path))
     with pytest.raises(SpecError, match="cluster must be"):
         Job(name="j", plan=PLAN, cluster=cluster.to_dict(), model="gpt-tiny", config=cfg, run_dir=str(tmp_path))
+
+
+def test_peak_memory_per_rank_travels_in_the_step_records(tmp_path) -> None:
+    ranks = [RankMetrics(rank=r, stage=0, device=d, loss=0.0, compute_s=1.0, cpu_s=0.5, wait_s=0.0, sync_s=0.0,
+                         peak_in_flight=1, bytes_sent={}, peak_memory_bytes=b)
+             for r, (d, b) in enumerate((("cloud0:0", 3e8), ("cloud0:1", 0.0)))]
+    recs = [step_metrics(k, ranks, 1.0, global_batch=8, emulation=INFO) for k in range(2)]
+    assert recs[0].peak_memory_bytes == {"cloud0:0": 3e8}  # 0: not measured (no /proc), left out
+    assert StepMetrics.from_dict(json.loads(json.dumps(recs[0].to_dict()))) == recs[0]
+    res = train_result(recs, job="j", plan=PLAN, plan_digest="a", start_step=0, steps=2, sync="none", emulation=INFO,
+                       run_dir=str(tmp_path))
+    assert res.peak_memory_bytes == {"cloud0:0": 3e8}
+
+
+def test_peak_memory_of_this_process_resets_and_grows() -> None:
+    from deepcee.runtime import peak_memory
+
+    if peak_memory.resident_bytes() == 0:
+        pytest.skip("no /proc/self/status here")
+    peak_memory.reset_peak()
+    before = peak_memory.peak_bytes()
+    block = bytearray(64 * 2**20)
+    assert peak_memory.peak_bytes() >= before + 60 * 2**20
+    del block
+    peak_memory.reset_peak()
+    assert peak_memory.peak_bytes() < before + 32 * 2**20

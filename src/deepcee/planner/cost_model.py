@@ -26,15 +26,19 @@ The model, per plan (``S`` stages, ``M`` microbatches):
    device per stage, one link resource per boundary); zero-bubble schedules get their bubble
    filled by ``W`` because their ``W`` actions are in the list.
 4. **Synchronisation.** Conservatively, a stage's gradient all-reduce
-   (:func:`deepcee.comm.allreduce_s`) starts only after the stage finished
+   (:func:`deepcee.simulator.engine.allreduce_time_s`: the ring model plus the runtime's
+   handshakes) starts only after the stage finished
    its whole list (no bucketed overlap with its own backward, which split ``W`` passes and
    shares would make schedule-dependent); it does overlap with other stages' work, which
    is how 1F1B's early-finishing last stages hide theirs. Then the optimizer step
-   (:func:`deepcee.simulator.engine.optimizer_step_s`). The iteration ends when the last
-   stage's optimizer step ends. This is the simulator's order of events.
+   (:func:`deepcee.simulator.engine.optimizer_step_s`) and the runtime's per-step
+   bookkeeping. The iteration ends when the last stage's optimizer step ends. This is the
+   simulator's order of events, with the simulator's default runtime
+   (:data:`deepcee.simulator.runtime_model.DEFAULT_RUNTIME`: its receive handshake enters
+   the pipeline's tables).
 5. **Memory.** Per device :func:`deepcee.simulator.engine.peak_memory` (the simulator's own:
-   :func:`deepcee.simulator.memory.device_memory_bytes`, with recomputation where a stage
-   recomputes) with the schedule's in-flight count per stage (:func:`deepcee.schedule.program.stage_in_flight`:
+   :func:`deepcee.simulator.memory.device_memory`, plan and runtime terms, with recomputation
+   where a stage recomputes) with the schedule's in-flight count per stage (:func:`deepcee.schedule.program.stage_in_flight`:
    GPipe ``M``, 1F1B/ZB-H1 ``min(S-s, M)``, ZB-H2 ``min(2(S-s)-1, M)``, compact from its
    actions), checked against ``cluster.memory_bytes``.
 
@@ -52,11 +56,10 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from deepcee.cluster import Cluster
-from deepcee.comm import allreduce_s
 from deepcee.plan import Estimate, Plan, StagePlan
 from deepcee.planner.ranges import RangeCosts as RangeCosts
 from deepcee.planner.ranges import RangeTables as RangeTables
@@ -66,7 +69,14 @@ from deepcee.profile import ModelProfile
 from deepcee.schedule.interpreter import Execution, LinkCost, stage_tables
 from deepcee.schedule.ir import ActionKind, Schedule
 from deepcee.schedule.program import lowered_schedule, stage_in_flight
-from deepcee.simulator.engine import optimizer_step_s, peak_memory, simulate, to_estimate
+from deepcee.simulator.engine import (
+    allreduce_time_s,
+    optimizer_step_s,
+    peak_memory,
+    simulate,
+    to_estimate,
+)
+from deepcee.simulator.runtime_model import DEFAULT_RUNTIME, RuntimeModel
 from deepcee.units import GIB, fmt_rate
 
 
@@ -226,12 +236,16 @@ def stage_costs(plan: Plan, cluster: Cluster, model: ModelProfile) -> StageCosts
 def pipeline_timing(lowered: Schedule, forward_s: Sequence[float], input_grad_s: Sequence[float],
                     weight_grad_s: Sequence[float], comm_forward: Sequence[LinkCost],
                     comm_backward: Sequence[LinkCost], backward_s: Sequence[float] | None = None, *,
-                    num_microbatches: int | None = None) -> PipelineTiming:
+                    num_microbatches: int | None = None, runtime: RuntimeModel | None = None) -> PipelineTiming:
     """Each stage's finish: the dry run of ``lowered`` (the interpreter on
     :func:`~deepcee.schedule.interpreter.stage_tables`) without recording. ``B`` takes
-    ``backward_s`` (default ``I + W``, as in the dry run)."""
-    run = Execution(stage_tables(lowered, forward_s, input_grad_s, weight_grad_s, comm_forward, comm_backward,
-                                 backward_s, num_microbatches=num_microbatches))
+    ``backward_s`` (default ``I + W``, as in the dry run); ``runtime`` (default none) sets the
+    sends' blocking and the receive handshake as the simulator does."""
+    tables = stage_tables(lowered, forward_s, input_grad_s, weight_grad_s, comm_forward, comm_backward,
+                          backward_s, num_microbatches=num_microbatches)
+    if runtime is not None:
+        tables = replace(tables, blocking_sends=runtime.sends == "blocking", handshake=runtime.receive_handshake)
+    run = Execution(tables)
     ends, _ = run.pipeline(0.0)
     return PipelineTiming(stage_end_s=tuple(ends), busy_s=tuple(run.busy_s))
 
@@ -255,6 +269,8 @@ class AnalyticCostModel:
     timing (what the benchmarks' rank correlation measures)."""
 
     name = "cost-model"
+    runtime: RuntimeModel = DEFAULT_RUNTIME
+    """How the plan is run (the simulator's default; see :mod:`deepcee.simulator.runtime_model`)."""
 
     def __init__(self, *, exact_work: int = EXACT_WORK) -> None:
         self.exact_work = exact_work
@@ -263,7 +279,7 @@ class AnalyticCostModel:
         if (len(plan.devices) * plan.num_microbatches <= self.exact_work
                 and any(len(st.devices) > 1 for st in plan.stages)):
             plan.check_against(num_layers=model.num_layers, device_names=cluster.device_names)
-            est = to_estimate(simulate(plan, cluster, model, record=False), plan, cluster)
+            est = to_estimate(simulate(plan, cluster, model, record=False, runtime=self.runtime), plan, cluster)
             return Estimate(iteration_s=est.iteration_s, samples_per_s=est.samples_per_s,
                             peak_memory_bytes=est.peak_memory_bytes, bottleneck=est.bottleneck, source=self.name)
         cost = self.breakdown(plan, cluster, model)
@@ -280,18 +296,20 @@ class AnalyticCostModel:
         bounds = tuple(boundary_cost(cluster, a, b, model.boundary_bytes(a.layer_stop))
                        for a, b in zip(plan.stages, plan.stages[1:], strict=False))
         lowered, in_flight = lowered_schedule(plan), stage_in_flight(plan)
+        rt = self.runtime
         timing = pipeline_timing(lowered, f, i, w, [b.forward for b in bounds], [b.backward for b in bounds], b_,
-                                 num_microbatches=plan.num_microbatches)
+                                 num_microbatches=plan.num_microbatches, runtime=rt)
         ar, opt, ends = [], [], []
         for s, st in enumerate(plan.stages):
             t = timing.stage_end_s[s]
-            ar.append(allreduce_s(cluster, st.devices, model.gradient_bytes(st.layer_start, st.layer_stop),
-                                  plan.sync, at_s=t))
+            ar.append(allreduce_time_s(cluster, st.devices, model.gradient_bytes(st.layer_start, st.layer_stop),
+                                       plan.sync, rt, at_s=t))
             shards = len(st.devices) if plan.sync == "zero2" else 1
-            opt.append(max(optimizer_step_s(model, st.layer_start, st.layer_stop, cluster.kind_of(d),
-                                            cluster.device(d).slowdown, shards=shards) for d in st.devices))
+            opt.append(rt.step_overhead_s + max(optimizer_step_s(model, st.layer_start, st.layer_stop,
+                                                                 cluster.kind_of(d), cluster.device(d).slowdown,
+                                                                 shards=shards) for d in st.devices))
             ends.append(t + ar[-1] + opt[-1])
-        memory = peak_memory(plan, model)
+        memory = peak_memory(plan, cluster, model, rt)
         short = {d: need - cluster.memory_bytes(d) for d, need in memory.items() if need > cluster.memory_bytes(d)}
         iteration = max(ends)
         cost = PlanCost(forward_s=f, input_grad_s=i, weight_grad_s=w, backward_s=b_, boundaries=bounds, pipeline=timing,

@@ -46,11 +46,19 @@ single-layer probe includes them, so summing layers counts them once per layer. 
 ``[0, L)`` (a first stage) each as one stage, interleaved with the single layers;
 :func:`deepcee.profiler.model.call_overheads` takes the per-call cost from the difference:
 ``(sum of the k single-layer times - the range's time) / (k - 1)``.
+
+[Note: optimizer probe]
+After the passes, the optimizer the runtime builds (:class:`deepcee.runtime.job.OptimizerConfig`,
+AdamW by default) steps every layer's parameters alone and every range's together, with
+gradients in place, ``warmup`` then ``repeats`` rounds interleaved, through the same clock
+and pacing as the passes (the runtime paces its optimizer step as compute); the median per
+subject is its step time, and the ranges give the step's own per-call cost as for the passes.
 """
 
 from __future__ import annotations
 
 import logging
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -211,6 +219,28 @@ def _time_subjects(subjects: Sequence[_Subject], timer: ProbeTimer, cfg: ProbeCo
     return rounds
 
 
+def _time_optimizer(subjects: Sequence[_Subject], timer: ProbeTimer, cfg: ProbeConfig) -> list[float]:
+    """Median optimizer step time per subject ([Note: optimizer probe]); 0 without parameters."""
+    from deepcee.runtime.job import OptimizerConfig
+
+    steps = []
+    for s in subjects:
+        params = list(s.runner.params)
+        for p in params:
+            p.grad = torch.randn_like(p) * 1e-3
+        steps.append(OptimizerConfig().build(params).step if params else None)
+    times: list[list[float]] = [[] for _ in subjects]
+    for rnd in range(cfg.warmup + cfg.repeats):
+        for k, step in enumerate(steps):
+            if step is not None:
+                _, t = timer.run(step, ("optimizer", k))
+                if rnd >= cfg.warmup:
+                    times[k].append(t)
+    for s in subjects:
+        s.runner.zero_grad()
+    return [statistics.median(t) if t else 0.0 for t in times]
+
+
 def _fits(s: _Subject, sizes: Sequence[int]) -> dict[Pass, PassFit]:
     return {p: pass_fit(sizes, s.times[p]) for p in PASSES}
 
@@ -255,6 +285,7 @@ def probe_blocks(blocks: Sequence[nn.Module], *, inputs: Any, targets: Any,
     ranges = [_subject(runner(a, num, a == 0), xs[a], tg, (a, num), sizes, None)
               for a in ((1, 0) if cfg.stage_ranges else ()) if num - a >= 2]
     rounds = _time_subjects([s for subs in layers for s in subs] + ranges, timer, cfg)
+    opt = _time_optimizer([subs[0] for subs in layers] + ranges, timer, cfg)
     out = []
     for i, (name, subs) in enumerate(zip(names, layers, strict=True)):
         fits = [_fits(s, sizes) for s in subs]
@@ -263,8 +294,9 @@ def probe_blocks(blocks: Sequence[nn.Module], *, inputs: Any, targets: Any,
         out.append(LayerProbe(name=name, microbatch_sizes=tuple(sizes), passes=fits[0],
                               first_stage=fits[-1] if len(fits) > 1 or i == 0 else None, rounds=rounds,
                               peak_memory_bytes=peak, activation_bytes_per_sample=act,
-                              pacing_ratio=timer.take_pacing(i)))
+                              pacing_ratio=timer.take_pacing(i), optimizer_s=opt[i]))
     spans = tuple(RangeProbe(start=s.runner.stage, stop=num, passes=_fits(s, sizes), rounds=rounds,
-                             pacing_ratio=timer.take_pacing(s.key)) for s in ranges)
+                             pacing_ratio=timer.take_pacing(s.key), optimizer_s=opt[num + k])
+                  for k, s in enumerate(ranges))
     return tuple(out), spans, timer.name
 

@@ -41,6 +41,7 @@ from __future__ import annotations
 import statistics
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from functools import partial
 from typing import Any, TypeVar
 
@@ -51,8 +52,10 @@ from torch.utils.flop_counter import FlopCounterMode
 from deepcee.cluster import DeviceKind
 from deepcee.errors import ProfileError
 from deepcee.models import get_model, model_names
-from deepcee.profile import LayerProfile, LayerTiming, ModelProfile
+from deepcee.profile import DeviceMemory, LayerProfile, LayerTiming, LinkCurve, ModelProfile
 from deepcee.profiler.device import NetSource
+from deepcee.profiler.memory_probe import CPU_METHOD
+from deepcee.profiler.network import LinkFit
 from deepcee.profiler.probes import PASSES, DeviceProbe
 from deepcee.runtime import boundary
 from deepcee.runtime.stage import StageRunner
@@ -120,6 +123,47 @@ def kind_lines(probes: Sequence[DeviceProbe], slowdowns: Mapping[str, float], *,
     return out
 
 
+def kind_points(probes: Sequence[DeviceProbe], slowdowns: Mapping[str, float], *,
+                first_stage: bool = False) -> dict[str, tuple[dict[str, tuple[float, ...]], ...]]:
+    """Kind -> per layer, pass -> the single-layer median time at every probed size at
+    slowdown 1 (the mean over the kind's devices of each device's medians / its slowdown);
+    ``first_stage`` as for :func:`kind_lines`."""
+    out = {}
+    for kind, ps in _by_kind(probes).items():
+        if first_stage and any(la.first_stage is None for p in ps for la in p.layers):
+            continue
+        layers = []
+        for i in range(len(ps[0].layers)):
+            fits = {pas: [((p.layers[i].first_stage if first_stage else p.layers[i].passes)[pas], slowdowns[p.device])
+                          for p in ps] for pas in PASSES}
+            layers.append({pas: tuple(float(np.mean([f.median_s[k] / sd for f, sd in fs]))
+                                      for k in range(len(fs[0][0].median_s))) for pas, fs in fits.items()})
+        out[kind] = tuple(layers)
+    return out
+
+
+def optimizer_times(probes: Sequence[DeviceProbe], slowdowns: Mapping[str, float]
+                    ) -> dict[str, tuple[tuple[float, ...], float]]:
+    """Kind -> ``(per layer, per call)``: the optimizer step's time at slowdown 1 (see [Note:
+    optimizer probe] in :mod:`deepcee.profiler.layer_probe`): each layer's own step less the
+    per-call cost, which the ranges give as for the passes (``(sum of the k layers' steps -
+    the range's) / (k - 1)``, clamped to ``[0, the smallest layer's step]``). Kinds whose
+    probes lack the optimizer are left out."""
+    out = {}
+    for kind, ps in _by_kind(probes).items():
+        if any(la.optimizer_s is None for p in ps for la in p.layers):
+            continue
+        layers = [statistics.fmean(p.layers[i].optimizer_s / slowdowns[p.device] for p in ps)
+                  for i in range(len(ps[0].layers))]
+        calls = [(sum(p.layers[i].optimizer_s for i in range(r.start, r.stop)) - r.optimizer_s)
+                 / (r.stop - r.start - 1) / slowdowns[p.device]
+                 for p in ps for r in p.ranges if r.optimizer_s is not None and r.stop - r.start >= 2]
+        with_params = [t for t in layers if t > 0]
+        call = min(max(0.0, statistics.fmean(calls)), min(with_params)) if calls and with_params else 0.0
+        out[kind] = (tuple(max(0.0, t - call) if t > 0 else 0.0 for t in layers), call)
+    return out
+
+
 def first_stage_rows(inner: Sequence[Mapping[str, T]], first: Sequence[Mapping[str, T] | None],
                         parameter_counts: Sequence[int]) -> list[dict[str, T] | None]:
     """Per layer, its per-pass figures as part of a first stage ([Note: first-stage composition]);
@@ -182,9 +226,15 @@ def _bounded(overhead: Overhead, rows: Sequence[Mapping[str, Line] | None]) -> O
     return {p: min([max(0.0, overhead.get(p, 0.0)), *(r[p][0] for r in rows)]) for p in PASSES}
 
 
-def _less(row: Mapping[str, Line], overhead: Overhead) -> LayerTiming:
+def _less(row: Mapping[str, Line], overhead: Overhead, points: Mapping[str, Sequence[float]] | None = None,
+          sizes: Sequence[int] = (), optimizer_s: float | None = None) -> LayerTiming:
+    """The layer's lines and points less the per-call ``overhead``; points made non-decreasing in
+    size (a longer microbatch never takes less time; noise can say otherwise)."""
     kw = {fld: (max(0.0, row[p][0] - overhead[p]), row[p][1]) for p, fld in _FIELDS.items()}
-    return LayerTiming(**kw)
+    pts = {}
+    for p in points or {}:
+        pts[p] = tuple(np.maximum.accumulate([max(0.0, t - overhead[p]) for t in points[p]]).tolist())
+    return LayerTiming(**kw, sizes=tuple(sizes) if pts else (), points=pts, optimizer_s=optimizer_s)
 
 
 def _constant(overhead: Overhead) -> LayerTiming:
@@ -202,28 +252,63 @@ def kind_timings(probes: Sequence[DeviceProbe], slowdowns: Mapping[str, float],
     range was probed: the layer lines then keep the whole single-layer figures.
     """
     inner, first = kind_lines(probes, slowdowns), kind_lines(probes, slowdowns, first_stage=True)
+    inner_pts, first_pts = kind_points(probes, slowdowns), kind_points(probes, slowdowns, first_stage=True)
     overheads = call_overheads(probes, slowdowns, parameter_counts)
+    steps = optimizer_times(probes, slowdowns)
+    sizes = probes[0].layers[0].microbatch_sizes
     out = {}
     for kind, rows in inner.items():
         firsts = first_stage_rows(rows, first.get(kind, (None,) * len(rows)), parameter_counts)
+        pts = inner_pts[kind]
+        first_pts_rows = first_stage_rows(pts, first_pts.get(kind, (None,) * len(rows)), parameter_counts)
         c_inner, c_first = overheads.get(kind, ({}, {}))
         c_in, c_fs = _bounded(c_inner, rows[1:]), _bounded(c_first, firsts)
+        opt, opt_call = steps.get(kind, ((None,) * len(rows), None))
         timings = []
-        for row, fst in zip(rows, firsts, strict=True):
-            t = _less(row, c_in)
-            timings.append(LayerTiming(forward=t.forward, input_grad=t.input_grad, weight_grad=t.weight_grad,
-                                       backward=t.backward, first_stage=None if fst is None else _less(fst, c_fs)))
+        for row, fst, pt, fpt, o in zip(rows, firsts, pts, first_pts_rows, opt, strict=True):
+            t = _less(row, c_in, pt, sizes, optimizer_s=o)
+            timings.append(replace(t, first_stage=None if fst is None else _less(fst, c_fs, fpt, sizes)))
         call = None
-        if c_inner or c_first:
-            c = _constant(c_in)
-            call = LayerTiming(forward=c.forward, input_grad=c.input_grad, weight_grad=c.weight_grad,
-                               backward=c.backward, first_stage=_constant(c_fs))
+        if c_inner or c_first or opt_call is not None:
+            call = replace(_constant(c_in), first_stage=_constant(c_fs), optimizer_s=opt_call)
         out[kind] = (tuple(timings), call)
     return out
 
 
-def measured_profile(base: ModelProfile, probes: Sequence[DeviceProbe], *, source: str) -> ModelProfile:
-    """``base`` with measured per-layer timings and call overheads for every probed kind."""
+def kind_memory(probes: Sequence[DeviceProbe]) -> dict[str, DeviceMemory]:
+    """Kind -> its devices' largest fixed overhead and fragmentation margin (never under any of them)."""
+    out = {}
+    for kind, ps in _by_kind(probes).items():
+        mems = [p.memory for p in ps if p.memory is not None]
+        if mems:
+            out[kind] = DeviceMemory(fixed_bytes=max(m.fixed_bytes for m in mems),
+                                     fragmentation_fraction=max(m.fragmentation_fraction for m in mems),
+                                     method=f"{mems[0].method}; the largest over {len(mems)} device(s)",
+                                     host_memory=any(m.method == CPU_METHOD for m in mems))
+    return out
+
+
+def link_curves(fits: Sequence[LinkFit]) -> dict[str, LinkCurve]:
+    """``"src->dst"`` -> the pair's transfer curve: each probed size's median round trip less the
+    smallest size's (made non-decreasing in size), at the fit's bandwidth beyond them. Pairs
+    whose bandwidth the probe could not resolve (loopback) and inferred pairs get none."""
+    out = {}
+    for f in fits:
+        if not f.bandwidth_resolved or f.inferred_from or len(f.sizes_bytes) < 2:
+            continue
+        base = f.median_round_trip_s[0]
+        ser = np.maximum.accumulate([max(0.0, t - base) for t in f.median_round_trip_s]).tolist()
+        out[f"{f.src}->{f.dst}"] = LinkCurve(sizes_bytes=tuple(f.sizes_bytes), serialisation_s=tuple(ser),
+                                             bandwidth_bytes_per_s=f.bandwidth_bytes_per_s)
+    return out
+
+
+def measured_profile(base: ModelProfile, probes: Sequence[DeviceProbe], *, source: str,
+                     fits: Sequence[LinkFit] = (), step_overhead_wall_s: Mapping[str, float] | None = None
+                     ) -> ModelProfile:
+    """``base`` with measured per-layer timings (lines, per-size points, optimizer steps), call
+    overheads and memory for every probed kind; the links' transfer curves from ``fits``; the
+    runtime's per-step bookkeeping per launch mode."""
     if not probes:
         raise ProfileError("no device probes to build a measured profile from")
     for p in probes:
@@ -234,7 +319,8 @@ def measured_profile(base: ModelProfile, probes: Sequence[DeviceProbe], *, sourc
     prof = base
     for kind, (timings, call) in sorted(kind_timings(probes, measured_slowdowns(probes), params).items()):
         prof = prof.with_measured(kind, timings, source=source, call_overhead=call)
-    return prof
+    return replace(prof, measured_memory=kind_memory(probes), links=link_curves(fits),
+                   step_overhead_wall_s=dict(step_overhead_wall_s or {}))
 
 
 def measured_kind(declared: DeviceKind, probes: Sequence[DeviceProbe], profile: ModelProfile) -> DeviceKind:

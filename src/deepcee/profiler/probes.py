@@ -110,6 +110,9 @@ class LayerProbe:
     """Bytes autograd saved for the backward pass, per sample (largest size)."""
     pacing_ratio: float | None = None
     """Median over passes of achieved ``(wall / D) / (CPU x slowdown)``; ``None`` unless paced."""
+    optimizer_s: float | None = None
+    """The optimizer step over this layer's parameters alone (median; ``None``: not probed).
+    See [Note: optimizer probe]."""
 
     @property
     def timing(self) -> LayerTiming:
@@ -141,6 +144,22 @@ class RangeProbe:
     """``F``, ``I``, ``W``, ``B`` of the whole range, per size as for a layer."""
     rounds: int
     pacing_ratio: float | None = None
+    optimizer_s: float | None = None
+    """The optimizer step over the range's parameters (median; ``None``: not probed)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MemoryProbe:
+    """What a device needs beyond the plan's tensors; see [Note: fixed memory] in
+    :mod:`deepcee.profiler.run`."""
+
+    fixed_bytes: float
+    fragmentation_fraction: float
+    method: str
+    peak_bytes: float = 0.0
+    """Peak held over the fragmentation probe (resident set or CUDA reservation)."""
+    live_bytes: float = 0.0
+    """Peak live tensor bytes of the same work (the estimate it is held against)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -174,6 +193,8 @@ class DeviceProbe:
     """Wall time the probe took."""
     ranges: tuple[RangeProbe, ...] = ()
     """Several layers as one stage (empty when not probed); see [Note: call overhead]."""
+    memory: MemoryProbe | None = None
+    """The device's fixed memory overhead and allocator margin (``None``: not probed)."""
 
     @property
     def timings(self) -> tuple[LayerTiming, ...]:
@@ -219,11 +240,13 @@ def probe_to_dict(p: DeviceProbe) -> dict[str, Any]:
             {"name": la.name, "microbatch_sizes": list(la.microbatch_sizes), "rounds": la.rounds,
              "peak_memory_bytes": la.peak_memory_bytes, "activation_bytes_per_sample": la.activation_bytes_per_sample,
              "pacing_ratio": la.pacing_ratio, "passes": _passes_to_dict(la.passes),
-             "first_stage": None if la.first_stage is None else _passes_to_dict(la.first_stage)}
+             "first_stage": None if la.first_stage is None else _passes_to_dict(la.first_stage),
+             "optimizer_s": la.optimizer_s}
             for la in p.layers
         ],
         "ranges": [{"start": r.start, "stop": r.stop, "rounds": r.rounds, "pacing_ratio": r.pacing_ratio,
-                    "passes": _passes_to_dict(r.passes)} for r in p.ranges],
+                    "passes": _passes_to_dict(r.passes), "optimizer_s": r.optimizer_s} for r in p.ranges],
+        "memory": None if p.memory is None else {f: getattr(p.memory, f) for f in p.memory.__dataclass_fields__},
     }
 
 
@@ -258,7 +281,8 @@ def _layer_probe(f: Fields) -> LayerProbe:
                        activation_bytes_per_sample=f.number("activation_bytes_per_sample", BYTES),
                        pacing_ratio=f.number("pacing_ratio", MEASURED_RATIO, None),
                        passes=_passes_from(f.record_of("passes"), len(sizes)),
-                       first_stage=_passes_from(first, len(sizes)))
+                       first_stage=_passes_from(first, len(sizes)),
+                       optimizer_s=f.number("optimizer_s", MEASURED_TIME, None))
     f.done()
     return probe
 
@@ -266,7 +290,8 @@ def _layer_probe(f: Fields) -> LayerProbe:
 def _range_probe(f: Fields, sizes: int) -> RangeProbe:
     probe = RangeProbe(start=f.integer("start", LAYER_INDEX), stop=f.integer("stop", LAYER_INDEX),
                        rounds=f.integer("rounds", COUNT), pacing_ratio=f.number("pacing_ratio", MEASURED_RATIO, None),
-                       passes=_passes_from(f.record_of("passes"), sizes))
+                       passes=_passes_from(f.record_of("passes"), sizes),
+                       optimizer_s=f.number("optimizer_s", MEASURED_TIME, None))
     f.done()
     return probe
 
@@ -284,8 +309,20 @@ def probe_from_dict(d: Any, *, file: str = "<device probe>") -> DeviceProbe:
                         slowdown=f.number("slowdown", SLOWDOWN), dilation=f.number("dilation", MEASURED_RATIO),
                         emulated=f.flag("emulated"), layers=layers, wall_s=f.number("wall_s", DURATION),
                         ranges=tuple(_range_probe(x, sizes) for x in f.records("ranges", [], max_len=MAX_LAYERS)),
-                        score=ComputeScore(flops_per_s=score.number("flops_per_s", PEAK_FLOPS), benchmarks=benchmarks))
+                        score=ComputeScore(flops_per_s=score.number("flops_per_s", PEAK_FLOPS), benchmarks=benchmarks),
+                        memory=_memory_probe(f.record_of("memory", None) if f.raw("memory", None) else None))
     score.done()
+    f.done()
+    return probe
+
+
+def _memory_probe(f: Fields | None) -> MemoryProbe | None:
+    if f is None:
+        return None
+    probe = MemoryProbe(fixed_bytes=f.number("fixed_bytes", BYTES),
+                        fragmentation_fraction=f.number("fragmentation_fraction", MEASURED_RATIO),
+                        method=f.text("method"), peak_bytes=f.number("peak_bytes", BYTES, 0.0),
+                        live_bytes=f.number("live_bytes", BYTES, 0.0))
     f.done()
     return probe
 

@@ -24,7 +24,7 @@ the same norm, so every rank makes the same decision.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -117,7 +117,10 @@ class OptimizerStep:
         return self.cfg.optimizer.lr * self.cfg.lr_schedule.factor(step, self.cfg.steps)
 
     def __call__(self, step: int, optimizer: torch.optim.Optimizer, params: Sequence[nn.Parameter],
-                 owned: Sequence[nn.Parameter], group: Any) -> StepOutcome:
+                 owned: Sequence[nn.Parameter], group: Any,
+                 pace: Callable[[Callable[[], Any]], Any] | None = None) -> StepOutcome:
+        """``pace`` runs the optimizer's step (an emulated device's pacer: it steps at the
+        device's speed, as the simulator counts it)."""
         lr = self.lr(step)
         for g in optimizer.param_groups:
             g["lr"] = lr
@@ -134,7 +137,10 @@ class OptimizerStep:
             clip = self.cfg.clip_grad_norm
             if clip is not None and clip / (norm + CLIP_EPS) < 1.0:
                 scale_gradients(params, clip / (norm + CLIP_EPS))
-        optimizer.step()
+        if pace is None:
+            optimizer.step()
+        else:
+            pace(optimizer.step)
         return StepOutcome(lr=lr, grad_norm=norm)
 
 

@@ -88,6 +88,8 @@ class RankMetrics:
     grad_norm: float | None = None
     """The global gradient norm before clipping (the same on every rank), when measured."""
     replica: int = 0
+    peak_memory_bytes: float = 0.0
+    """This rank's peak memory since its job started (:mod:`deepcee.runtime.peak_memory`)."""
 
 
 # -- one step (a line of metrics.jsonl) -----------------------------------------------------
@@ -229,6 +231,9 @@ class StepMetrics:
     strategy: str = EXACT.describe()
     """The run's update rule (:meth:`deepcee.plan.Strategy.describe`); lines written before it
     existed were exact."""
+    peak_memory_bytes: Mapping[str, float] = field(default_factory=dict)
+    """Device -> its rank's peak memory since the job started (resident set on CPU, the CUDA
+    allocator's reservation on GPU); empty in records written before it was kept."""
 
     @property
     def mode(self) -> str:
@@ -256,6 +261,8 @@ class StepMetrics:
             out.update(self.boundary.to_dict())
         if self.trace is not None:
             out["trace"] = {dev: [list(t) for t in acts] for dev, acts in self.trace.items()}
+        if self.peak_memory_bytes:
+            out["peak_memory_bytes"] = dict(self.peak_memory_bytes)
         return out
 
     @staticmethod
@@ -271,7 +278,8 @@ class StepMetrics:
                                                for dev, acts in trace.items()},
             change=AppliedChange.from_dict(d), boundary=BoundaryMetrics.from_dict(d),
             lr=_opt_float(d, "lr"), grad_norm=_opt_float(d, "grad_norm"), eval_loss=_opt_float(d, "eval_loss"),
-            semantics=d.get("semantics", "exact"), strategy=d.get("strategy", EXACT.describe()))
+            semantics=d.get("semantics", "exact"), strategy=d.get("strategy", EXACT.describe()),
+            peak_memory_bytes={k: float(v) for k, v in d.get("peak_memory_bytes", {}).items()})
 
 
 def _opt_float(d: Mapping[str, Any], key: str) -> float | None:
@@ -302,7 +310,8 @@ def step_metrics(step: int, ranks: Sequence[RankMetrics], step_wall_s: float, *,
         stages=tuple(StageMetrics(replica=q, stage=k, compute_s=c, wait_s=w, sync_s=y)
                      for (q, k), (c, w, y) in sorted(stages.items())),
         link_bytes=links, cpu_s={r.device: r.cpu_s for r in ranks}, trace=trace, change=change, boundary=boundary,
-        lr=lr, grad_norm=grad_norm, eval_loss=eval_loss, semantics=strategy.semantics, strategy=strategy.describe())
+        lr=lr, grad_norm=grad_norm, eval_loss=eval_loss, semantics=strategy.semantics, strategy=strategy.describe(),
+        peak_memory_bytes={r.device: r.peak_memory_bytes for r in ranks if r.peak_memory_bytes > 0})
 
 
 # -- the run --------------------------------------------------------------------------------
@@ -465,6 +474,15 @@ class TrainResult:
     def emulated(self) -> tuple[str, ...]:
         """Which figures come from emulation (empty in mode ``real``)."""
         return self.emulation.emulated
+
+    @property
+    def peak_memory_bytes(self) -> dict[str, float]:
+        """Device -> the largest peak memory its rank reported over the run's steps."""
+        out: dict[str, float] = {}
+        for m in self.metrics:
+            for d, b in m.peak_memory_bytes.items():
+                out[d] = max(out.get(d, 0.0), b)
+        return out
 
     def to_dict(self) -> dict[str, Any]:
         """``result.json`` (the metrics are in ``metrics.jsonl``)."""

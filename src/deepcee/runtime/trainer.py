@@ -51,7 +51,7 @@ from deepcee.plan import Plan, save_json_atomic
 from deepcee.runtime import checkpoint as ckpt
 from deepcee.runtime import dist as rdist
 from deepcee.runtime import params as rparams
-from deepcee.runtime import persist, runlock
+from deepcee.runtime import peak_memory, persist, runlock
 from deepcee.runtime import state as rstate
 from deepcee.runtime import strategies as rstrat
 from deepcee.runtime.boundary import BoundaryMeta, num_samples
@@ -236,6 +236,7 @@ class Trainer:
 
     def setup_local(self) -> None:
         """What this rank sets up on its own (no collective): blocks, data, dilation and pacing."""
+        peak_memory.reset_peak(self.w.device)  # this job's peak, not an earlier job's of the launch
         self.blocks, self.loss_fn = self._blocks()
         self.model_digest = rparams.model_digest(self.blocks)
         self.state_names = self._state_names()
@@ -587,7 +588,8 @@ class Trainer:
             capture["grads"] = self._named(lambda p: p.grad)
         owned = norm_owned(self) if self.optstep.measures_norm else []
         self.hooks.before_update(self, step)  # an elastic run's commit point
-        outcome = self.optstep(step, self.optimizer, self.stage.params, owned, self.active_group)
+        outcome = self.optstep(step, self.optimizer, self.stage.params, owned, self.active_group,
+                               pace=self.pacer.run)  # the emulated device steps at its own speed too
         return self.rank_metrics(rec, sync_s, outcome, loss_scale)
 
     def rank_metrics(self, rec: StepRecord, sync_s: float, outcome: StepOutcome | None = None,
@@ -600,7 +602,8 @@ class Trainer:
             compute_s=rec.compute_s, cpu_s=rec.cpu_s, wait_s=rec.wait_s, sync_s=sync_s,
             peak_in_flight=rec.peak_in_flight, bytes_sent=dict(stats.bytes_sent), trace=tuple(rec.trace),
             transfers=tuple((res, n, self.emulated_s(t0), self.emulated_s(t1)) for res, n, t0, t1 in stats.transfers),
-            change=self.hooks.rank_change(), grad_norm=None if outcome is None else outcome.grad_norm)
+            change=self.hooks.rank_change(), grad_norm=None if outcome is None else outcome.grad_norm,
+            peak_memory_bytes=peak_memory.peak_bytes(self.w.device))
 
 
 def write_error(run_dir: str | Path, rank: int, exc: BaseException) -> None:

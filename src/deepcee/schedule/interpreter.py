@@ -26,6 +26,14 @@ Model (times in seconds on one clock):
 - If no device can continue and some have actions left, the schedule deadlocks
   (:class:`Deadlock`, naming each stuck action).
 
+Two runtime behaviours change this (:class:`Tables`, set by the simulator from its
+:class:`~deepcee.simulator.runtime_model.RuntimeModel`; off for the dry run and the cost model):
+``blocking_sends`` (the sending device waits until the send's last piece was delivered) and
+``handshake`` (a piece starts serialising no earlier than its receiver's start in this pass
+plus the piece's latency: the receiver posted its receives when it started, and its "ready"
+notice has to cross the link first). Devices may start a pass at different times
+(:meth:`Execution.pipeline` takes one start per device).
+
 Events are processed in time order (a heap of ``(time, sequence, device)``), so pieces of
 different devices that share a resource queue in the order they were issued. A device keeps
 running without going through the heap while its next event is strictly earlier than every
@@ -101,6 +109,10 @@ class Tables:
     """Each device's name in error messages."""
     num_microbatches: int
     """``1 +`` the largest microbatch id in ``rows``."""
+    blocking_sends: bool = False
+    """A send holds its device until its last piece was delivered."""
+    handshake: bool = False
+    """A piece starts no earlier than its receiver's start of the pass plus the piece's latency."""
 
     def __post_init__(self) -> None:
         n = len(self.stage_of)
@@ -145,12 +157,12 @@ class _Pass:
 
     __slots__ = ("cause", "got", "heap", "list_end", "pcs", "ready", "ready_seg", "tick", "wait_from", "waiting")
 
-    def __init__(self, n: int, num_microbatches: int, t0: float, pred: int) -> None:
+    def __init__(self, n: int, num_microbatches: int, starts: list[float], preds: list[int]) -> None:
         size = 2 * n * num_microbatches
         self.got, self.ready, self.ready_seg = [0] * size, [0.0] * size, [-1] * size
-        self.pcs, self.cause, self.list_end = [0] * n, [pred] * n, [t0] * n
+        self.pcs, self.cause, self.list_end = [0] * n, list(preds), list(starts)
         self.waiting, self.wait_from = [-1] * n, [0.0] * n
-        self.heap = [(t0, d, d) for d in range(n)]
+        self.heap = sorted((t, d, d) for d, t in enumerate(starts))
         self.tick = itertools.count(n).__next__
         """Sequence numbers that keep the heap's order of equal times first come, first served."""
 
@@ -181,15 +193,20 @@ class Execution:
         self.free_run = not record and all(len(s) <= 1 for s in senders)
         """Whether devices may run until they block (see the module docstring)."""
 
-    def pipeline(self, t0: float, pred: int = -1) -> tuple[list[float], list[int]]:
-        """Run every device's row from ``t0``; returns when each finished and, when recording,
-        the index of the segment that ended it (``pred`` for a device that ran nothing)."""
+    def pipeline(self, t0: float | Sequence[float], pred: int | Sequence[int] = -1) -> tuple[list[float], list[int]]:
+        """Run every device's row from ``t0`` (one time, or one per device); returns when each
+        finished and, when recording, the index of the segment that ended it (``pred``, one or
+        one per device: what released the device at ``t0``, for a device that ran nothing)."""
         tb, record, ordered = self.tables, self.record, not self.free_run
         rows, stage_of, durations, pieces, expected = tb.rows, tb.stage_of, tb.durations, tb.pieces, tb.expected
         n, m_count = len(stage_of), tb.num_microbatches
         segs, stamps, busy, wait = self.segments, self.stamps, self.busy_s, self.wait_s
         res_free, res_last = self.res_free, self.res_last
-        st = _Pass(n, m_count, t0, pred)
+        starts = [float(t0)] * n if isinstance(t0, (int, float)) else [float(t) for t in t0]
+        if len(starts) != n:
+            raise ScheduleError(f"interpreter: {len(starts)} start times for {n} devices")
+        st = _Pass(n, m_count, starts, [pred] * n if isinstance(pred, int) else list(pred))
+        blocking, handshake = tb.blocking_sends, tb.handshake
         got, ready, ready_seg, waiting, wait_from = st.got, st.ready, st.ready_seg, st.waiting, st.wait_from
         pcs, cause, list_end, heap, tick = st.pcs, st.cause, st.list_end, st.heap, st.tick
         # a free run may take devices in any order: a stack is cheaper than the heap
@@ -217,19 +234,23 @@ class Execution:
                         break
                 elif c < 6:  # SEND_F, SEND_B
                     back = c - 4
-                    last = t
+                    last, last_seg = t, -1
                     for dst, nbytes, latency, bw, trace, res in pieces[d][back]:
-                        if res_free[res] > t:  # queued behind the transfer ahead on this resource
+                        go = t
+                        if handshake and starts[dst] + latency > go:  # the receiver's ready notice
+                            go = starts[dst] + latency
+                        if res_free[res] > go:  # queued behind the transfer ahead on this resource
                             begin, p = res_free[res], res_last[res]
                         else:
-                            begin, p = t, cause[d]
+                            begin, p = go, cause[d]
                         done = begin + nbytes / bw if trace is None else serialise_end_s(begin, nbytes, bw, trace)
                         arrive = done + latency
                         res_free[res] = done
                         if record:
                             segs.append((TRANSFER, res, str(a), begin, arrive, p, nbytes, (d, dst, t, done)))
                             res_last[res] = len(segs) - 1
-                            last = arrive if arrive > last else last
+                        if arrive > last:
+                            last, last_seg = arrive, res_last[res]
                         key = (back * n + dst) * m_count + a.microbatch
                         got[key] += 1
                         if arrive >= ready[key]:
@@ -243,9 +264,19 @@ class Execution:
                                 self._waited(dst, pcs[dst], since, r, ready_seg[key], cause)
                             pcs[dst] += 1
                             push(heap, (r, tick(), dst))
-                    if record:
-                        stamps[d].append((t, t, last))
                     pc += 1
+                    if blocking and last > t:  # the send runs in the device's own stream
+                        if record:
+                            stamps[d].append((t, last, last))
+                            segs.append((WAIT, d, str(a), t, last, last_seg, 0.0, None))
+                            cause[d] = last_seg  # as for a receive: the path runs through the transfer
+                        wait[d] += last - t
+                        t = last
+                        if ordered and heap and heap[0][0] <= t:
+                            push(heap, (t, tick(), d))
+                            break
+                    elif record:
+                        stamps[d].append((t, t, last))
                 else:  # RECV_F, RECV_B
                     back = c - 6
                     key = (back * n + d) * m_count + a.microbatch

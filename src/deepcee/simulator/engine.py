@@ -19,10 +19,25 @@ times are on the same clock, keep advancing across iterations):
   The dry run (:func:`deepcee.schedule.passes.dry_run`) is the same interpreter with given
   per-stage costs, so with one device per stage the two agree exactly.
 - When all devices of a stage finished their lists, the stage's gradient synchronisation
-  runs (:func:`deepcee.comm.allreduce_s`, evaluated at its start time; it
-  keeps all the stage's devices busy and does not contend with pipeline transfers), then
-  every device takes its optimizer step (:func:`optimizer_step_s`). The iteration ends when
-  the last optimizer step ends; the next iteration starts then on every device.
+  runs (:func:`deepcee.comm.allreduce_s`, evaluated at its start time, plus the runtime's
+  handshakes, :func:`allreduce_time_s`; it keeps all the stage's devices busy and does not
+  contend with pipeline transfers), then every device takes its optimizer step
+  (:func:`optimizer_step_s`: the profile's measured time when it has one, else a FLOP
+  estimate) and the runtime's per-step bookkeeping. The iteration ends when the last of these
+  ends.
+
+How the runtime runs the plan is a :class:`~deepcee.simulator.runtime_model.RuntimeModel`
+(``runtime=``; default :data:`~deepcee.simulator.runtime_model.DEFAULT_RUNTIME`, deepcee's
+own): blocking sends hold the sending device until delivery; a receive handshake delays a
+piece until the receiver's ready notice crossed the link (receives posted at the step start);
+global-norm gradient clipping adds one scalar all-reduce over one device per stage before any
+optimizer step; with a step barrier every device starts the next iteration together, after
+the barrier's latencies, otherwise each device starts it when its own step is done, except
+that the first device waits for every device when it gathers the step records
+(``first_waits_for_all``); iteration ``k`` ends when its last device ends, and its time is
+measured from the previous one's end.
+A pair of devices with a measured transfer curve in the profile (:class:`deepcee.profile.LinkCurve`)
+sends each piece with the curve's time for that size (scaled to the link's bandwidth).
 
 Per device, the time of the simulated iterations splits into ``busy_s`` (F/I/W/B and the
 optimizer step), ``sync_s`` (gradient synchronisation), ``comm_wait_s`` (blocked in a
@@ -42,16 +57,17 @@ from __future__ import annotations
 import logging
 from collections import defaultdict
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from deepcee.cluster import Cluster, DeviceKind
-from deepcee.comm import allreduce_s
+from deepcee.comm import allreduce_s, ring_order
 from deepcee.plan import Estimate, Plan, share_overlaps
 from deepcee.profile import ModelProfile
 from deepcee.schedule.interpreter import TRANSFER, Execution, Tables
 from deepcee.schedule.program import lowered_schedule, stage_in_flight
-from deepcee.simulator.memory import device_memory_bytes, recomputed_live
+from deepcee.simulator.memory import device_memory, recomputed_live
+from deepcee.simulator.runtime_model import DEFAULT_RUNTIME, RuntimeModel
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +79,8 @@ is a lower bound; it is small next to a pipeline iteration either way."""
 EventKind = Literal["compute", "transfer", "wait", "allreduce", "optimizer"]
 _ALLREDUCE, _OPTIMIZER = 3, 4
 """Segment kinds added to the interpreter's (``0`` compute, ``1`` transfer, ``2`` wait)."""
+_CLIP, _BARRIER = -1, -2
+"""``where`` of the all-reduce segments over the whole plan (stage all-reduces: the stage)."""
 _KIND_NAMES: tuple[EventKind, ...] = ("compute", "transfer", "wait", "allreduce", "optimizer")
 
 
@@ -70,11 +88,40 @@ def optimizer_step_s(model: ModelProfile, start: int, stop: int, kind: DeviceKin
                      slowdown: float = 1.0, *, shards: int = 1) -> float:
     """Optimizer step time of layers ``[start, stop)`` on one device.
 
-    ``OPTIMIZER_FLOPS_PER_PARAMETER`` FLOPs per parameter at the kind's effective FLOP/s,
+    The profile's measured step for the kind when it has one
+    (:meth:`deepcee.profile.ModelProfile.optimizer_step_s`), else
+    ``OPTIMIZER_FLOPS_PER_PARAMETER`` FLOPs per parameter at the kind's effective FLOP/s;
     times ``slowdown``; with ZeRO-2 each of ``shards`` devices steps only its shard.
     """
+    measured = model.optimizer_step_s(start, stop, kind.name, slowdown)
+    if measured is not None:
+        return measured / max(1, shards)
     params = model.parameters(start, stop) / max(1, shards)
     return slowdown * OPTIMIZER_FLOPS_PER_PARAMETER * params / kind.effective_flops_per_s
+
+
+def allreduce_time_s(cluster: Cluster, devices: tuple[str, ...] | list[str], nbytes: float, sync: str,
+                     runtime: RuntimeModel, at_s: float = 0.0) -> float:
+    """A stage's gradient synchronisation as ``runtime`` runs it: :func:`deepcee.comm.allreduce_s`
+    plus ``allreduce_handshake_latencies`` one-way latencies of the ring's slowest edge per ring
+    step (``2 (k - 1)`` steps for ``k`` devices)."""
+    base = allreduce_s(cluster, devices, nbytes, sync, at_s=at_s)
+    if base <= 0 or runtime.allreduce == "modelled" or runtime.allreduce_handshake_latencies <= 0:
+        return base
+    ring = ring_order(cluster, devices)
+    k = len(ring)
+    slowest = max(cluster.link(ring[i], ring[(i + 1) % k]).latency_s for i in range(k))
+    return base + runtime.allreduce_handshake_latencies * 2 * (k - 1) * slowest
+
+
+def wire_bytes(model: ModelProfile, src: str, dst: str, nbytes: float) -> float:
+    """Bytes a piece of ``nbytes`` costs on the link ``src -> dst``: the same, unless the profile
+    holds a measured transfer curve for the pair, then the curve's serialisation time for that
+    size at the curve's own bandwidth (so the link's bandwidth and traces still scale it)."""
+    curve = model.link_curve(src, dst)
+    if curve is None or nbytes <= 0:
+        return nbytes
+    return curve.serialise_s(nbytes) * curve.bandwidth_bytes_per_s
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -153,12 +200,13 @@ class _Simulation:
     """The plan's cost tables for the interpreter, and the synchronisation phase after it.
 
     Segments are the interpreter's (:data:`deepcee.schedule.interpreter.Segment`); this class
-    adds one per stage all-reduce (``where`` = stage index) and one per optimizer step.
+    adds one per stage all-reduce (``where`` = stage index; :data:`_CLIP` and :data:`_BARRIER`
+    for the collectives over the whole plan) and one per optimizer step.
     """
 
-    def __init__(self, plan: Plan, cluster: Cluster, model: ModelProfile) -> None:
+    def __init__(self, plan: Plan, cluster: Cluster, model: ModelProfile, runtime: RuntimeModel) -> None:
         plan.check_against(num_layers=model.num_layers, device_names=cluster.device_names)
-        self.plan, self.cluster, self.model = plan, cluster, model
+        self.plan, self.cluster, self.model, self.runtime = plan, cluster, model, runtime
         self.lowered = lowered_schedule(plan)
         self.devices = list(plan.devices)
         self.stage_of = [plan.stage_of(d) for d in self.devices]
@@ -167,7 +215,8 @@ class _Simulation:
         self.tables = Tables(
             rows=self.lowered, stage_of=tuple(self.stage_of), durations=tuple(self._durations(d) for d in self.devices),
             pieces=pieces, expected=expected, num_resources=len(self.resources), names=tuple(self.devices),
-            num_microbatches=plan.num_microbatches)
+            num_microbatches=plan.num_microbatches, blocking_sends=runtime.sends == "blocking",
+            handshake=runtime.receive_handshake)
 
     def _link_tables(self) -> tuple[tuple, tuple]:
         """Per device and direction, one :data:`Piece` per transfer a send issues, and the pieces
@@ -187,8 +236,8 @@ class _Simulation:
                         res_index[link.resource] = len(self.resources)
                         self.resources.append(link.resource)
                     targets[index[src]][dirn].append(
-                        (index[dst], (hi - lo) * per_sample, link.latency_s, link.bandwidth_bytes_per_s,
-                         link.trace, res_index[link.resource]))
+                        (index[dst], wire_bytes(self.model, src, dst, (hi - lo) * per_sample), link.latency_s,
+                         link.bandwidth_bytes_per_s, link.trace, res_index[link.resource]))
                     expected[index[dst]][dirn] += 1
         return (tuple((tuple(f), tuple(b)) for f, b in targets), tuple((f, b) for f, b in expected))
 
@@ -208,45 +257,80 @@ class _Simulation:
         self.busy, self.wait = self.exe.busy_s, self.exe.wait_s
         self.sync = [0.0] * len(self.devices)
         self.ends, self.pipe_ends, self.firsts = [], [], []
-        t0, pred = start_s, -1
+        n = len(self.devices)
+        starts, preds, last = [start_s] * n, [-1] * n, -1
         for _ in range(iterations):
             self.firsts.append(len(self.segs))
-            list_end, cause = self.exe.pipeline(t0, pred)
+            list_end, cause = self.exe.pipeline(starts, preds)
             self.pipe_ends.append(max(list_end))
-            t0, pred = self._sync(list_end, cause)
-            self.ends.append(t0)
-        self.last_seg = pred
+            starts, preds = self._sync(list_end, cause)
+            end = max(starts)
+            last = preds[starts.index(end)]
+            if self.runtime.step_barrier:
+                end, last = self._global(_BARRIER, end, last, 8.0, self.runtime.barrier_latencies)
+                starts, preds = [end] * n, [last] * n
+            elif self.runtime.first_waits_for_all:  # rank 0 collects every record first
+                starts[0], preds[0] = end, last
+            self.ends.append(end)
+        self.last_seg = last
 
-    def _sync(self, list_end: list[float], cause: list[int]) -> tuple[float, int]:
-        """Each stage's all-reduce once its devices finished, then the optimizer steps."""
-        plan, segs = self.plan, self.segs
-        end, last = -1.0, -1
+    def _sync(self, list_end: list[float], cause: list[int]) -> tuple[list[float], list[int]]:
+        """Each stage's all-reduce once its devices finished, the clipping collective (when the
+        runtime clips), then the optimizer steps and the step's bookkeeping; per device when
+        its step ends and the segment that ended it."""
+        plan, segs, rt = self.plan, self.segs, self.runtime
+        ar_end, ar_seg = [0.0] * plan.num_stages, [-1] * plan.num_stages
         for s, st in enumerate(plan.stages):
             members = [d for d in range(len(self.devices)) if self.stage_of[d] == s]
             first = max(members, key=lambda d: list_end[d])
             begin = list_end[first]
             nbytes = self.model.gradient_bytes(st.layer_start, st.layer_stop)
-            dur = allreduce_s(self.cluster, st.devices, nbytes, plan.sync, at_s=begin)
+            dur = allreduce_time_s(self.cluster, st.devices, nbytes, plan.sync, rt, at_s=begin)
             segs.append((_ALLREDUCE, s, "allreduce", begin, begin + dur, cause[first], nbytes, None))
-            ar = len(segs) - 1
-            shards = len(st.devices) if plan.sync == "zero2" else 1
+            ar_end[s], ar_seg[s] = begin + dur, len(segs) - 1
             for d in members:
-                dev = self.cluster.device(self.devices[d])
-                step = optimizer_step_s(self.model, st.layer_start, st.layer_stop,
-                                        self.cluster.kinds[dev.kind], dev.slowdown, shards=shards)
-                segs.append((_OPTIMIZER, d, "optimizer", begin + dur, begin + dur + step, ar, 0.0, None))
                 self.sync[d] += dur
-                self.busy[d] += step
-                if begin + dur + step > end:
-                    end, last = begin + dur + step, len(segs) - 1
-        return end, last
+        if rt.gradient_clipping and plan.num_stages > 1:
+            s = max(range(plan.num_stages), key=lambda k: ar_end[k])
+            t, seg = self._global(_CLIP, ar_end[s], ar_seg[s], 4.0, rt.allreduce_handshake_latencies)
+            ar_end, ar_seg = [t] * plan.num_stages, [seg] * plan.num_stages
+        ends, preds = [0.0] * len(self.devices), [-1] * len(self.devices)
+        for d, name in enumerate(self.devices):
+            s = self.stage_of[d]
+            st, dev = plan.stages[s], self.cluster.device(name)
+            shards = len(st.devices) if plan.sync == "zero2" else 1
+            step = optimizer_step_s(self.model, st.layer_start, st.layer_stop, self.cluster.kinds[dev.kind],
+                                    dev.slowdown, shards=shards) + rt.step_overhead_s
+            segs.append((_OPTIMIZER, d, "optimizer", ar_end[s], ar_end[s] + step, ar_seg[s], 0.0, None))
+            self.busy[d] += step
+            ends[d], preds[d] = ar_end[s] + step, len(segs) - 1
+        return ends, preds
+
+    def _global(self, which: int, begin: float, pred: int, nbytes: float, handshake: float) -> tuple[float, int]:
+        """A small collective over the plan that starts at ``begin``: the clipping norm's all-reduce
+        over one device per stage, or the step-end barrier (``handshake``: its one-way latencies
+        between the first device and the farthest one)."""
+        plan, cluster = self.plan, self.cluster
+        if which == _CLIP:
+            heads = [st.devices[0] for st in plan.stages]
+            dur = allreduce_time_s(cluster, heads, nbytes, "allreduce-ring",
+                                   replace(self.runtime, allreduce_handshake_latencies=handshake), at_s=begin)
+        else:
+            root = self.devices[0]
+            dur = handshake * max((max(cluster.link(root, d).latency_s, cluster.link(d, root).latency_s)
+                                   for d in self.devices if d != root), default=0.0)
+        self.segs.append((_ALLREDUCE, which, "gradient norm" if which == _CLIP else "step barrier", begin,
+                          begin + dur, pred, nbytes, None))
+        for d in range(len(self.devices)):
+            self.sync[d] += dur
+        return begin + dur, len(self.segs) - 1
 
     # -- results -------------------------------------------------------------------------
     def where(self, kind: int, where: int) -> str:
         if kind == TRANSFER:
             return self.resources[where]
         if kind == _ALLREDUCE:
-            return f"stage {where} all-reduce"
+            return {_CLIP: "gradient-norm all-reduce", _BARRIER: "step barrier"}.get(where, f"stage {where} all-reduce")
         return self.devices[where]
 
     def critical_path(self) -> tuple[Segment, ...]:
@@ -274,8 +358,10 @@ class _Simulation:
                 elif kind == _ALLREDUCE:
                     if end == start:  # one device, or no synchronisation: nothing ran
                         continue
-                    out += [Event(kind="allreduce", where=d, action=text, start_s=start, end_s=end, stage=where,
-                                  iteration=it, nbytes=nbytes) for d in self.plan.stages[where].devices]
+                    devs = self.plan.stages[where].devices if where >= 0 else devices
+                    out += [Event(kind="allreduce", where=d, action=text, start_s=start, end_s=end,
+                                  stage=where if where >= 0 else stage_of[devices.index(d)], iteration=it,
+                                  nbytes=nbytes) for d in devs]
                 else:
                     out.append(Event(kind=_KIND_NAMES[kind], where=devices[where], action=text,
                                      start_s=start, end_s=end, stage=stage_of[where], iteration=it))
@@ -296,24 +382,28 @@ def _bottleneck(path: tuple[Segment, ...], stage_of: Mapping[str, int]) -> str:
     return f"{name}: {t / total:.0%} of the critical path ({t:.4g} s of {total:.4g} s)"
 
 
-def peak_memory(plan: Plan, model: ModelProfile) -> dict[str, float]:
-    """Peak bytes per device of ``plan`` (:func:`deepcee.simulator.memory.device_memory_bytes`
-    with its schedule's in-flight counts and, where a stage recomputes, its live counts)."""
+def peak_memory(plan: Plan, cluster: Cluster, model: ModelProfile,
+                runtime: RuntimeModel | None = None) -> dict[str, float]:
+    """Peak bytes per device of ``plan`` as ``runtime`` runs it
+    (:func:`deepcee.simulator.memory.device_memory`, plan and runtime terms, with its schedule's
+    in-flight counts and, where a stage recomputes, its live counts)."""
+    runtime = runtime or DEFAULT_RUNTIME
     in_flight = stage_in_flight(plan)
     live = recomputed_live(lowered_schedule(plan)) if any(st.recompute for st in plan.stages) else ()
     out = {}
     for s, st in enumerate(plan.stages):
         for d, share in zip(st.devices, st.shares, strict=True):
-            out[d] = device_memory_bytes(model, st.layer_start, st.layer_stop, share=share,
-                                         in_flight=in_flight[s], sync=plan.sync,
-                                         stage_devices=len(st.devices), recompute=st.recompute,
-                                         recompute_live=live[s] if live else 1)
+            out[d] = device_memory(model, st.layer_start, st.layer_stop, share=share, in_flight=in_flight[s],
+                                   num_microbatches=plan.num_microbatches, kind=cluster.device(d).kind,
+                                   sync=plan.sync, stage_devices=len(st.devices), runtime=runtime,
+                                   recompute=st.recompute, recompute_live=live[s] if live else 1).total_bytes
     return out
 
 
 def simulate(plan: Plan, cluster: Cluster, model: ModelProfile, *, start_s: float = 0.0,
-             iterations: int = 1, record: bool = True) -> SimResult:
-    """Simulate ``iterations`` training iterations of ``plan``. See the module docstring.
+             iterations: int = 1, record: bool = True, runtime: RuntimeModel | None = None) -> SimResult:
+    """Simulate ``iterations`` training iterations of ``plan`` as ``runtime`` runs it (default
+    :data:`~deepcee.simulator.runtime_model.DEFAULT_RUNTIME`). See the module docstring.
 
     ``record=False`` skips building the event list (the planner's fast path); the critical
     path and all statistics are computed either way. Raises :class:`ScheduleError` when the
@@ -321,7 +411,8 @@ def simulate(plan: Plan, cluster: Cluster, model: ModelProfile, *, start_s: floa
     """
     if not isinstance(iterations, int) or iterations < 1:
         raise ValueError(f"iterations must be an integer >= 1, got {iterations!r}")
-    sim = _Simulation(plan, cluster, model)
+    runtime = runtime or DEFAULT_RUNTIME
+    sim = _Simulation(plan, cluster, model, runtime)
     sim.run(start_s, iterations)
     starts = [start_s, *sim.ends[:-1]]
     times = tuple(e - s for s, e in zip(starts, sim.ends, strict=True))
@@ -345,7 +436,7 @@ def simulate(plan: Plan, cluster: Cluster, model: ModelProfile, *, start_s: floa
         idle_s={d: max(0.0, total_s - b - s - w)
                 for d, b, s, w in zip(sim.devices, sim.busy, sim.sync, sim.wait, strict=True)},
         bubble_fraction=min(1.0, max(0.0, bubble)),
-        peak_memory_bytes=peak_memory(plan, model),
+        peak_memory_bytes=peak_memory(plan, cluster, model, runtime),
         critical_path=path,
         bottleneck=_bottleneck(path, stage_of),
         events=sim.events() if record else (),

@@ -12,7 +12,7 @@ that crosses between replicas goes through one :class:`Network`:
   order. Messages between two ranks of one device, and control messages (0 bytes), arrive at
   once;
 - **collectives** (an all-reduce over the holders of a layer segment) take
-  :func:`deepcee.comm.allreduce_s` at their start, as the engine and the runtime's emulation
+  :func:`deepcee.simulator.engine.allreduce_time_s` at their start (gloo's handshakes included), as the engine and the runtime's emulation
   do, and hold every link resource of their ring for that time: a collective starts when
   those pipes are free and later messages on them queue behind it (two collectives that
   share a pipe run one after the other, which gives the same end for the last of them as
@@ -45,7 +45,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from deepcee.cluster import Cluster
-from deepcee.comm import allreduce_s, ring_order, serialise_end_s
+from deepcee.comm import ring_order, serialise_end_s
+from deepcee.simulator.engine import allreduce_time_s
+from deepcee.simulator.runtime_model import DEFAULT_RUNTIME
 
 
 class Loop:
@@ -122,7 +124,8 @@ class Network:
         edges = [(ring[i], ring[(i + 1) % len(ring)]) for i in range(len(ring))]
         resources = {self.cluster.link(a, b).resource for a, b in edges}
         begin = max([at_s, *(self.free[r] for r in resources)])
-        end = begin + allreduce_s(self.cluster, devices, nbytes, sync, at_s=begin)
+        # with gloo's handshakes, as the engine's stage all-reduce (deepcee's runtime)
+        end = begin + allreduce_time_s(self.cluster, devices, nbytes, sync, DEFAULT_RUNTIME, at_s=begin)
         for r in resources:
             self.free[r] = end
         for island, b in collective_egress(self.cluster, devices, nbytes, sync).items():

@@ -5,7 +5,7 @@ interpreter (:mod:`deepcee.schedule.interpreter`), with the engine's cost tables
 replica as a one-pipeline plan (:class:`deepcee.simulator.engine` builds them), so a
 replica's pipeline pass costs exactly what the engine says it costs. A *local step* is a pass
 and, when asked, the replica's own gradient all-reduce per stage (the stage's devices only,
-:func:`deepcee.comm.allreduce_s`, as in the engine) and the optimizer step; the time a replica
+:func:`deepcee.simulator.engine.allreduce_time_s`, as in the engine) and the optimizer step; the time a replica
 spends joining other replicas is the caller's business (:mod:`deepcee.simulator.replicas`).
 
 Time-varying speed: a :class:`~deepcee.cluster.Straggler` multiplies the compute of its
@@ -31,15 +31,16 @@ from dataclasses import dataclass, replace
 
 from deepcee.cluster import Cluster
 from deepcee.cluster.stragglers import Straggler, slowdown_at
-from deepcee.comm import allreduce_s, ring_order
+from deepcee.comm import ring_order
 from deepcee.errors import PlanError
 from deepcee.plan import Plan
 from deepcee.profile import ModelProfile
 from deepcee.schedule.interpreter import COMPUTE, TRANSFER, Execution
 from deepcee.schedule.program import stage_in_flight
-from deepcee.simulator.engine import Event, _Simulation, optimizer_step_s
+from deepcee.simulator.engine import Event, _Simulation, allreduce_time_s, optimizer_step_s
 from deepcee.simulator.memory import device_memory_bytes
 from deepcee.simulator.network import collective_egress
+from deepcee.simulator.runtime_model import DEFAULT_RUNTIME
 
 ALLREDUCE_SYNCS = ("allreduce-ring", "allreduce-hier", "zero2")
 
@@ -115,7 +116,9 @@ class ReplicaPipeline:
                  stragglers: Sequence[Straggler] = (), record: bool = False) -> None:
         self.plan, self.r, self.cluster, self.model, self.record = plan, r, cluster, model, record
         self.rep = plan.replicas[r]
-        self.sim = _Simulation(replica_plan(plan, r), cluster, model)
+        # the pipeline's pieces and the stage all-reduces as deepcee's runtime runs them
+        # (receive handshake, gloo's all-reduce handshakes), as the engine
+        self.sim = _Simulation(replica_plan(plan, r), cluster, model, DEFAULT_RUNTIME)
         self.devices: list[str] = list(self.sim.devices)
         self.stage_of: list[int] = list(self.sim.stage_of)
         self.stragglers = tuple(s for s in stragglers if s.device in self.devices)
@@ -234,7 +237,8 @@ class ReplicaPipeline:
             members = [d for d in range(len(self.devices)) if self.stage_of[d] == s]
             begin = max(end[d] for d in members)
             nbytes = self.model.gradient_bytes(st.layer_start, st.layer_stop)
-            dur = allreduce_s(self.cluster, st.devices, nbytes, stage_sync(self.plan, self.r, s), at_s=begin)
+            dur = allreduce_time_s(self.cluster, st.devices, nbytes, stage_sync(self.plan, self.r, s), DEFAULT_RUNTIME,
+                                   at_s=begin)  # with gloo's handshakes, as the engine
             for d in members:
                 self.sync_s[d] += dur
                 end[d] = begin + dur
