@@ -111,7 +111,8 @@ def test_never(importer: str, imported: str, why: str) -> None:
 
 
 def test_nothing_imports_the_cli() -> None:
-    bad = sorted(m for m, targets in GRAPH.items() if "deepcee.cli" in targets and m != "deepcee.cli")
+    bad = sorted(m for m, targets in GRAPH.items() if not _in(m, "deepcee.cli")
+                 and any(_in(t, "deepcee.cli") for t in targets))
     assert not bad, f"the CLI is the top: nothing imports it, but {bad} do"
 
 
