@@ -181,8 +181,23 @@ class ByteTextDataset:
 # -- images -----------------------------------------------------------------------------
 
 
+class _DrawnImages:
+    """Images drawn from a seeded stream per step, and held-out ones from a stream training never
+    draws from; subclasses say how to draw a batch (``_draw``) and hold ``seed`` and ``eval_size``."""
+
+    __slots__ = ()
+
+    def batch(self, step: int, batch_size: int) -> Batch:
+        return self._draw(np.random.default_rng([self.seed, step, batch_size]), batch_size)
+
+    def eval_batches(self, batch_size: int) -> Iterator[Batch]:
+        """``eval_size`` held-out samples, from a random stream training never draws from."""
+        for i in range(max(1, self.eval_size // batch_size)):
+            yield self._draw(np.random.default_rng([self.seed, EVAL_STREAM, i, batch_size]), batch_size)
+
+
 @dataclass(frozen=True, kw_only=True)
-class PatternImageDataset:
+class PatternImageDataset(_DrawnImages):
     """Class-dependent colour gratings plus noise. See the module docstring."""
 
     num_classes: int = 10
@@ -205,14 +220,6 @@ class PatternImageDataset:
             colour = rng.uniform(-1.0, 1.0, size=3)
             out[c] = colour[:, None, None] * wave[None]
         return out
-
-    def batch(self, step: int, batch_size: int) -> Batch:
-        return self._draw(np.random.default_rng([self.seed, step, batch_size]), batch_size)
-
-    def eval_batches(self, batch_size: int) -> Iterator[Batch]:
-        """``eval_size`` held-out samples, from a random stream training never draws from."""
-        for i in range(max(1, self.eval_size // batch_size)):
-            yield self._draw(np.random.default_rng([self.seed, EVAL_STREAM, i, batch_size]), batch_size)
 
     def _draw(self, rng: np.random.Generator, batch_size: int) -> Batch:
         labels = rng.integers(0, self.num_classes, size=batch_size)
@@ -247,7 +254,7 @@ def _shape_masks(labels: np.ndarray, cy: np.ndarray, cx: np.ndarray, r: np.ndarr
 
 
 @dataclass(frozen=True, kw_only=True)
-class ShapeImageDataset:
+class ShapeImageDataset(_DrawnImages):
     """Procedurally drawn shapes plus noise. See the module docstring."""
 
     image_size: int = 16
@@ -259,14 +266,6 @@ class ShapeImageDataset:
     @property
     def num_classes(self) -> int:
         return len(SHAPES)
-
-    def batch(self, step: int, batch_size: int) -> Batch:
-        return self._draw(np.random.default_rng([self.seed, step, batch_size]), batch_size)
-
-    def eval_batches(self, batch_size: int) -> Iterator[Batch]:
-        """``eval_size`` held-out samples, from a random stream training never draws from."""
-        for i in range(max(1, self.eval_size // batch_size)):
-            yield self._draw(np.random.default_rng([self.seed, EVAL_STREAM, i, batch_size]), batch_size)
 
     def _draw(self, rng: np.random.Generator, n: int) -> Batch:
         size = self.image_size
