@@ -21,8 +21,8 @@ import time
 from pathlib import Path
 
 from deepcee.cluster import load_cluster
+from deepcee.cluster.stragglers import Straggler
 from deepcee.plan import Plan, ReplicaPlan, StagePlan, Strategy
-from deepcee.runtime.emulation import Straggler
 from deepcee.runtime.job import Job, OptimizerConfig, TrainConfig
 from deepcee.runtime.launch import launch_jobs
 

@@ -295,7 +295,7 @@ def counted_profile(ref: str, args: argparse.Namespace) -> ModelProfile:
 
 def _config(args: argparse.Namespace, cluster: Cluster | None = None) -> TrainConfig:
     """The training config of ``args`` (``--straggler`` names devices of ``cluster``)."""
-    from deepcee.runtime.emulation import Straggler
+    from deepcee.cluster.stragglers import Straggler
     from deepcee.runtime.job import OptimizerConfig, TrainConfig
     from deepcee.runtime.lr import LRSchedule
 

@@ -15,7 +15,7 @@ import torch
 from _runtime_helpers import load_captures, make_replicas_plan, relaxed_reference
 
 from deepcee.plan import Strategy
-from deepcee.runtime.emulation import Straggler
+from deepcee.cluster.stragglers import Straggler
 from deepcee.runtime.job import Job, OptimizerConfig, TrainConfig
 from deepcee.runtime.launch import launch_jobs
 from deepcee.runtime.partition import Topology

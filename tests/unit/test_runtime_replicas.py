@@ -7,10 +7,11 @@ import math
 
 import pytest
 
+from deepcee.cluster.stragglers import Straggler
 from deepcee.errors import PlanError, SpecError
 from deepcee.plan import EXACT, Plan, ReplicaPlan, StagePlan, Strategy
 from deepcee.runtime.coordinator import Coordinator
-from deepcee.runtime.emulation import Clock, DevicePacer, Straggler
+from deepcee.runtime.emulation import Clock, DevicePacer
 from deepcee.runtime.partition import Topology, rank_devices, replica_plan
 
 

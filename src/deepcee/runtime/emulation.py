@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
-import math
 import os
 import struct
 import threading
@@ -48,6 +47,9 @@ from pathlib import Path
 from typing import Literal, Protocol
 
 from deepcee.cluster import Link
+from deepcee.cluster.stragglers import (
+    Straggler,  # the one slowdown trace record (simulator and runtime)
+)
 from deepcee.comm import serialise_end_s
 from deepcee.errors import SpecError
 
@@ -104,46 +106,6 @@ class Clock:
 class ComputeTiming:
     cpu_s: float = 0.0
     wall_s: float = 0.0
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Straggler:
-    """A device slowed down by ``factor`` (on top of its own slowdown) from ``start_s`` to
-    ``stop_s``, emulated seconds since the run's epoch: a slowdown trace, as link traces are
-    bandwidth traces. An action is paced by the factor in force when it starts."""
-
-    device: str
-    factor: float
-    start_s: float = 0.0
-    stop_s: float = math.inf
-
-    def __post_init__(self) -> None:
-        if not self.device:
-            raise SpecError("needs a device name", field="straggler.device")
-        if not (math.isfinite(self.factor) and self.factor > 0):
-            raise SpecError(f"must be a finite number > 0, got {self.factor!r}", field="straggler.factor")
-        if not (self.start_s >= 0 and self.stop_s > self.start_s):
-            raise SpecError(f"needs 0 <= start < stop, got {self.start_s!r}, {self.stop_s!r}", field="straggler")
-
-    def factor_at(self, t_s: float) -> float:
-        return self.factor if self.start_s <= t_s < self.stop_s else 1.0
-
-    @staticmethod
-    def parse(text: str, devices: Sequence[str]) -> Straggler:
-        """``DEVICE:FACTOR[:START[:STOP]]``, ``DEVICE`` one of ``devices`` (names may hold
-        colons): ``edge0:1:3`` = edge0:1 3x slower all run; ``edge0:1:3:5:20`` = from 5 s to 20 s."""
-        parts = text.split(":")
-        for cut in range(len(parts) - 1, 0, -1):
-            device, rest = ":".join(parts[:cut]), parts[cut:]
-            if device in devices and len(rest) <= 3:
-                try:
-                    factor, *window = (float(x) for x in rest)
-                except ValueError:
-                    break
-                return Straggler(device=device, factor=factor, start_s=window[0] if window else 0.0,
-                                 stop_s=window[1] if len(window) > 1 else math.inf)
-        raise SpecError(f"expected DEVICE:FACTOR[:START[:STOP]] with DEVICE one of {list(devices)}, got {text!r}",
-                        field="straggler")
 
 
 class DevicePacer:

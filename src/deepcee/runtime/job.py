@@ -23,9 +23,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from deepcee.cluster import Cluster
+from deepcee.cluster.stragglers import Straggler
 from deepcee.errors import SpecError
 from deepcee.plan import Plan
-from deepcee.runtime.emulation import DEFAULT_CORES, MODES, PACED_MODES, Mode, Straggler
+from deepcee.runtime.emulation import DEFAULT_CORES, MODES, PACED_MODES, Mode
 from deepcee.runtime.lr import LRSchedule
 from deepcee.runtime.partition import rank_devices
 from deepcee.runtime.target import check_target_loss

@@ -33,6 +33,7 @@ holder takes the new anchor as its parameters. The inner optimizers keep their s
 from __future__ import annotations
 
 import logging
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
@@ -191,7 +192,7 @@ class RelaxedRun:
     averages: int = 0
 
 
-class _Runner:
+class _Runner(ABC):
     """The per-rank part of a relaxed strategy: what happens after a local step's gradients."""
 
     def __init__(self, t: Trainer) -> None:
@@ -206,8 +207,9 @@ class _Runner:
     def zero_grad(self, k: int) -> None:
         self.t.stage.zero_grad()
 
+    @abstractmethod
     def after_step(self, k: int) -> float:
-        raise NotImplementedError
+        """What follows local step ``k`` (average, push, group round); returns its seconds."""
 
     def evaluates(self, k: int) -> bool:
         """Whether an evaluation follows local step ``k`` (only where every replica holds the same model)."""
