@@ -89,6 +89,7 @@ class CalibrationRun:
     steps: int
     final_eval_loss: float | None
     wall_s: float
+    """Wall seconds of the run's training steps (mode ``real``; evaluations and start-up not counted)."""
 
 
 def layout_plan(cluster: Cluster, profile: ModelProfile, global_batch: int, cluster_ref: str, model: str) -> Plan:
@@ -119,39 +120,51 @@ def settings(cfg: CalibrationConfig) -> list[Strategy]:
                      outer_momentum=cfg.outer_momentum) for o in cfg.outer_optimizers for h in cfg.periods]
 
 
-def _run(plan: Plan, cluster: Cluster, cfg: CalibrationConfig, run_dir: Path) -> CalibrationRun:
-    from deepcee.runtime.job import OptimizerConfig
-    from deepcee.runtime.launch import run_training
+def _job(plan: Plan, cluster: Cluster, cfg: CalibrationConfig, run_dir: Path) -> Any:
+    from deepcee.runtime.job import Job, OptimizerConfig, TrainConfig
 
-    t0 = time.perf_counter()
-    res = run_training(plan, cluster, model=plan.model, steps=cfg.max_steps, run_dir=run_dir,
-                       deadline_s=cfg.deadline_s, mode="real", seed=cfg.seed, eval_every=cfg.eval_every,
-                       eval_batches=cfg.eval_batches, target_loss=cfg.target_loss,
-                       optimizer=OptimizerConfig(name=cfg.optimizer, lr=cfg.lr))
+    for f in ("metrics.jsonl", "result.json"):
+        (run_dir / f).unlink(missing_ok=True)
+    return Job(name=f"calibrate-{run_dir.name}-{time.time_ns():x}", plan=plan, cluster=cluster, model=plan.model,
+               config=TrainConfig(steps=cfg.max_steps, seed=cfg.seed, mode="real", eval_every=cfg.eval_every,
+                                  eval_batches=cfg.eval_batches, target_loss=cfg.target_loss,
+                                  optimizer=OptimizerConfig(name=cfg.optimizer, lr=cfg.lr)),
+               run_dir=str(run_dir))
+
+
+def _outcome(plan: Plan, res: Any, run_dir: Path) -> CalibrationRun:
     tgt = res.target
     if tgt is None or not tgt.curve:
         raise DeepceeError(f"calibration run {run_dir} has no evaluations")
     at = tgt.reached_at or tgt.curve[-1]
     return CalibrationRun(strategy=plan.strategy, reached=tgt.reached_at is not None, samples=at.samples,
-                          steps=at.steps, final_eval_loss=tgt.final_eval_loss, wall_s=time.perf_counter() - t0)
+                          steps=at.steps, final_eval_loss=tgt.final_eval_loss, wall_s=float(sum(res.step_s)))
 
 
 def calibrate(cluster: Cluster, profile: ModelProfile, cfg: CalibrationConfig, *, cluster_ref: str,
               ) -> dict[str, Any]:
-    """Run the reference and every setting; write and return the ``deepcee.efficiency`` JSON."""
+    """Run the reference and every setting; write and return the ``deepcee.efficiency`` JSON.
+
+    All runs share one launch (one set of processes, started once: on a small machine the
+    start-up of the processes costs more than a short run)."""
+    from deepcee.runtime.launch import launch_jobs
+
     out = Path(cfg.out_dir)
     layout = layout_plan(cluster, profile, cfg.global_batch, cluster_ref, cfg.model)
-    ref = _run(reference_plan(layout), cluster, cfg, out / "reference")
+    plans = {"reference": reference_plan(layout)}
+    plans.update({f"{s.outer_optimizer}-H{s.period}": layout.replace(strategy=s) for s in settings(cfg)})
+    jobs = [_job(plan, cluster, cfg, out / name) for name, plan in plans.items()]
+    results = launch_jobs(jobs, deadline_s=cfg.deadline_s * len(jobs))
+    outcomes = {name: _outcome(plan, res, out / name)
+                for (name, plan), res in zip(plans.items(), results, strict=True)}
+    ref = outcomes.pop("reference")
     if not ref.reached:
         raise DeepceeError(f"exact training did not reach target loss {cfg.target_loss:g} within {cfg.max_steps} "
                            f"steps (last evaluation loss {ref.final_eval_loss:.4f}): raise --steps or the target")
     log.info("reference: %d samples (%d steps) to %g", ref.samples, ref.steps, cfg.target_loss)
-    runs = []
-    for s in settings(cfg):
-        name = f"{s.outer_optimizer}-H{s.period}"
-        runs.append(_run(layout.replace(strategy=s), cluster, cfg, out / name))
-        log.info("%s: %s %d samples", name, "reached in" if runs[-1].reached else "NOT reached in", runs[-1].samples)
-    doc = efficiency_document(cfg, layout, ref, runs)
+    for name, r in outcomes.items():
+        log.info("%s: %s %d samples", name, "reached in" if r.reached else "NOT reached in", r.samples)
+    doc = efficiency_document(cfg, layout, ref, list(outcomes.values()))
     save_json_atomic(out / "efficiency.json", doc)
     return doc
 

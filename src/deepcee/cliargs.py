@@ -75,11 +75,14 @@ DATASET_SAMPLES = Limit(name="dataset samples", lo=1, hi=1e15, fields="plan --da
 EPOCHS = Limit(name="epochs", lo=1, hi=10**6, integer=True, fields="plan --epochs", why="a count of passes")
 DEMO_STEPS = Limit(name="demo steps", lo=2, hi=10**6, integer=True, fields="demo --steps, validate --steps",
                    why="the first step is warm-up; runs with progress and stops on Ctrl-C")
+BASELINE_CAP = Limit(name="baseline cap", lo=0, hi=1e3, fields="demo --baseline-cap",
+                     why="x the fastest predicted time to target; 0 = no cap (values in (0, 1) are refused)")
 
 CLI_LIMITS: tuple[Limit, ...] = (STEPS, ITERATIONS, STAGES, MICROBATCHES, DEADLINE, TIMEOUT, CORES, EVERY, LR,
                                  WEIGHT_DECAY, MIN_LR_RATIO, CLIP_NORM, KEEP, EVAL_BATCHES, TARGET_LOSS, MOMENTUM,
                                  SEED, SCALE,
-                                 THRESHOLD_MS, RATIO, PLANS, BUDGET, DATASET_SAMPLES, EPOCHS, DEMO_STEPS)
+                                 THRESHOLD_MS, RATIO, PLANS, BUDGET, DATASET_SAMPLES, EPOCHS, DEMO_STEPS,
+                                 BASELINE_CAP)
 
 
 def number(limit: Limit) -> Callable[[str], int | float]:

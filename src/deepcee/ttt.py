@@ -29,6 +29,8 @@ Used by ``benchmarks/time_to_target.py`` (and meant for the main job). On an emu
 from __future__ import annotations
 
 import logging
+import math
+import os
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -44,6 +46,7 @@ from deepcee.planner.efficiency import (
     StatisticalEfficiency,
 )
 from deepcee.profile import ModelProfile
+from deepcee.runtime.emulation import DEFAULT_CORES
 
 log = logging.getLogger(__name__)
 
@@ -100,8 +103,19 @@ def _islands_used(cluster: Cluster, plan: Plan) -> int:
     return len({isl[d] for d in plan.devices})
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Planned:
+    """The systems' plans and predictions, and what the relaxed planner said."""
+
+    systems: dict[str, Candidate]
+    explanation: tuple[str, ...]
+    """The relaxed planner's explanation of its overall choice."""
+    planner_choice: Plan
+    """The relaxed planner's overall choice (``deepcee plan --sync relaxed``)."""
+
+
 def candidates(cluster: Cluster, profile: ModelProfile, global_batch: int, model: str, cluster_ref: str,
-               efficiency: StatisticalEfficiency) -> dict[str, Candidate]:
+               efficiency: StatisticalEfficiency) -> Planned:
     """The four systems' plans and predictions ([Note: time-to-target systems])."""
     from deepcee.planner.baselines import build_baselines
     from deepcee.planner.replicas import plan_replicas
@@ -145,25 +159,66 @@ def candidates(cluster: Cluster, profile: ModelProfile, global_batch: int, model
     if ddp.plan is None:
         raise DeepceeError(f"DDP has no plan: {ddp.reason}")
     out["ddp-all"] = exact("ddp-all", ddp.plan)
-    return out
+    return Planned(systems=out, explanation=tuple(res.explanation), planner_choice=res.plan)
 
 
-def train_all(cands: Mapping[str, Candidate], cluster: Cluster, cfg: TttConfig) -> dict[str, Any]:
-    """Train every candidate to the target in one launch; ``{system: TrainResult}``."""
+def _same_plan(a: Plan, b: Plan) -> bool:
+    return a.replace(system="", estimate=None, explanation=()).to_dict() == \
+        b.replace(system="", estimate=None, explanation=()).to_dict()
+
+
+def step_caps(cands: Mapping[str, Candidate], reference_samples: float | None, factor: float,
+              eval_every: int) -> dict[str, int]:
+    """Most steps for the exact systems predicted to need more than ``factor`` x the fastest
+    system's predicted time to target: enough for ``factor`` x that time at their simulated
+    speed (at least two evaluations). Exact plans all need the reference's samples to the
+    target, so a capped run's time to target can be projected from its measured speed."""
+    preds = {n: c.predicted_s(reference_samples) for n, c in cands.items()}
+    if reference_samples is None or any(p is None for p in preds.values()):
+        return {}
+    budget = factor * min(p for p in preds.values() if p is not None)
+    caps = {}
+    for name, c in cands.items():
+        if c.plan.semantics == "exact" and (preds[name] or 0.0) > budget:
+            step_s = c.plan.global_batch / c.simulated_samples_per_s
+            caps[name] = max(2 * eval_every, math.ceil(budget / step_s / eval_every) * eval_every)
+    return caps
+
+
+def train_all(cands: Mapping[str, Candidate], cluster: Cluster, cfg: TttConfig,
+              trace: tuple[str, ...] = (), max_steps: Mapping[str, int] | None = None) -> dict[str, Any]:
+    """Train every candidate to the target in one launch; ``{system: TrainResult}``. Systems
+    with the same plan (deepcee's synchronous plan is often the best single island) train once
+    and share the result; ``trace``: systems whose runs keep per-action records (timelines);
+    ``max_steps``: a system's own step limit (else ``cfg.max_steps``; see :func:`step_caps`)."""
     from deepcee.runtime.job import Job, OptimizerConfig, TrainConfig
     from deepcee.runtime.launch import launch_jobs
 
     out = Path(cfg.out_dir)
     stamp = f"{time.time_ns():x}"
-    jobs = [Job(name=f"ttt-{name}-{stamp}", plan=c.plan, cluster=cluster, model=cfg.model,
-                config=TrainConfig(steps=cfg.max_steps, seed=cfg.seed, mode=cfg.mode, eval_every=cfg.eval_every,
-                                   eval_batches=cfg.eval_batches, target_loss=cfg.target_loss,
+    unique: dict[str, str] = {}  # system -> the system whose run it shares
+    for name, c in cands.items():
+        unique[name] = next((u for u in dict.fromkeys(unique.values()) if _same_plan(cands[u].plan, c.plan)), name)
+    runs = list(dict.fromkeys(unique.values()))
+    jobs = [Job(name=f"ttt-{name}-{stamp}", plan=cands[name].plan, cluster=cluster, model=cfg.model,
+                config=TrainConfig(steps=(max_steps or {}).get(name, cfg.max_steps), seed=cfg.seed, mode=cfg.mode,
+                                   eval_every=cfg.eval_every,
+                                   eval_batches=cfg.eval_batches, target_loss=cfg.target_loss, trace=name in trace,
                                    optimizer=OptimizerConfig(name=cfg.optimizer, lr=cfg.lr)),
-                run_dir=str(out / "runs" / name)) for name, c in cands.items()]
+                run_dir=str(out / "runs" / name)) for name in runs]
     for j in jobs:
         for f in ("metrics.jsonl", "result.json"):
             (Path(j.run_dir) / f).unlink(missing_ok=True)
-    return dict(zip(cands, launch_jobs(jobs, deadline_s=cfg.deadline_s), strict=True))
+    # a realnet launch runs one device set in one rank order (its relay's namespaces): one launch
+    # per set there; otherwise one launch for all (one start-up)
+    groups: dict[Any, list[int]] = {}
+    for i, j in enumerate(jobs):
+        groups.setdefault(tuple(j.rank_devices()) if cfg.mode == "realnet" else 0, []).append(i)
+    got: dict[str, Any] = {}
+    for idx in groups.values():
+        for i, res in zip(idx, launch_jobs([jobs[i] for i in idx], deadline_s=cfg.deadline_s), strict=True):
+            got[runs[i]] = res
+    return {name: got[unique[name]] for name in cands}
 
 
 def eval_at_samples(curve: Any, samples: int) -> float | None:
@@ -172,10 +227,32 @@ def eval_at_samples(curve: Any, samples: int) -> float | None:
     return pts[-1].eval_loss if pts else None
 
 
+def host_load() -> dict[str, float]:
+    """The machine's load averages and cores: emulated figures hold only while the emulated
+    devices get the cores they were given (``DEFAULT_CORES`` of them, PLATFORM.md)."""
+    one, five, _ = os.getloadavg()
+    return {"load_1m": one, "load_5m": five, "cores": float(os.cpu_count() or 1)}
+
+
+def busy_warning(before: Mapping[str, float], after: Mapping[str, float], cores_used: float) -> str | None:
+    """A line when other work shared the cores during the runs (their pacing then fell behind)."""
+    # the runs themselves keep about ``cores_used`` cores busy; anything well above is someone else
+    extra = max(before["load_1m"], after["load_1m"] - cores_used)
+    if extra > 0.5 * before["cores"]:
+        return (f"the machine was busy (load average {before['load_1m']:.1f} before, {after['load_1m']:.1f} after, "
+                f"{before['cores']:.0f} cores): emulated devices fall behind their pacing and links look faster "
+                "than they are, so measured times are distorted; run again on an idle machine")
+    return None
+
+
 def report(cands: Mapping[str, Candidate], results: Mapping[str, Any], cfg: TttConfig,
-           reference_samples: float | None, efficiency_file: str | None) -> dict[str, Any]:
+           reference_samples: float | None, efficiency_file: str | None,
+           host: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The JSON report (see the module docstring)."""
     rows = []
+    first_run: dict[str, str] = {}
+    for name in cands:
+        first_run.setdefault(results[name].run_dir, name)
     common = min((results[n].target.curve[-1].samples for n in cands if results[n].target.curve), default=0)
     for name, c in cands.items():
         res = results[name]
@@ -185,7 +262,9 @@ def report(cands: Mapping[str, Candidate], results: Mapping[str, Any], cfg: TttC
         rows.append({
             "system": name, "semantics": c.plan.semantics, "strategy": c.plan.strategy.describe(),
             "islands": c.islands, "devices": list(c.plan.devices), "replicas": c.plan.num_replicas,
-            "note": c.note, "simulated_samples_per_s": c.simulated_samples_per_s,
+            "note": "; ".join(x for x in (c.note, "" if first_run[res.run_dir] == name else
+                                          f"same plan as {first_run[res.run_dir]}: trained once") if x),
+            "simulated_samples_per_s": c.simulated_samples_per_s,
             "measured_samples_per_s": res.samples_per_s, "multiplier": c.multiplier,
             "multiplier_source": c.multiplier_source, "predicted_time_to_target_s": pred,
             "measured_time_to_target_s": meas, "reached": tgt.reached,
@@ -193,6 +272,8 @@ def report(cands: Mapping[str, Candidate], results: Mapping[str, Any], cfg: TttC
             "steps_to_target": tgt.reached_at.steps if tgt.reached_at else None,
             "final_eval_loss": tgt.final_eval_loss, "eval_loss_at_common_samples": eval_at_samples(tgt.curve, common),
             "predicted_vs_measured": None if pred is None or meas is None else pred / meas - 1.0,
+            "projected_time_to_target_s": _projected(c, res, reference_samples, meas),
+            "steps_run": len(res.step_s),
             "curve": [p.to_list() for p in tgt.curve], "run_dir": res.run_dir, "clock": tgt.clock,
             "dilation": res.dilation})
     by = {r["system"]: r for r in rows}
@@ -204,7 +285,15 @@ def report(cands: Mapping[str, Candidate], results: Mapping[str, Any], cfg: TttC
             "clock": "emulated seconds (wall / dilation)" if cfg.mode != "real" else "wall seconds",
             "efficiency": efficiency_file or "default (conservative, not measured)",
             "reference_samples_to_target": reference_samples, "common_samples": common,
-            "relaxed_vs_single_island_speedup": ratio, "systems": rows}
+            "relaxed_vs_single_island_speedup": ratio, "host": dict(host or {}), "systems": rows}
+
+
+def _projected(c: Candidate, res: Any, reference_samples: float | None, measured: float | None) -> float | None:
+    """An exact run stopped by its step cap before the target: the reference's samples to the
+    target at the run's measured speed (every exact plan computes the single-process result)."""
+    if measured is not None or c.plan.semantics != "exact" or not reference_samples or not res.samples_per_s:
+        return None
+    return reference_samples / res.samples_per_s
 
 
 def plot(doc: Mapping[str, Any], path: Path) -> None:
@@ -245,14 +334,25 @@ def efficiency_of(path: str | None) -> tuple[StatisticalEfficiency, float | None
     return eff, ref
 
 
+QUICK_DEVICES = {"warmup": 1, "repeats": 3, "score_repeats": 2}
+"""The main job's device probe budget (ProbeConfig fields): medians of 3 rounds instead of 7."""
+
+
 def quick_profile(cluster: Cluster, model: str, out: Path) -> Any:
-    """Measured devices and links of the emulated cluster, with the main job's quick budget."""
+    """Measured devices and links of the emulated cluster, with the main job's quick budget.
+
+    Links are probed at network dilation 1: while links are probed the devices are idle (two
+    processes run), so there is no CPU contention for a dilation to absorb, and the emulated
+    links deliver by their declared model either way; this makes the probes ~3.75x shorter on
+    ``local-small``. Devices keep the launch's dilation (five busy processes on two cores)."""
     from deepcee.profiler.network import NetworkBudget
+    from deepcee.profiler.probes import ProbeConfig
     from deepcee.profiler.run import profile_cluster
 
     budget = NetworkBudget(max_full_ranks=1, min_bytes=256 << 10, max_bytes=1 << 20, growth=4, repeats=2,
                            max_s_per_pair=8.0)
-    return profile_cluster(cluster, model, out / "profile", emulated=True, network_budget=budget, deadline_s=900)
+    return profile_cluster(cluster, model, out / "profile", emulated=True, network_budget=budget,
+                           device_config=ProbeConfig(**QUICK_DEVICES), network_dilation=1.0, deadline_s=900)
 
 
 def run(cluster: Cluster, cfg: TttConfig, *, cluster_ref: str, efficiency_file: str | None = None,
@@ -269,11 +369,15 @@ def run(cluster: Cluster, cfg: TttConfig, *, cluster_ref: str, efficiency_file: 
         planned_on, profile = prof.cluster, prof.profile
     t_prof = time.monotonic() - t0
     eff, ref = efficiency_of(efficiency_file)
-    cands = candidates(planned_on, profile, cfg.global_batch, cfg.model, cluster_ref, eff)
+    cands = candidates(planned_on, profile, cfg.global_batch, cfg.model, cluster_ref, eff).systems
     for name, c in cands.items():
         save_json_atomic(out / f"plan-{name}.json", c.plan.to_dict())
+    before = host_load()
     results = train_all(cands, cluster, cfg)
-    doc = report(cands, results, cfg, ref, efficiency_file)
+    after = host_load()
+    host = {"before": before, "after": after,
+            "warning": busy_warning(before, after, DEFAULT_CORES)}
+    doc = report(cands, results, cfg, ref, efficiency_file, host)
     doc["timings_s"] = {"profile_and_plan": t_prof, "train": time.monotonic() - t0 - t_prof}
     save_json_atomic(out / "report.json", doc)
     plot(doc, out / "loss_vs_time.png")
@@ -297,6 +401,13 @@ def format_table(doc: Mapping[str, Any]) -> str:
                      f"{r['measured_samples_per_s']:8.0f}")
         if r["note"]:
             lines.append(f"  note: {r['note']}")
+        if r.get("projected_time_to_target_s") is not None:
+            lines.append(f"  not reached: stopped by its step cap after {r['steps_run']} steps (evaluation loss "
+                         f"{f(r['final_eval_loss'], '.4f')}); PROJECTED time to target "
+                         f"{r['projected_time_to_target_s']:.2f} s = the exact reference's samples at its measured "
+                         "samples/s (exact plans need the same samples)")
+    if doc.get("host", {}).get("warning"):
+        lines.append(f"  WARNING: {doc['host']['warning']}")
     lines.append(f"  deepcee-relaxed: {doc['systems'][0]['strategy']}; multiplier x{doc['systems'][0]['multiplier']:.2f} "
                  f"({doc['systems'][0]['multiplier_source']})")
     sp = doc["relaxed_vs_single_island_speedup"]
@@ -305,5 +416,5 @@ def format_table(doc: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["SYSTEMS", "TASKS", "Candidate", "quick_profile", "TttConfig", "candidates", "efficiency_of", "format_table", "plot", "report", "run",
-           "train_all"]
+__all__ = ["SYSTEMS", "TASKS", "Candidate", "Planned", "TttConfig", "busy_warning", "candidates", "efficiency_of",
+           "format_table", "host_load", "plot", "quick_profile", "report", "run", "step_caps", "train_all"]

@@ -33,6 +33,7 @@ from deepcee.cli.running import (
     cmd_validate,
 )
 from deepcee.cliargs import (
+    BASELINE_CAP,
     BUDGET,
     DATASET_SAMPLES,
     DEADLINE,
@@ -58,6 +59,7 @@ from deepcee.cliargs import (
     number,
 )
 from deepcee.errors import DeepceeError
+from deepcee.mainjob import DEFAULT_PERIODS
 from deepcee.plan import SCHEDULES
 
 
@@ -101,22 +103,28 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("demo", help="the main job: profile, group, plan and train on an emulated cluster "
-                       "(deepcee vs DDP vs 1F1B)")
+    p = sub.add_parser("demo", help="the main job: profile, calibrate, plan (--sync relaxed) and train four systems "
+                       "to one target loss on an emulated cross-region cluster; --throughput: the samples/s demo")
     p.add_argument("--scenario", default="local-small")
-    p.add_argument("--model", help="gpt-tiny (default) or resnet-tiny; with --time-to-target: convnet-tiny "
-                   "(default) or gpt-tiny")
+    p.add_argument("--model", help="gpt-tiny (default) or convnet-tiny; with --throughput: gpt-tiny (default) or "
+                   "resnet-tiny")
     p.add_argument("--global-batch", type=number(GLOBAL_BATCH), default=32)
-    p.add_argument("--steps", type=number(DEMO_STEPS), default=20)
     p.add_argument("--out", default="reports/demo", help="report folder")
-    p.add_argument("--full-profile", action="store_true", help="probe every device pair with the full budget")
-    p.add_argument("--time-to-target", action="store_true",
-                   help="train deepcee's relaxed all-island plan, synchronous deepcee, the best single island and "
-                        "DDP to one target loss (default model convnet-tiny); report predicted vs measured")
-    p.add_argument("--target-loss", type=number(TARGET_LOSS),
-                   help="with --time-to-target: the target (default: the task's)")
-    p.add_argument("--efficiency", help="with --time-to-target: a `deepcee calibrate` JSON (default: the "
-                   "conservative default, not measured)")
+    p.add_argument("--target-loss", type=number(TARGET_LOSS), help="the target evaluation loss (default: the task's)")
+    p.add_argument("--links", choices=("auto", "realnet", "emulated"), default="auto",
+                   help="links while training: auto (default) = realnet (real TCP through the shaping relay) where "
+                        "the host allows it, else emulated (labelled as the fallback)")
+    p.add_argument("--periods", default=",".join(map(str, DEFAULT_PERIODS)),
+                   help="model-averaging periods H to calibrate (comma-separated)")
+    p.add_argument("--efficiency", help="a `deepcee calibrate` JSON to use instead of calibrating")
+    p.add_argument("--baseline-cap", type=number(BASELINE_CAP), default=4.0,
+                   help="exact systems predicted to need more than this x the fastest prediction stop after that "
+                        "long and their time to target is projected (labelled); 0: train every system to the target")
+    p.add_argument("--throughput", action="store_true",
+                   help="the former main job: samples/s of deepcee vs DDP vs 1F1B over --steps steps")
+    p.add_argument("--steps", type=number(DEMO_STEPS), default=20, help="with --throughput: steps per system")
+    p.add_argument("--full-profile", action="store_true",
+                   help="with --throughput: probe every device pair with the full budget")
     p.set_defaults(func=cmd_demo)
 
     from deepcee.train import DESCRIPTION, add_train_arguments

@@ -109,8 +109,35 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    if args.time_to_target:
-        return _demo_time_to_target(args)
+    if args.throughput:
+        return _demo_throughput(args)
+    import logging
+
+    from deepcee.mainjob import MainJobConfig, format_report, run_main_job
+
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    model = args.model or "gpt-tiny"
+    _check_net(model)
+    periods = tuple(_whole_list(args.periods, "--periods"))
+    cfg = MainJobConfig(scenario=args.scenario, model=model, global_batch=args.global_batch,
+                        target_loss=args.target_loss, mode=args.links, periods=periods,
+                        efficiency_file=args.efficiency, out_dir=args.out)
+    print(format_report(run_main_job(cfg)))
+    return 0
+
+
+def _whole_list(text: str, flag: str) -> list[int]:
+    try:
+        vals = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise SpecError(f"expected comma-separated whole numbers, got {text[:40]!r}", field=flag) from None
+    if not vals or any(v < 1 or v > 4096 for v in vals):
+        raise SpecError(f"expected whole numbers in [1, 4096], got {text[:40]!r}", field=flag)
+    return vals
+
+
+def _demo_throughput(args: argparse.Namespace) -> int:
+    """``deepcee demo --throughput``: the former main job (samples/s over a fixed number of steps)."""
     from deepcee.demo import DemoConfig, format_report, run_demo
 
     model = args.model or "gpt-tiny"
@@ -119,27 +146,4 @@ def cmd_demo(args: argparse.Namespace) -> int:
                      out_dir=args.out, quick_profile=not args.full_profile)
     report = run_demo(cfg)
     print(format_report(report))
-    return 0
-
-
-def _demo_time_to_target(args: argparse.Namespace) -> int:
-    """``deepcee demo --time-to-target``: the four systems trained to one target loss (:mod:`deepcee.ttt`)."""
-    import logging
-
-    from deepcee import ttt
-    from deepcee.scenarios import load_scenario
-
-    logging.basicConfig(level=logging.WARNING)
-    model = args.model or "convnet-tiny"
-    if model not in ttt.TASKS:
-        raise SpecError(f"no time-to-target task for {model!r} (known: {', '.join(ttt.TASKS)})", field="--model")
-    task = ttt.TASKS[model]
-    cfg = ttt.TttConfig(model=model, global_batch=args.global_batch, target_loss=args.target_loss or
-                        task["target_loss"], eval_every=task["eval_every"], max_steps=task["max_steps"],
-                        lr=task["lr"], out_dir=args.out)
-    print(f"time to target: {model} to evaluation loss {cfg.target_loss:g} on {args.scenario} (emulated): profile, "
-          "plan (--sync relaxed), then train deepcee relaxed, deepcee sync, best single island, DDP ...")
-    doc = ttt.run(load_scenario(args.scenario), cfg, cluster_ref=args.scenario, efficiency_file=args.efficiency)
-    print(ttt.format_table(doc))
-    print(f"wrote {Path(args.out) / 'report.json'}, {Path(args.out) / 'loss_vs_time.png'}")
     return 0

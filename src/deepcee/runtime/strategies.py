@@ -348,7 +348,10 @@ def run_relaxed(t: Trainer) -> RelaxedRun:
         comm_s = runner.after_step(k)
         end = t.clock.wall()
         eval_loss = evaluate(t) if runner.evaluates(k) else None
-        run.steps.append(LocalStep(replica=runner.replica, step=k, metrics=t.rank_metrics(rec, sync_s),
+        metrics = t.rank_metrics(rec, sync_s)
+        if t.cfg.trace and comm_s > 0:  # the cross-replica exchange, for timelines
+            metrics = replace(metrics, trace=(*metrics.trace, (f"SYNC {t.plan.strategy.kind}", end - comm_s, end)))
+        run.steps.append(LocalStep(replica=runner.replica, step=k, metrics=metrics,
                                    start_wall=start, end_wall=end, comm_s=comm_s, eval_loss=eval_loss,
                                    resume_wall=t.clock.wall()))
         k += 1
