@@ -253,7 +253,10 @@ def report(cands: Mapping[str, Candidate], results: Mapping[str, Any], cfg: TttC
     first_run: dict[str, str] = {}
     for name in cands:
         first_run.setdefault(results[name].run_dir, name)
-    common = min((results[n].target.curve[-1].samples for n in cands if results[n].target.curve), default=0)
+    # the samples every run that reached the target got to (a capped baseline would pin it low)
+    ends = {n: results[n].target.curve[-1].samples for n in cands if results[n].target.curve}
+    reached_ends = [v for n, v in ends.items() if results[n].target.reached]
+    common = min(reached_ends or ends.values(), default=0)
     for name, c in cands.items():
         res = results[name]
         tgt = res.target
