@@ -92,12 +92,17 @@ def resolve_mode(mode: str) -> tuple[str, str]:
 
 
 def relaxed_timeline(result: Any, plan: Plan, cluster: Cluster, *, steps: int = 24) -> dict[str, Any]:
-    """Chrome trace (Perfetto) of the relaxed run's first ``steps`` local steps that carry
-    per-action records: one process per device (named by replica, island and device), compute
+    """Chrome trace (Perfetto) of ``steps`` local steps of the relaxed run (those just before and
+    after its first cross-replica exchange): one process per device (named by replica, island and device), compute
     and transfers as recorded by the runtime, and each replica's cross-island average as a
     ``SYNC`` span; emulated seconds."""
     island = {d: name for name, devs in cluster.island_devices().items() for d in devs}
-    recs = [m for m in result.metrics if m.trace is not None][:steps]
+    traced = [m for m in result.metrics if m.trace is not None]
+    # the window ends a few steps after the first cross-replica exchange (when there is one)
+    first = next((i for i, m in enumerate(traced)
+                  if any(a.startswith("SYNC") for acts in m.trace.values() for a, _, _ in acts)), None)
+    lo = 0 if first is None else max(0, first + 4 - steps)
+    recs = traced[lo:lo + steps]
     events: list[dict[str, Any]] = []
     devices = list(plan.devices)
     for pid, dev in enumerate(devices):
@@ -120,7 +125,8 @@ def relaxed_timeline(result: Any, plan: Plan, cluster: Cluster, *, steps: int = 
                                "cat": "cross-island" if sync else "comm" if comm else "compute",
                                "args": {"step": m.step}})
     return {"traceEvents": events, "displayTimeUnit": "ms",
-            "otherData": {"source": f"measured relaxed run ({result.mode}), first {len(recs)} local steps, "
+            "otherData": {"source": f"measured relaxed run ({result.mode}), local steps {recs[0].step if recs else 0}-"
+                                    f"{recs[-1].step if recs else 0}, "
                                     "times divided by the dilation", "cross_island_spans": cross}}
 
 
