@@ -19,10 +19,13 @@ library's business, so they are computed at one *root* in replica order instead:
 segment's first holder in the lowest replica of the group receives one copy per other
 replica (from that replica's *delegate*, its first holder of the segment: every holder of a
 stage has the same parameters), computes ``acc = x[r0].clone(); acc += x[r1]; ...;
-acc /= n`` and sends the result to every holder of the group. The result is the same bits
-as a single process doing those operations in that order, which the tests check. Cost: a
-gather to the root and a scatter from it, alpha-beta per link, FIFO per link resource (what
-the simulator must assume for these strategies).
+acc /= n`` and sends the result to each replica's delegate (and to its own replica's other
+holders), and each delegate hands it on to the other holders of its replica: one copy per
+replica crosses the slow links (sending it to every holder put two or more copies on the same
+WAN link at once). The result is the same bits as a single process doing those operations in
+that order, which the tests check. Cost: a gather to the root, a scatter to the delegates and
+a hand-on inside each replica, alpha-beta per link, FIFO per link resource (what the
+simulator must assume for these strategies).
 """
 
 from __future__ import annotations
@@ -207,15 +210,21 @@ def star_mean(m: Messenger, segment: Segment, replicas: Sequence[int], mine: tor
     if m.rank == root:
         xs = [mine] + [m.recv(mine, src=d, tag=TAG_GATHER)[0] for d in delegates[1:]]
         out = (combine or mean_in_order)(xs)
-        for h in holders:
-            for r in h:
+        for h in holders:  # one copy per replica crosses the WAN: to its delegate
+            for r in (h if h[0] == root else h[:1]):
                 if r != root:
                     m.send(out, r, TAG_SCATTER)
         m.flush()
         return out
+    mine_h = next(h for h in holders if m.rank in h)
     if m.rank in delegates:
         m.send(mine, root, TAG_GATHER)
-    out, _ = m.recv(mine, src=root, tag=TAG_SCATTER)
+        out, _ = m.recv(mine, src=root, tag=TAG_SCATTER)
+        if mine_h[0] != root:  # the delegate hands it on inside its replica (same island, fast links)
+            for r in mine_h[1:]:
+                m.send(out, r, TAG_SCATTER)
+    else:
+        out, _ = m.recv(mine, src=root if mine_h[0] == root else mine_h[0], tag=TAG_SCATTER)
     m.flush()
     return out
 

@@ -15,8 +15,10 @@ and sends the total back to its holders. A server serves segments in layer order
   optimizer); after every ``period``-th local step it waits until all replicas got there, then
   per segment the first holder of the segment in each replica sends its parameters to the
   *root* (the segment's first holder in replica 0), which averages them (server work; with
-  the Nesterov outer optimizer also the outer step) and sends the result to every holder:
-  the runtime's gather and scatter ([Note: deterministic averaging] there).
+  the Nesterov outer optimizer also the outer step) and sends the result back to each
+  replica's first holder (its own replica's holders directly), which hands it on to the
+  other holders of its replica: one copy per replica crosses the WAN; the runtime's gather
+  and scatter ([Note: deterministic averaging] there).
 - ``partial``: after each local step a replica waits for its group. Rounds are formed in
   arrival order: a round closes when ``max_group`` replicas wait (0: no bound), or all do, or
   ``window_s`` has passed since it opened and at least ``min_group`` wait; every
@@ -211,13 +213,15 @@ def _average(run: Run, group: Sequence[int], ready: Mapping[str, float], what: s
             run.server_memory[root] = max(run.server_memory[root], 2 * nbytes)
         for hs in holders:
             g.link(chains[hs[0]], mean, nbytes)
-        for hs in holders:
+        for hs in holders:  # to each replica's delegate, which hands it on inside its replica
+            first = None
             for h in hs:
                 node = g.add(Node(device=h))
-                g.link(mean, node, nbytes)
+                g.link(mean if first is None or hs[0] == root else first, node, nbytes)
                 if h != hs[0]:
                     g.link(chains[h], node)
                 chains[h] = node
+                first = node if first is None else first
     g.on_done = lambda g: then(_resumes(run, g, chains, group))
     g.start()
 
