@@ -31,7 +31,7 @@ __all__ = [
     "BUDGET", "DATASET_SAMPLES", "EPOCHS", "CLIP_NORM", "CLI_LIMITS", "CORES", "DEADLINE", "EVAL_BATCHES", "EVERY", "GLOBAL_BATCH", "IMAGE_SIZE", "ITERATIONS",
     "KEEP", "LR", "MICROBATCHES", "MIN_LR_RATIO", "MOMENTUM", "PLANS", "RATIO", "SCALE", "SEED", "SEQ_LEN", "STAGES",
     "STEPS", "TARGET_LOSS", "THRESHOLD_MS", "TIMEOUT", "WEIGHT_DECAY",
-    "OneLineParser", "name_list", "name_pair", "number", "straggler_flag",
+    "OneLineParser", "link_down_flag", "name_list", "name_pair", "number", "straggler_flag",
 ]
 
 STEPS = Limit(name="training steps", lo=1, hi=10**9, integer=True, fields="--steps, --decay-steps",
@@ -122,6 +122,25 @@ def name_pair(text: str) -> tuple[str, str]:
     if not comma or not a or not b or "," in b or a == b:
         raise argparse.ArgumentTypeError(f"expected two different names as a,b, got {show(text)}")
     return a, b
+
+
+def link_down_flag(text: str, nodes: Sequence[str]) -> Any:
+    """One ``--link-down NODE_A:NODE_B@START[:STOP]`` (:mod:`deepcee.cluster.outages`): both nodes
+    of the cluster, the times in the trace-time range; errors name the flag and the value."""
+    from deepcee.cluster.outages import LinkOutage
+    from deepcee.errors import SpecError
+    from deepcee.inputs.limits import TRACE_TIME
+
+    try:
+        o = LinkOutage.parse(text, nodes)
+        TRACE_TIME.check(o.start_s)
+        if o.stop_s != float("inf"):
+            TRACE_TIME.check(o.stop_s)
+    except (SpecError, ValueError) as exc:
+        field = getattr(exc, "field", None)
+        msg = str(exc).removeprefix(f"{field}: ") if field else str(exc)
+        raise SpecError(f"{text!r}: {msg}"[:300], field="--link-down") from None
+    return o
 
 
 def straggler_flag(text: str, devices: Sequence[str], parse: Callable[[str, Sequence[str]], Any] | None = None) -> Any:

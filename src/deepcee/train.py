@@ -51,6 +51,7 @@ from deepcee.cliargs import (
     TIMEOUT,
     WEIGHT_DECAY,
     OneLineParser,
+    link_down_flag,
     name_list,
     number,
     straggler_flag,
@@ -138,6 +139,10 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--straggler", action="append", default=[], metavar="DEVICE:FACTOR[:START[:STOP]]",
                    help="emulated modes: slow DEVICE down FACTOR times from START to STOP (emulated seconds "
                         "since training started; default the whole run); repeatable")
+    p.add_argument("--link-down", action="append", default=[], metavar="NODE_A:NODE_B@START[:STOP]",
+                   help="mode emulated: the link between two nodes carries nothing from START to STOP (emulated "
+                        "seconds since training started; no STOP: it never comes back; a fault to test "
+                        "--elastic with); repeatable")
     p.add_argument("--profile", help="measured profile.json for planning and the adapter's predictions "
                    "(default: analytic)")
     add_model_data_arguments(p)
@@ -302,6 +307,8 @@ def _config(args: argparse.Namespace, cluster: Cluster | None = None) -> TrainCo
     return TrainConfig(
         stragglers=tuple(straggler_flag(text, cluster.device_names if cluster else (), Straggler.parse)
                          for text in args.straggler),
+        link_outages=tuple(link_down_flag(text, sorted({d.node for d in cluster.devices}) if cluster else ())
+                           for text in args.link_down),
         steps=args.steps, seed=args.seed, dtype=args.dtype, mode=args.mode, cores=args.cores,
         optimizer=OptimizerConfig(name=args.optimizer, lr=args.lr, momentum=args.momentum,
                                   weight_decay=args.weight_decay),

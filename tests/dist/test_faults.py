@@ -135,3 +135,30 @@ def test_sigstop_of_a_stages_only_device_restores_from_the_newest_intact_checkpo
     assert int(restored.rsplit("step-", 1)[1]) < int(corrupted.rsplit("step-", 1)[1])
     assert lost["steps_redone"] == lost["steps_applied"] - lost["resume_step"] > 0
     assert E0 not in lost["devices"]
+
+
+def test_dead_link_leaves_out_one_end_and_training_goes_on(tmp_path):
+    # the link between nodes cloud0 and end0 goes down for good mid-run (emulated links: no
+    # transfer between them starts again); both processes stay alive. Stage 1 is held by edge0:0
+    # and end0:0, so whichever end is left out, no state is lost; the leader keeps the faster
+    # plan: without end0:0 (the two cloud devices keep stage 0's data parallelism)
+    from deepcee.cluster.outages import LinkOutage
+
+    steps = 24
+    plan = make_plan("gpt-tiny", [(0, 3, (C0, C1), (2, 2)), (3, 6, (E0, N0), (2, 2))], 2, "1f1b")
+    cfg = TrainConfig(steps=steps, dtype="float64", optimizer=ADAM, mode="emulated", timeout_s=4.0, capture=True,
+                      link_outages=(LinkOutage(a="cloud0", b="end0", start_s=0.4),))
+    job = adaptive_job(plan, load_scenario("local-small"), model="gpt-tiny", config=cfg, run_dir=tmp_path,
+                       name="dead-link", devices=DEVICES, policy=ScriptedPolicy(changes=()),
+                       elastic=ElasticConfig(heartbeat_s=0.25, lost_after_s=8.0, rejoin=False))
+    t0 = time.monotonic()
+    (result,) = launch_jobs([job], deadline_s=DEADLINE_S, elastic=Elastic(finish_grace_s=5.0))
+    assert time.monotonic() - t0 < DEADLINE_S
+    losses, _, _ = reference("gpt-tiny", plan, steps, ADAM)
+    assert [m.step for m in result.metrics] == list(range(steps))  # one record per step: no restart
+    for got, want in zip(result.losses, losses, strict=True):
+        assert got == pytest.approx(want, rel=RTOL)
+    (lost,) = _events(tmp_path)
+    assert [x["device"] for x in lost["lost"]] == [N0] and "link is dead" in lost["reason"]
+    assert lost["steps_redone"] == 0 and lost["restored_from"] is None
+    assert N0 not in lost["devices"] and set(lost["devices"]) == {C0, C1, E0}

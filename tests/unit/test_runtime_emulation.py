@@ -164,3 +164,33 @@ def test_realnet_launch_takes_one_device_order_and_one_dilation(tmp_path):
         _realnet_jobs(_jobs(tmp_path, (ab, "realnet", None), (ab, "realnet", 3.0)), None)
     with pytest.raises(Exception, match="world_size is 3"):
         _realnet_jobs(_jobs(tmp_path, (ab, "realnet", None)), 3)
+
+
+def test_link_outage_holds_transfers_until_the_link_is_back_or_forever():
+    import math
+
+    from deepcee.cluster.outages import LinkOutage, outages_by_devices, up_again_s
+    from deepcee.errors import ClusterSpecError
+
+    flap = LinkOutage.parse("a0:b0@1:3", ["a0", "b0"])
+    gone = LinkOutage(a="a0", b="b0", start_s=5.0)
+    assert (flap.start_s, flap.stop_s) == (1.0, 3.0) and math.isinf(gone.stop_s)
+    assert up_again_s([flap, gone], 0.5) == 0.5 and up_again_s([flap, gone], 2.0) == 3.0
+    assert math.isinf(up_again_s([flap, gone], 6.0))
+    for bad in ("a0@1", "a0:zz@1", "a0:b0", "a0:b0@x", "a0:b0@3:1"):
+        with pytest.raises(ClusterSpecError):
+            LinkOutage.parse(bad, ["a0", "b0"])
+    cut = outages_by_devices([flap], {"a0:0": "a0", "b0:0": "b0", "c0:0": "c0"})
+    assert set(cut) == {("a0:0", "b0:0"), ("b0:0", "a0:0")}
+    fc = FakeClock()
+    link = _link(latency_s=0)
+    link = type(link)(src="a0:0", dst="b0:0", latency_s=0.0, bandwidth_bytes_per_s=link.bandwidth_bytes_per_s,
+                      resource=link.resource)
+    shaper = LinkShaper(dilation=2.0, ledger=MemoryLedger(), epoch=fc.wall_s, clock=fc.clock(),
+                        outages=outages_by_devices([flap, gone], {"a0:0": "a0", "b0:0": "b0"}))
+    t0 = fc.wall_s
+    busy = 2 * 100_000 / link.bandwidth_bytes_per_s
+    # ready at emulated 1.5 s (wall +3): waits until 3 s (wall +6)
+    assert shaper.deliver_at(link, 100_000, t0 + 3) == pytest.approx(t0 + 6 + busy)
+    # ready at emulated 5.5 s: never delivered
+    assert math.isinf(shaper.deliver_at(link, 100_000, t0 + 11))

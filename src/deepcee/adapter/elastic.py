@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from deepcee.adapter.messages import Move, state_moves
-from deepcee.errors import RuntimeSetupError
+from deepcee.errors import DeepceeError, RuntimeSetupError
 from deepcee.plan import Plan, save_json_atomic
 from deepcee.runtime import checkpoint as ckpt
 from deepcee.runtime import persist, runlock
@@ -110,16 +110,45 @@ def replan(h: AdaptiveHooks, t: Trainer, devices: Sequence[str]) -> Plan:
     return plan.replace(cluster=t.plan.cluster, model=t.plan.model)
 
 
+def cut_off_end(h: AdaptiveHooks, t: Trainer, fault: Fault, joins: Sequence[JoinRecord]) -> str:
+    """Which end of a dead link to leave out. [Note: which end of a dead link]: a timeout names
+    the peer the reporter could not reach, but a link has two ends and both processes are alive;
+    whichever end saw it first is an accident of timing. So the leader re-plans without each end
+    and leaves out the one whose loss costs least: first the one that leaves every layer with a
+    holder (no checkpoint restore), then the faster plan (the planner's estimate), then the one
+    named (the reporter reached the others)."""
+    ends = [d for d in (fault.suspect, fault.by) if d in h.devices]
+    if len(ends) < 2:
+        return fault.suspect or ""
+
+    def cost(end: str) -> tuple[int, float, int]:
+        rest = [j for j in joins if j.device != end]
+        held = {layer for j in rest for layer in j.layers}
+        try:
+            plan = replan(h, t, tuple(d for d in h.spec.devices if any(j.device == d for j in rest)))
+            speed = plan.estimate.samples_per_s if plan.estimate is not None else 0.0
+        except DeepceeError:
+            speed = 0.0
+        return (t.plan.num_layers - len(held), -speed, ends.index(end))
+
+    best = min(ends, key=cost)
+    log.info("dead link %s <-> %s: leaving out %s (%s)", fault.by, fault.suspect, best,
+             ", ".join(f"without {e}: {cost(e)}" for e in ends))
+    return best
+
+
 def decide_recovery(h: AdaptiveHooks, t: Trainer, gen: int, joins: Sequence[JoinRecord], lost: Sequence[LostDevice],
                     rejoining: Sequence[str], fault: Fault | None) -> Transition:
     """The next generation after a fault ([Note: elastic re-plan]); raises when none can go on."""
     lost = list(lost)
     if not lost:
-        # every member answered: a dead link or a timeout; the device it named is left out
+        # every member answered: a dead link (or a timeout) between the reporter and the device it
+        # named; one end is left out ([Note: which end of a dead link])
         suspect = fault.suspect if fault is not None else None
         if suspect is None or suspect not in h.devices:
             why = fault.reason if fault is not None else "a step failed"
             raise RuntimeSetupError(f"generation {gen}: {why}; no device is lost, so there is nothing to recover from")
+        suspect = cut_off_end(h, t, fault, joins)
         lost = [LostDevice(device=suspect, rank=h.devices.index(suspect), reason=fault.reason)]
         joins = [j for j in joins if j.device != suspect]
     if not joins:

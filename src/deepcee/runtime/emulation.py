@@ -37,16 +37,18 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import math
 import os
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Protocol
 
 from deepcee.cluster import Link
+from deepcee.cluster.outages import LinkOutage, up_again_s
 from deepcee.cluster.stragglers import (
     Straggler,  # the one slowdown trace record (simulator and runtime)
 )
@@ -202,9 +204,12 @@ class FileLedger:
 class LinkShaper:
     """Delivery times of transfers on emulated links. See the module docstring."""
 
-    def __init__(self, *, dilation: float, ledger: Ledger, epoch: float, clock: Clock | None = None) -> None:
+    def __init__(self, *, dilation: float, ledger: Ledger, epoch: float, clock: Clock | None = None,
+                 outages: Mapping[tuple[str, str], tuple[LinkOutage, ...]] | None = None) -> None:
         self.dilation, self.ledger, self.epoch = dilation, ledger, epoch
         self.clock = clock or Clock()
+        self.outages = dict(outages or {})
+        """``(src device, dst device) -> the outages that cut it`` (:mod:`deepcee.cluster.outages`)."""
 
     def emulated_now_s(self, wall: float | None = None) -> float:
         """Emulated seconds since the run's epoch (for bandwidth traces and reports)."""
@@ -220,6 +225,12 @@ class LinkShaper:
     def deliver_at(self, link: Link, nbytes: int, ready_at: float | None = None) -> float:
         """Book a transfer of ``nbytes`` ready at wall time ``ready_at``; returns its delivery wall time."""
         ready = self.clock.wall() if ready_at is None else ready_at
+        cut = self.outages.get((link.src, link.dst))
+        if cut:  # a transfer ready while the link is down waits for it to come back (inf: never)
+            up = up_again_s(cut, self.emulated_now_s(ready))
+            if math.isinf(up):
+                return math.inf
+            ready = max(ready, self.epoch + up * self.dilation)
         start = self.ledger.reserve(link.resource, ready, lambda t: self.serialise_s(link, nbytes, t))
         return start + self.serialise_s(link, nbytes, start) + self.dilation * link.latency_s
 

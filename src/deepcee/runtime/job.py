@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from deepcee.cluster import Cluster
+from deepcee.cluster.outages import LinkOutage
 from deepcee.cluster.stragglers import Straggler
 from deepcee.errors import SpecError
 from deepcee.plan import Plan
@@ -119,6 +120,9 @@ class TrainConfig:
     or a checkpoint folder (model only; the optimizer starts fresh). Ignored when resuming."""
     stragglers: tuple[Straggler, ...] = ()
     """Devices slowed down for a stretch of the run (emulated modes; see :class:`Straggler`)."""
+    link_outages: tuple[LinkOutage, ...] = ()
+    """Links between two nodes down for a stretch of the run (mode ``emulated``: the link
+    shaper applies them; :mod:`deepcee.cluster.outages`)."""
     fixed_arrival_order: bool = False
     """``asgd-ga``: servers take pushes from the replicas in turn instead of as they arrive
     (reproducible bit for bit; [Note: asgd-ga] in :mod:`deepcee.runtime.ps`)."""
@@ -139,6 +143,11 @@ class TrainConfig:
         if self.stragglers and self.mode not in PACED_MODES:
             raise SpecError(f"stragglers are emulated device slowdowns; mode {self.mode!r} does not pace devices",
                             field="stragglers")
+        if any(not isinstance(o, LinkOutage) for o in self.link_outages):
+            raise SpecError(f"must be LinkOutage records, got {self.link_outages!r}", field="link_outages")
+        if self.link_outages and self.mode != "emulated":
+            raise SpecError(f"link outages are injected by the emulated link shaper; mode {self.mode!r} has none "
+                            "(realnet: not supported)", field="link-down")
         if self.mode in PACED_MODES and self.use_cuda:
             raise SpecError(f"mode {self.mode!r} paces CPU workers as emulated devices; use mode 'real' with CUDA",
                             field="mode")

@@ -93,6 +93,9 @@ class Messenger:
         self._wait(work, f"receiving from {self.topo.describe(src)}")
         at = float(buf[nbytes:].cpu().clone().view(torch.float64)[0])
         if wait_delivery and self.shaper is not None:
+            if at - self.clock.wall() > self.timeout_s:  # a link down past the timeout (deepcee.cluster.outages)
+                raise RuntimeSetupError(f"{self.topo.describe(self.rank)}: receiving from {self.topo.describe(src)} "
+                                        f"would not be delivered within {self.timeout_s:g} s (the link is dead)")
             self.clock.sleep_until(at)
         return buf[:nbytes].view(like.dtype).view(like.shape).clone(), at
 

@@ -30,6 +30,7 @@ DDP's hooks are not used: they do not fire with split backward (PLATFORM.md).
 from __future__ import annotations
 
 import logging
+import math
 import pickle
 import time
 import traceback
@@ -45,6 +46,7 @@ from torch import nn
 
 from deepcee import nets
 from deepcee.cluster import Cluster
+from deepcee.cluster.outages import outages_by_devices, up_again_s
 from deepcee.comm import allreduce_s
 from deepcee.errors import DeepceeError, RuntimeSetupError, SpecError
 from deepcee.plan import Plan, save_json_atomic
@@ -265,7 +267,8 @@ class Trainer:
         self.shaper = None
         if self.cfg.mode == "emulated":
             self.shaper = LinkShaper(dilation=self.dilation, ledger=FileLedger(self.run_dir / "links"),
-                                     epoch=self.epoch, clock=self.clock)
+                                     epoch=self.epoch, clock=self.clock, outages=outages_by_devices(
+                                         self.cfg.link_outages, {d.name: d.node for d in self.cluster.devices}))
         self.messenger = Messenger(rank=self.w.rank, topo=self.topo, cluster=self.cluster, torch_device=self.w.device,
                                    timeout_s=self.cfg.timeout_s, shaper=self.shaper, clock=self.clock)
         if self.relay is not None and self.w.rank == 0:
@@ -382,7 +385,19 @@ class Trainer:
         # The simulator's all-reduce model on the emulated links (one model for both), counted
         # from the start of the real all-reduce, which overlaps it; traced links read at its start.
         sync = sync or (self.plan.sync if self.plan.sync not in ("none", "ps") else "allreduce-ring")
-        model_s = allreduce_s(self.cluster, devices, nbytes, sync, at_s=self.emulated_s(t0))
+        at_s = self.emulated_s(t0)
+        cut = {} if self.shaper is None else {
+            pair: outs for pair, outs in self.shaper.outages.items() if pair[0] in devices and pair[1] in devices}
+        up_s = max((up_again_s(outs, at_s) for outs in cut.values()), default=at_s)
+        if up_s > at_s:  # a link of the group is down: the all-reduce waits for it (forever: a dead link)
+            me = self.hooks.device(self)
+            peer = next((b for a, b in cut if a == me), next(iter(cut))[1])
+            end = math.inf if math.isinf(up_s) else self.epoch + (up_s + allreduce_s(
+                self.cluster, devices, nbytes, sync, at_s=up_s)) * self.dilation
+            self.w.waiter.sleep_until(self.clock, end, timeout_s=self.cfg.timeout_s,
+                                      what=f"the all-reduce of {len(devices)} devices", peer=peer)
+            return
+        model_s = allreduce_s(self.cluster, devices, nbytes, sync, at_s=at_s)
         self.clock.sleep_until(t0 + model_s * self.dilation)
 
     def pace_for(self, devices: Sequence[str], sync: str) -> Callable[[int, float], None] | None:
