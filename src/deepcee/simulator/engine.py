@@ -339,7 +339,7 @@ class _Simulation:
             kind, where, text, start, end, pred, _, _ = self.segs[i]
             end = end if succ_start is None else min(end, succ_start)
             if end > start:
-                out.append(Segment(kind=_KIND_NAMES[kind], where=self.where(kind, where), action=text,
+                out.append(Segment(kind=_KIND_NAMES[kind], where=self.where(kind, where), action=str(text),
                                    start_s=start, end_s=end))
             succ_start, i = start, pred
         return tuple(reversed(out))
@@ -352,18 +352,18 @@ class _Simulation:
             for kind, where, text, start, end, _, nbytes, extra in self.segs[bounds[it]:bounds[it + 1]]:
                 if kind == TRANSFER:
                     src, dst, issued, done = extra
-                    out.append(Event(kind="transfer", where=self.resources[where], action=text, start_s=start,
+                    out.append(Event(kind="transfer", where=self.resources[where], action=str(text), start_s=start,
                                      end_s=end, stage=stage_of[src], iteration=it, nbytes=nbytes,
                                      src=devices[src], dst=devices[dst], issued_s=issued, serialized_s=done))
                 elif kind == _ALLREDUCE:
                     if end == start:  # one device, or no synchronisation: nothing ran
                         continue
                     devs = self.plan.stages[where].devices if where >= 0 else devices
-                    out += [Event(kind="allreduce", where=d, action=text, start_s=start, end_s=end,
+                    out += [Event(kind="allreduce", where=d, action=str(text), start_s=start, end_s=end,
                                   stage=where if where >= 0 else stage_of[devices.index(d)], iteration=it,
                                   nbytes=nbytes) for d in devs]
                 else:
-                    out.append(Event(kind=_KIND_NAMES[kind], where=devices[where], action=text,
+                    out.append(Event(kind=_KIND_NAMES[kind], where=devices[where], action=str(text),
                                      start_s=start, end_s=end, stage=stage_of[where], iteration=it))
         return tuple(out)
 

@@ -190,12 +190,12 @@ class ReplicaPipeline:
         for kind, where, text, start, end, _, nbytes, extra in self.exe.segments[first:]:
             if kind == TRANSFER:
                 src, dst, issued, done = extra
-                self.events.append(Event(kind="transfer", where=res[where], action=text, start_s=start, end_s=end,
+                self.events.append(Event(kind="transfer", where=res[where], action=str(text), start_s=start, end_s=end,
                                          stage=self.stage_of[src], iteration=step, nbytes=nbytes, src=names[src],
                                          dst=names[dst], issued_s=issued, serialized_s=done))
             else:
                 self.events.append(Event(kind="compute" if kind == COMPUTE else "wait", where=names[where],
-                                         action=text, start_s=start, end_s=end, stage=self.stage_of[where],
+                                         action=str(text), start_s=start, end_s=end, stage=self.stage_of[where],
                                          iteration=step))
 
     # -- a local step ---------------------------------------------------------------------------
