@@ -60,7 +60,7 @@ FIELDS: dict[str, dict[str, Field]] = {
     "eval": {"every": _f("eval_every"), "batches": _f("eval_batches"), "target_loss": _f("target_loss")},
     "logging": {"every": _f("log_every"), "tensorboard": _f("tensorboard"), "trace": _f("trace")},
     "run": {"dir": _f("run_dir", "output"), "cluster_node": _f("cluster_node")},
-    "faults": {"elastic": _f("elastic"), "restart_after_s": _f("restart_after")},
+    "faults": {"elastic": _f("elastic"), "restart_after_s": _f("restart_after"), "link_down": _f("link_down")},
     "adapter": {"adapt": _f("adapt"), "link_trace": _f("link_trace", "trace"),
                 "trace_time_scale": _f("trace_time_scale")},
 }
