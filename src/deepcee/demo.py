@@ -130,7 +130,7 @@ class DemoReport:
 # ---------------------------------------------------------------------------------------
 
 
-def _progress_watch(run_dirs: Sequence[Path], steps: int, update: Callable[[int], None],
+def watch_progress(run_dirs: Sequence[Path], steps: int, update: Callable[[int], None],
                     stop: threading.Event) -> None:
     """Poll the runs' metrics files and report the total number of finished steps."""
     while not stop.wait(0.5):
@@ -283,7 +283,7 @@ def run_demo(cfg: DemoConfig | None = None, *, say: Callable[[str], None] = prin
     with Progress(TextColumn("    training"), BarColumn(), TextColumn("{task.completed}/{task.total} steps"),
                   TimeElapsedColumn(), transient=True) as bar:
         task = bar.add_task("train", total=cfg.steps * len(jobs))
-        watcher = threading.Thread(target=_progress_watch, daemon=True,
+        watcher = threading.Thread(target=watch_progress, daemon=True,
                                    args=(list(run_dirs.values()), cfg.steps,
                                          lambda n: bar.update(task, completed=n), stop))
         watcher.start()

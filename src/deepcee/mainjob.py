@@ -29,8 +29,10 @@ The former main job (samples/s of deepcee vs DDP vs 1F1B over a fixed number of 
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -130,6 +132,27 @@ def relaxed_timeline(result: Any, plan: Plan, cluster: Cluster, *, steps: int = 
                                     "times divided by the dilation", "cross_island_spans": cross}}
 
 
+@contextmanager
+def _progress(label: str, run_dirs: Callable[[], Sequence[Path]]) -> Iterator[None]:
+    """A live line while long work runs: steps recorded so far in ``run_dirs``' metrics, elapsed time."""
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    from deepcee.demo import watch_progress
+
+    stop = threading.Event()
+    with Progress(SpinnerColumn(), TextColumn(f"    {label}: {{task.completed}} steps recorded"),
+                  TimeElapsedColumn(), transient=True) as bar:
+        task = bar.add_task(label, total=None)
+        watcher = threading.Thread(target=watch_progress, daemon=True,
+                                   args=(list(run_dirs()), 10**9, lambda n: bar.update(task, completed=n), stop))
+        watcher.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            watcher.join()
+
+
 def _say_table(say: Callable[[str], None], lines: Sequence[str]) -> None:
     for line in lines:
         say(f"    {line}")
@@ -173,7 +196,9 @@ def run_main_job(cfg: MainJobConfig | None = None, *, say: Callable[[str], None]
                                  eval_every=task["eval_every"], max_steps=task["max_steps"], periods=cfg.periods,
                                  lr=task["lr"], seed=cfg.seed, out_dir=str(out / "calibrate"),
                                  deadline_s=cfg.deadline_s)
-        doc = calibrate(prof.cluster, prof.profile, ccfg, cluster_ref=cfg.scenario)
+        names = ["reference", *(f"average-H{h}" for h in cfg.periods)]
+        with _progress("calibrating", lambda: [out / "calibrate" / n for n in names]):
+            doc = calibrate(prof.cluster, prof.profile, ccfg, cluster_ref=cfg.scenario)
         eff_file = str(out / "calibrate" / "efficiency.json")
         ref = doc["reference"]
         say(f"    exact: {ref['samples_to_target']} samples ({ref['steps_to_target']} steps); " + ", ".join(
@@ -206,7 +231,8 @@ def run_main_job(cfg: MainJobConfig | None = None, *, say: Callable[[str], None]
             f"{cfg.baseline_cap:g}x the fastest prediction: capped at {n} steps (its time to target is then "
             "projected from its measured samples/s, labelled)")
     before = ttt.host_load()
-    results = ttt.train_all(cands, cluster, tcfg, trace=("deepcee-relaxed",), max_steps=caps)
+    with _progress("training", lambda: [out / "runs" / n for n in cands]):
+        results = ttt.train_all(cands, cluster, tcfg, trace=("deepcee-relaxed",), max_steps=caps)
     after = ttt.host_load()
     timings["train_s"] = time.monotonic() - t
     host = {"before": before, "after": after, "warning": ttt.busy_warning(before, after, _cores(results))}
