@@ -72,7 +72,7 @@ class MainJobConfig:
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
-            raise SpecError(f"unknown mode {self.mode!r} (known: {', '.join(MODES)})", field="--mode")
+            raise SpecError(f"unknown links mode {self.mode!r} (known: {', '.join(MODES)})", field="--links")
         if not (self.baseline_cap == 0 or self.baseline_cap >= 1):
             raise SpecError(f"must be 0 (no cap) or >= 1, got {self.baseline_cap!r}", field="--baseline-cap")
         if not self.periods or any(isinstance(p, bool) or not isinstance(p, int) or p < 1 for p in self.periods):
@@ -82,14 +82,14 @@ class MainJobConfig:
 def resolve_mode(mode: str) -> tuple[str, str]:
     """The links' mode to train in and why (``auto``: realnet where possible)."""
     if mode == "emulated":
-        return "emulated", "asked for (--mode emulated)"
+        return "emulated", "asked for (--links emulated)"
     from deepcee.runtime.realnet.netns import realnet_unavailable
 
     why = realnet_unavailable()
     if why is None:
         return "realnet", "real TCP through the shaping relay (this host allows network namespaces and TUN)"
     if mode == "realnet":
-        raise SpecError(f"realnet is not available here: {why}", field="--mode")
+        raise SpecError(f"realnet is not available here: {why}", field="--links")
     return "emulated", f"FALLBACK: realnet unavailable ({why}); links emulated, all-reduce waits for the model"
 
 

@@ -9,7 +9,7 @@ from deepcee.errors import SpecError
 from deepcee.mainjob import MainJobConfig, resolve_mode
 
 
-@pytest.mark.parametrize(("kw", "flag"), [({"mode": "wifi"}, "--mode"), ({"periods": ()}, "--periods"),
+@pytest.mark.parametrize(("kw", "flag"), [({"mode": "wifi"}, "--links"), ({"periods": ()}, "--periods"),
                                           ({"periods": (0,)}, "--periods"), ({"baseline_cap": 0.5}, "--baseline-cap")])
 def test_config_refuses_bad_settings(kw, flag):
     with pytest.raises(SpecError) as err:
@@ -18,7 +18,7 @@ def test_config_refuses_bad_settings(kw, flag):
 
 
 def test_emulated_mode_is_taken_as_asked():
-    assert resolve_mode("emulated") == ("emulated", "asked for (--mode emulated)")
+    assert resolve_mode("emulated") == ("emulated", "asked for (--links emulated)")
 
 
 @pytest.mark.parametrize(("argv", "needle"), [(["demo", "--periods", "4,x"], "--periods"),
