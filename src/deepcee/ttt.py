@@ -115,8 +115,10 @@ class Planned:
 
 
 def candidates(cluster: Cluster, profile: ModelProfile, global_batch: int, model: str, cluster_ref: str,
-               efficiency: StatisticalEfficiency) -> Planned:
-    """The four systems' plans and predictions ([Note: time-to-target systems])."""
+               efficiency: StatisticalEfficiency, relaxed_options: Any = None) -> Planned:
+    """The four systems' plans and predictions ([Note: time-to-target systems]).
+    ``relaxed_options``: the relaxed search's settings (a
+    :class:`~deepcee.planner.replicas.RelaxedOptions`; default: all of them)."""
     from deepcee.planner.baselines import build_baselines
     from deepcee.planner.replicas import plan_replicas
     from deepcee.planner.search import plan_training
@@ -131,7 +133,8 @@ def candidates(cluster: Cluster, profile: ModelProfile, global_batch: int, model
 
     out: dict[str, Candidate] = {}
     sync = plan_training(cluster, profile, global_batch).plan
-    res = plan_replicas(cluster, profile, global_batch, efficiency=efficiency, exact_plan=sync)
+    res = plan_replicas(cluster, profile, global_batch, efficiency=efficiency, exact_plan=sync,
+                        options=relaxed_options)
     n_isl = len(cluster.island_devices())
     every = [s for s in res.candidates if s.plan.strategy.kind == "model-averaging"
              and _islands_used(cluster, s.plan) == n_isl]
