@@ -166,8 +166,12 @@ def candidates(cluster: Cluster, profile: ModelProfile, global_batch: int, model
 
 
 def _same_plan(a: Plan, b: Plan) -> bool:
-    return a.replace(system="", estimate=None, explanation=()).to_dict() == \
-        b.replace(system="", estimate=None, explanation=()).to_dict()
+    """Whether two plans train the same way (names, estimates, explanations and the devices
+    they list as left out aside: a plan on a sub-cluster lists none)."""
+    def bare(p: Plan) -> dict[str, Any]:
+        return p.replace(system="", estimate=None, explanation=(), excluded_devices=()).to_dict()
+
+    return bare(a) == bare(b)
 
 
 def step_caps(cands: Mapping[str, Candidate], reference_samples: float | None, factor: float,
