@@ -280,7 +280,8 @@ def report(cands: Mapping[str, Candidate], results: Mapping[str, Any], cfg: TttC
             "measured_time_to_target_s": meas, "reached": tgt.reached,
             "samples_to_target": tgt.reached_at.samples if tgt.reached_at else None,
             "steps_to_target": tgt.reached_at.steps if tgt.reached_at else None,
-            "final_eval_loss": tgt.final_eval_loss, "eval_loss_at_common_samples": eval_at_samples(tgt.curve, common),
+            "final_eval_loss": tgt.final_eval_loss, "eval_loss_at_common_samples": eval_at_samples(tgt.curve, common)
+            if tgt.curve and tgt.curve[-1].samples >= common else None,  # a capped run stopped short of it
             "predicted_vs_measured": None if pred is None or meas is None else pred / meas - 1.0,
             "projected_time_to_target_s": _projected(c, res, reference_samples, meas),
             "steps_run": len(res.step_s),
