@@ -121,10 +121,13 @@ def test_overlapped_settings_are_a_variant_of_their_own():
     def plan(period, overlap):
         return layout.replace(strategy=Strategy(kind="model-averaging", period=period, overlap=overlap))
 
-    blocking = efficiency_from_dict(efficiency_document(cfg, layout, ref, [run(4, False, 1200), run(8, False, 1500)]))
-    # no overlapped figure: the blocking one at 2H (the default's rule), labelled
-    assert blocking.multiplier(plan(4, True)) == pytest.approx(1.5) and "H=8" in blocking.source(plan(4, True))
-    assert DefaultEfficiency().multiplier(plan(4, True)) == DefaultEfficiency().multiplier(plan(8, False))
+    # no overlapped figure: the larger of the default and the blocking one at 2H, labelled
+    costly = efficiency_from_dict(efficiency_document(cfg, layout, ref, [run(4, False, 1200), run(8, False, 2500)]))
+    assert costly.multiplier(plan(4, True)) == pytest.approx(2.5) and "H=8" in costly.source(plan(4, True))
+    cheap = efficiency_from_dict(efficiency_document(cfg, layout, ref, [run(4, False, 1200), run(8, False, 1500)]))
+    default = DefaultEfficiency().multiplier(plan(4, True))
+    assert cheap.multiplier(plan(4, True)) == default > 1.5 and "not calibrated" in cheap.source(plan(4, True))
+    assert default == DefaultEfficiency().multiplier(plan(8, False))
     both = efficiency_from_dict(efficiency_document(cfg, layout, ref, [run(4, False, 1200), run(4, True, 1300)]))
     assert both.multiplier(plan(4, True)) == pytest.approx(1.3) and both.multiplier(plan(4, False)) == pytest.approx(1.2)
     # version 1 files (no overlap anywhere) still load
