@@ -18,7 +18,8 @@ is replica r's parameters, ``anchor_0`` the initial ones.
   ``anchor_k`` as its anchor ([Note: outer nesterov] in :mod:`deepcee.runtime.strategies`).
   The root looks after each of its own local steps whether every copy of the round is here
   (on emulated links: delivered by the time in its header), then combines and sends the
-  result to every holder; at its next sync point it blocks for what is still missing. Each
+  result as star_mean does (to each replica's delegate, which hands it on inside its replica
+  when it takes it); at its next sync point it blocks for what is still missing. Each
   holder posts its receive of the result when it sends its snapshot, so transfers run in the
   background (gloo's own thread); a replica blocks at sync point ``k+1`` only for what has
   not arrived. The arithmetic is the same whenever it happens, so the result does not depend
@@ -84,22 +85,27 @@ class Rounds:
         self.pending: _Round | None = None
         self.sent = 0
 
-    def _roles(self, seg: SegmentParams) -> tuple[int, list[int], list[int]]:
+    def _roles(self, seg: SegmentParams) -> tuple[int, list[tuple[int, ...]], tuple[int, ...]]:
+        """The root, every replica's holders, and this rank's replica's holders."""
         holders = group_holders(seg.segment, self.replicas)
-        return holders[0][0], [h[0] for h in holders], [r for h in holders for r in h]
+        return holders[0][0], holders, next(h for h in holders if self.m.rank in h)
 
     def send(self) -> None:
         """Snapshot every segment and start round ``sent`` (no wait)."""
         rnd = _Round(index=self.sent)
         for j, seg in self.segments:
-            root, delegates, everyone = self._roles(seg)
+            root, holders, mine_h = self._roles(seg)
             mine = seg.flat_values().clone()
             rnd.snapshots[j] = mine
             if self.m.rank == root:
-                rnd.gathers[j] = [self.m.post_recv(mine, d, TAG_ROUND_GATHER) for d in delegates[1:]]
+                rnd.gathers[j] = [self.m.post_recv(mine, h[0], TAG_ROUND_GATHER) for h in holders[1:]]
                 continue
-            rnd.results[j] = self.m.post_recv(mine, root, TAG_ROUND_SCATTER)
-            if self.m.rank in delegates:
+            # the result comes from the root to each replica's delegate (and the root's own
+            # replica), the delegate hands it on inside its replica, as star_mean's scatter
+            delegate = self.m.rank == mine_h[0]
+            src = root if delegate or mine_h[0] == root else mine_h[0]
+            rnd.results[j] = self.m.post_recv(mine, src, TAG_ROUND_SCATTER)
+            if delegate:
                 self.m.send(mine, root, TAG_ROUND_GATHER)
         self.pending = rnd
         self.sent += 1
@@ -120,10 +126,11 @@ class Rounds:
         copies = [self.m.wait(p)[0] for p in rnd.gathers[j]]
         out = self.combines(j)([rnd.snapshots[j], *copies])
         rnd.combined[j] = out
-        root, _, everyone = self._roles(seg)
-        for r in everyone:
-            if r != root:
-                self.m.send(out, r, TAG_ROUND_SCATTER)
+        root, holders, _ = self._roles(seg)
+        for h in holders:  # one copy per replica crosses the WAN: to its delegate
+            for r in (h if h[0] == root else h[:1]):
+                if r != root:
+                    self.m.send(out, r, TAG_ROUND_SCATTER)
 
     def take(self) -> None:
         """Wait for the round in flight (what has not arrived) and make its result the anchor."""
@@ -137,6 +144,10 @@ class Rounds:
                 self.anchor[j] = rnd.combined[j]
             else:
                 self.anchor[j] = self.m.wait(rnd.results[j])[0]
+                root, _, mine_h = self._roles(seg)
+                if self.m.rank == mine_h[0] and mine_h[0] != root:  # hand it on inside the replica
+                    for r in mine_h[1:]:
+                        self.m.send(self.anchor[j], r, TAG_ROUND_SCATTER)
         self.m.flush()
         self.pending = None
 

@@ -110,7 +110,7 @@ class Messenger:
         at = pending.delivery_wall()
         if wait_delivery and self.shaper is not None:
             if at - self.clock.wall() > self.timeout_s:  # a link down past the timeout (deepcee.cluster.outages)
-                raise RuntimeSetupError(f"{self.topo.describe(self.rank)}: receiving from {self.topo.describe(src)} "
+                raise RuntimeSetupError(f"{self.topo.describe(self.rank)}: receiving from {self.topo.describe(pending.src)} "
                                         f"would not be delivered within {self.timeout_s:g} s (the link is dead)")
             self.clock.sleep_until(at)
         return pending.value(), at

@@ -11,8 +11,10 @@ its timing, on a :class:`~.replicas.Run`'s loop and shared network:
 - The root combines a round (server work as in blocking averaging: a sum per copy, plus the
   outer Nesterov step) at the end of the first of its own local steps at which every copy has
   arrived (the runtime's root looks after each local step), or, if it reaches its next sync
-  point first, as soon as the last copy arrives; then it sends the result to every holder.
-  Replica 0 resumes after that work.
+  point first, as soon as the last copy arrives; then it sends the result to its own
+  replica's holders and to each other replica's first holder, which hands it on inside its
+  replica when it takes it (at its sync point), as the runtime does. Replica 0 resumes after
+  that work.
 - The last local step ends with a blocking sync point: a sync point (unless the step was one),
   then every replica waits for that round's result.
 
@@ -39,8 +41,11 @@ class _Round:
     senders: int = 0
     ready_s: float = 0.0
     """When the last copy arrived at its root (once every replica sent)."""
-    anchor_s: dict[int, float] | None = None
-    """Per replica, when the result arrived at all its devices (once combined)."""
+    combined: bool = False
+    own_s: float = 0.0
+    """When replica 0's devices all have the result (the root sends to them directly)."""
+    delegates_s: dict[int, list[tuple[int, float]]] = field(default_factory=dict)
+    """Replica -> (segment index, when the result reached the replica's first holder of it)."""
     scheduled: bool = False
     waiters: dict[int, tuple[float, Callable[[float], None]]] = field(default_factory=dict)
 
@@ -110,7 +115,7 @@ class Overlapped:
         """Replica 0 after a local step at ``t``: combine its last round if every copy is here; its resume."""
         k = self.sent[0] - 1
         rnd = self.rounds.get(k)
-        if rnd is None or rnd.anchor_s is not None or rnd.scheduled or rnd.senders < self.n or rnd.ready_s > t:
+        if rnd is None or rnd.combined or rnd.scheduled or rnd.senders < self.n or rnd.ready_s > t:
             return t
         rnd.scheduled = True
         return self._combine(k, t)
@@ -118,8 +123,8 @@ class Overlapped:
     def await_result(self, r: int, k: int, t: float, then: Callable[[float], None]) -> None:
         """Replica ``r``, arrived at ``t``, goes on (``then``) once round ``k``'s result is at all its devices."""
         rnd = self.rounds[k]
-        if rnd.anchor_s is not None:
-            self._resume(r, t, rnd.anchor_s[r], then)
+        if rnd.combined:
+            self._resume(r, t, self._result_at(rnd, r, t), then)
             return
         rnd.waiters[r] = (t, then)
         if r == 0:
@@ -137,26 +142,41 @@ class Overlapped:
             rnd.scheduled = True
             self.run.loop.at(max(self.run.loop.now, rnd.ready_s), lambda t: self._combine(k, t))
 
+    def _result_at(self, rnd: _Round, r: int, t: float) -> float:
+        """When replica ``r``, taking the result at ``t``, has it at all its devices (call once
+        per round and replica: the hand-on messages are issued here)."""
+        if r == 0:
+            return rnd.own_s
+        run, last = self.run, t
+        for j, arrived in rnd.delegates_s[r]:
+            seg = run.segments[j]
+            hs, nbytes = seg.holders[r], run.model.gradient_bytes(seg.start, seg.stop)
+            last = max(last, arrived)
+            for h in hs[1:]:
+                last = max(last, run.net.send(hs[0], h, nbytes, max(t, arrived), f"replica {r} hands on"))
+        return last
+
     def _combine(self, k: int, t: float) -> float:
-        """Every segment's result at its root from ``t``, sent to every holder; the roots' end."""
+        """Every segment's result at its root from ``t``, sent on; the roots' end."""
         run, rnd = self.run, self.rounds[k]
-        arrive = [t] * self.n
-        end = t
-        for seg in run.segments:
+        end, rnd.own_s = t, t
+        rnd.delegates_s = {r: [] for r in range(1, self.n)}
+        for j, seg in enumerate(run.segments):
             root = seg.holders[0][0]
             params = run.model.parameters(seg.start, seg.stop)
             done = run.net.work(root, t, params * self.flops / run.server_flops(root, t),
                                 f"round {k} layers [{seg.start}, {seg.stop}) combine")
             end = max(end, done)
             nbytes = run.model.gradient_bytes(seg.start, seg.stop)
-            for r, hs in enumerate(seg.holders):
-                for h in hs:
-                    arrive[r] = max(arrive[r], run.net.send(root, h, nbytes, done, f"round {k} result"))
-        rnd.anchor_s = dict(enumerate(arrive))
+            for h in seg.holders[0]:
+                rnd.own_s = max(rnd.own_s, run.net.send(root, h, nbytes, done, f"round {k} result"))
+            for r, hs in enumerate(seg.holders[1:], start=1):
+                rnd.delegates_s[r].append((j, run.net.send(root, hs[0], nbytes, done, f"round {k} result")))
+        rnd.combined = True
         if self.root_blocked == k:
             self.root_blocked = None
         for r, (at, then) in sorted(rnd.waiters.items()):
-            self._resume(r, at, arrive[r], then)
+            self._resume(r, at, self._result_at(rnd, r, at), then)
         rnd.waiters.clear()
         return end
 
