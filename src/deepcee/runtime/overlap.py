@@ -72,9 +72,9 @@ class _Round:
 class Rounds:
     """The rounds of overlapped averaging on one rank. See [Note: overlapped averaging].
 
-    ``segments``: this rank's ``(index, params)`` in layer order; ``combines`` gives a root
-    segment's combine (``None``: the mean in replica order); ``initial``: the segments'
-    initial values (``anchor_0``)."""
+    ``segments``: this rank's ``(index, params)`` in layer order; ``combines(j)`` gives the
+    combine of a segment this rank is the root of (the copies in replica order -> the new
+    anchor); ``initial``: the segments' initial values (``anchor_0``)."""
 
     def __init__(self, m: Messenger, segments: Sequence[tuple[int, SegmentParams]], num_replicas: int,
                  combines: Callable[[int], Combine], initial: dict[int, torch.Tensor]) -> None:
@@ -137,7 +137,7 @@ class Rounds:
         rnd = self.pending
         if rnd is None:
             return
-        for j, seg in self.segments:  # layer order: a root's result may be what another root waits for
+        for j, seg in self.segments:  # layer order, as every holder: a root's combine needs only the copies
             if j in rnd.gathers:
                 if j not in rnd.combined:
                     self._combine(rnd, j, seg)
