@@ -51,7 +51,6 @@ def runs(tmp_path_factory):
                                    eval_every=every, eval_batches=1))
             for name, (s, mode, every) in CASES.items()]
     # a target every evaluation reaches: stops at the first sync point, with a round in flight
-    # (H = 3: a run of two steps has no window to measure samples/s in)
     jobs.append(Job(name="target", plan=_plan(Strategy(kind="model-averaging", period=3, overlap=True)), cluster=cluster, model="gpt-tiny",
                     run_dir=str(root / "target"),
                     config=TrainConfig(steps=STEPS, dtype="float64", optimizer=SGD, mode="emulated", timeout_s=60,

@@ -473,10 +473,17 @@ def _strategy_run(runs: list[RelaxedRun], t: Trainer) -> StrategyRun:
     t_a = max(ends.get((q, 0), float("inf")) for q in range(plan.num_replicas))
     t_b = max(ends.values(), default=float("nan"))
     done = sum(plan.replicas[r].batch for (r, _), end in ends.items() if t_a < end <= t_b)
-    # evaluations (all ranks at once) are not training time
-    pauses = {ls.step: ls.resume_wall - ls.end_wall for run in runs for ls in run.steps
-              if ls.eval_loss is not None and t_a <= ls.end_wall < t_b}
-    window = (t_b - t_a - sum(pauses.values())) / d
+    # evaluations (all ranks at once) are not training time: from the last rank's arrival at
+    # one to its end, inside the window (a rank waiting there for a slower one is still counted,
+    # as at an average; an evaluation after the last step adds nothing)
+    evals: dict[int, list[LocalStep]] = {}
+    for run in runs:
+        for ls in run.steps:
+            if ls.eval_loss is not None:
+                evals.setdefault(ls.step, []).append(ls)
+    pauses = [max(0.0, min(min(x.resume_wall for x in e), t_b) - max(max(x.end_wall for x in e), t_a))
+              for e in evals.values()]
+    window = (t_b - t_a - sum(pauses)) / d
     groups = [ReplicaGroup(round=g.round, members=g.members, full=g.full, open_s=(g.open_wall - epoch) / d,
                            close_s=(g.close_wall - epoch) / d, arrivals=g.arrivals)
               for run in runs for g in run.groups]
