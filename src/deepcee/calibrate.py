@@ -18,7 +18,10 @@ docs/file-formats.md). ``multiplier = samples to target (setting) / samples to t
   averages are deterministic: [Note: deterministic averaging] in :mod:`deepcee.runtime.replicas`),
   so the runs use mode ``real`` (no pacing): they take as long as the CPU needs, not the
   emulated cluster's time.
-- Only ``model-averaging`` is calibrated (plain and outer Nesterov, each period H asked for):
+- Only ``model-averaging`` is calibrated (plain and outer Nesterov, each period H asked for,
+  blocking and/or overlapped: ``overlaps``; an overlapped run evaluates the anchor, the model
+  every replica knows at a sync point, which lags one period: [Note: overlapped averaging] in
+  :mod:`deepcee.runtime.overlap`):
   evaluating needs every replica to hold the same model at one step, which ASGD-GA and partial
   averaging never give (:func:`deepcee.runtime.strategies.check_relaxed`). The planner keeps
   the conservative default for them and says so.
@@ -58,6 +61,8 @@ class CalibrationConfig:
     max_steps: int = 600
     periods: tuple[int, ...] = (4, 16)
     outer_optimizers: tuple[str, ...] = ("average",)
+    overlaps: tuple[bool, ...] = (False,)
+    """Blocking (``False``) and/or overlapped (``True``) averaging."""
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
     optimizer: str = "adamw"
@@ -76,6 +81,8 @@ class CalibrationConfig:
         for o in self.outer_optimizers:
             if o not in ("average", "nesterov"):
                 raise SpecError(f"must be average or nesterov, got {o!r}", field="outer_optimizers")
+        if not self.overlaps or any(not isinstance(o, bool) for o in self.overlaps):
+            raise SpecError(f"must be true and/or false, got {self.overlaps!r}", field="overlaps")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -117,7 +124,13 @@ def reference_plan(layout: Plan) -> Plan:
 
 def settings(cfg: CalibrationConfig) -> list[Strategy]:
     return [Strategy(kind="model-averaging", period=h, outer_optimizer=o, outer_lr=cfg.outer_lr,
-                     outer_momentum=cfg.outer_momentum) for o in cfg.outer_optimizers for h in cfg.periods]
+                     outer_momentum=cfg.outer_momentum, overlap=v)
+            for v in cfg.overlaps for o in cfg.outer_optimizers for h in cfg.periods]
+
+
+def setting_name(s: Strategy) -> str:
+    """The run folder of a setting: ``average-H16``, ``nesterov-H4-overlap``."""
+    return f"{s.outer_optimizer}-H{s.period}" + ("-overlap" if s.overlap else "")
 
 
 def _job(plan: Plan, cluster: Cluster, cfg: CalibrationConfig, run_dir: Path) -> Any:
@@ -152,7 +165,7 @@ def calibrate(cluster: Cluster, profile: ModelProfile, cfg: CalibrationConfig, *
     out = Path(cfg.out_dir)
     layout = layout_plan(cluster, profile, cfg.global_batch, cluster_ref, cfg.model)
     plans = {"reference": reference_plan(layout)}
-    plans.update({f"{s.outer_optimizer}-H{s.period}": layout.replace(strategy=s) for s in settings(cfg)})
+    plans.update({setting_name(s): layout.replace(strategy=s) for s in settings(cfg)})
     jobs = [_job(plan, cluster, cfg, out / name) for name, plan in plans.items()]
     results = launch_jobs(jobs, deadline_s=cfg.deadline_s * len(jobs))
     outcomes = {name: _outcome(plan, res, out / name)
@@ -187,4 +200,4 @@ def efficiency_document(cfg: CalibrationConfig, layout: Plan, ref: CalibrationRu
 
 
 __all__ = ["CalibrationConfig", "CalibrationRun", "calibrate", "efficiency_document", "layout_plan", "reference_plan",
-           "settings"]
+           "setting_name", "settings"]

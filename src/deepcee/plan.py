@@ -249,6 +249,8 @@ class Strategy:
     min_group: int = 2
     max_group: int = 0
     full_sync_every: int = 1
+    overlap: bool = False
+    """``model-averaging`` only: the average is applied one period late instead of blocking."""
 
     def __post_init__(self) -> None:
         if self.kind not in STRATEGIES:
@@ -272,6 +274,10 @@ class Strategy:
                             field="strategy.staleness_bound")
         if self.max_group and self.max_group < self.min_group:
             raise PlanError(f"max_group {self.max_group} < min_group {self.min_group}", field="strategy.max_group")
+        if not isinstance(self.overlap, bool):
+            raise PlanError(f"must be true or false, got {self.overlap!r}", field="strategy.overlap")
+        if self.overlap and self.kind != "model-averaging":
+            raise PlanError(f"overlap applies to model-averaging only, not {self.kind!r}", field="strategy.overlap")
 
     @property
     def semantics(self) -> Semantics:
@@ -285,14 +291,17 @@ class Strategy:
             "asgd-ga": f"k={self.accumulation_steps}, staleness <= {self.staleness_bound}",
             "model-averaging": f"H={self.period}, outer {self.outer_optimizer}"
                                + (f" lr {self.outer_lr:g} momentum {self.outer_momentum:g}"
-                                  if self.outer_optimizer == "nesterov" else ""),
+                                  if self.outer_optimizer == "nesterov" else "")
+                               + (", overlapped (applied one period late)" if self.overlap else ""),
             "partial": f"window {self.window_s:g} s, group {self.min_group}-{self.max_group or 'all'}, "
                        f"full sync every {self.full_sync_every}",
         }[self.kind]
         return f"{self.kind} ({settings}; relaxed: not the single-process result)"
 
     def to_dict(self) -> dict[str, Any]:
-        return {f: getattr(self, f) for f in self.__dataclass_fields__}
+        # ``overlap`` only when set: plans and calibration files without it read as False, and
+        # every file written before it existed stays byte for byte what it was
+        return {f: getattr(self, f) for f in self.__dataclass_fields__ if f != "overlap" or self.overlap}
 
 
 EXACT = Strategy()

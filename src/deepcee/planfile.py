@@ -150,7 +150,7 @@ def strategy_from_fields(f: Fields) -> Strategy:
     values = dict(kind=f.choice("kind", STRATEGIES, "exact"), **count,
                   outer_optimizer=f.choice("outer_optimizer", OUTER_OPTIMIZERS, "average"),
                   outer_lr=f.number("outer_lr", OUTER_LR, 1.0), outer_momentum=f.number("outer_momentum", OUTER_MOMENTUM, 0.0),
-                  window_s=f.number("window_s", DURATION, 0.0))
+                  window_s=f.number("window_s", DURATION, 0.0), overlap=f.flag("overlap", False))
     try:
         strategy = Strategy(**values)
     except PlanError as exc:  # a rule between fields (staleness for asgd-ga, ...): name it under this record

@@ -369,14 +369,9 @@ def relaxed_reference(model: str, plan: Plan, steps: int, opt: OptimizerConfig, 
 
     if s.kind == "model-averaging":
         anchor, buf = dict(initial), {}
-        for k in range(steps):
-            for r in range(len(reps)):
-                local_step(r, k)
-                reps[r].sum_in_stages()
-                reps[r].step()
-            if (k + 1) % s.period:
-                continue
-            thetas = [rep.delegates() for rep in reps]
+
+        def outer(thetas):
+            """The combined model of ``thetas`` (one per replica, in order); updates the Nesterov state."""
             new = {}
             for name in thetas[0]:
                 if s.outer_optimizer == "average":
@@ -388,8 +383,34 @@ def relaxed_reference(model: str, plan: Plan, steps: int, opt: OptimizerConfig, 
                 buf[name] = b
                 anchor[name] = anchor[name] - s.outer_lr * (delta + s.outer_momentum * b)
                 new[name] = anchor[name]
-            for rep in reps:
-                rep.set_values(new)
+            return new
+
+        snaps = None
+        for k in range(steps):
+            for r in range(len(reps)):
+                local_step(r, k)
+                reps[r].sum_in_stages()
+                reps[r].step()
+            at_sync, last = (k + 1) % s.period == 0, k + 1 == steps
+            if not s.overlap:
+                if at_sync:
+                    new = outer([rep.delegates() for rep in reps])
+                    for rep in reps:
+                        rep.set_values(new)
+                continue
+            # [Note: overlapped averaging]: round k-1's result lands at sync point k with each
+            # replica's progress kept; the run ends with a blocking sync point
+            if not (at_sync or last):
+                continue
+            if snaps is not None:
+                got = outer(snaps)
+                for rep, snap in zip(reps, snaps, strict=True):
+                    rep.set_values({n: got[n] + (p.detach() - snap[n]) for n, p in rep.delegates().items()})
+            snaps = [{n: p.detach().clone() for n, p in rep.delegates().items()} for rep in reps]
+            if last:
+                got = outer(snaps)
+                for rep in reps:
+                    rep.set_values(got)
     elif s.kind == "asgd-ga":
         server = {n: torch.nn.Parameter(v.clone()) for n, v in initial.items()}
         server_opt = opt.build(list(server.values()))

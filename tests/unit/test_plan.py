@@ -90,6 +90,21 @@ def test_replicas_round_trip_and_views() -> None:
     assert "H=10" in q.strategy.describe() and "relaxed" in q.strategy.describe()
 
 
+def test_overlap_round_trips_and_old_plans_read_as_blocking() -> None:
+    blocking = two_replicas()
+    d = json.loads(json.dumps(blocking.to_dict()))
+    assert "overlap" not in d["strategy"]  # plans without it are written as before
+    assert plan_from_dict(d).strategy.overlap is False
+    overlapped = two_replicas(strategy=Strategy(kind="model-averaging", period=10, overlap=True))
+    d = json.loads(json.dumps(overlapped.to_dict()))
+    assert d["strategy"]["overlap"] is True and plan_from_dict(d) == overlapped
+    assert "overlapped (applied one period late)" in overlapped.strategy.describe()
+    with pytest.raises(PlanError, match=r"p.json: strategy.overlap: expected true or false"):
+        plan_from_dict({**d, "strategy": {**d["strategy"], "overlap": "yes"}}, file="p.json")
+    with pytest.raises(PlanError, match=r"p.json: strategy.overlap: overlap applies to model-averaging only"):
+        plan_from_dict({**d, "strategy": {"kind": "partial", "overlap": True}}, file="p.json")
+
+
 def test_schema_1_still_loads_as_one_replica() -> None:
     p = make_plan()
     d = p.to_dict()
@@ -144,6 +159,8 @@ def test_replica_errors_in_files_name_the_replica() -> None:
         (dict(outer_lr=float("nan")), "strategy.outer_lr: must be a finite number"),
         (dict(outer_momentum=1.0), "strategy.outer_momentum: must be < 1"),
         (dict(min_group=3, max_group=2), "strategy.max_group: max_group 2 < min_group 3"),
+        (dict(kind="asgd-ga", staleness_bound=1, overlap=True), "strategy.overlap: overlap applies to model-averaging"),
+        (dict(kind="model-averaging", overlap=1), "strategy.overlap: must be true or false"),
     ],
 )
 def test_invalid_strategies(kw: dict, needle: str) -> None:

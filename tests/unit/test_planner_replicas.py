@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from dataclasses import replace
 
 import pytest
 
@@ -227,6 +228,21 @@ def test_relaxed_search_picks_averaging_where_it_pays(searched) -> None:
     assert kinds == {"exact", "model-averaging", "asgd-ga", "partial"}
     assert searched.candidates == tuple(sorted(searched.candidates, key=lambda s: s.figures.time_to_target
                                                .seconds_per_sync_sample))
+
+
+def test_overlapped_averaging_is_tried_beside_blocking_and_judged_one_period_late(searched) -> None:
+    ma = {(s.layout, s.plan.strategy.period, s.plan.strategy.outer_optimizer, s.plan.strategy.overlap): s
+          for s in searched.candidates if s.plan.strategy.kind == "model-averaging"}
+    twins = [(ma[k], ma[(*k[:3], True)]) for k in ma if not k[3] and (*k[:3], True) in ma]
+    assert len(twins) == len(ma) // 2 > 0
+    # nothing waits at a sync point: never slower than blocking, faster where the averages cost
+    assert all(o.samples_per_s >= b.samples_per_s * 0.99 for b, o in twins)
+    assert any(o.samples_per_s > b.samples_per_s * 1.05 for b, o in twins)
+    # each average lands one period late: the default charges the samples of blocking at 2H
+    for b, o in twins:
+        twice = b.plan.replace(strategy=replace(b.plan.strategy, period=2 * b.plan.strategy.period))
+        assert o.figures.time_to_target.multiplier == pytest.approx(DefaultEfficiency().multiplier(twice))
+        assert "overlapped (applied one period late)" in o.plan.strategy.describe()
 
 
 def test_a_calibration_that_measured_averaging_as_costly_keeps_the_exact_plan() -> None:

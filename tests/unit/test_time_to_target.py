@@ -10,12 +10,19 @@ import pytest
 import torch
 
 from deepcee import nets
-from deepcee.calibrate import CalibrationConfig, CalibrationRun, efficiency_document, reference_plan
+from deepcee.calibrate import (
+    CalibrationConfig,
+    CalibrationRun,
+    efficiency_document,
+    reference_plan,
+    setting_name,
+    settings,
+)
 from deepcee.errors import SpecError
 from deepcee.jobconfig import read_job_config
 from deepcee.models import get_model
 from deepcee.plan import Plan, ReplicaPlan, StagePlan, Strategy
-from deepcee.planner.efficiency import DEFAULT_SOURCE, efficiency_from_dict
+from deepcee.planner.efficiency import DEFAULT_SOURCE, DefaultEfficiency, efficiency_from_dict
 from deepcee.runtime.data import SHAPES, dataset_for
 from deepcee.runtime.job import TrainConfig
 from deepcee.runtime.target import TargetOutcome, check_target_loss, clock_of, outcome, reached
@@ -86,7 +93,7 @@ def test_calibration_document_is_read_back_by_the_planner():
     runs = [CalibrationRun(strategy=h4, reached=True, samples=4000, steps=125, final_eval_loss=0.48, wall_s=2.0),
             CalibrationRun(strategy=h16, reached=False, samples=9600, steps=300, final_eval_loss=0.9, wall_s=3.0)]
     doc = efficiency_document(cfg, layout, ref, runs)
-    assert doc["schema_version"] == 1 and doc["entries"][1]["reached"] is False
+    assert doc["schema_version"] == 2 and doc["entries"][1]["reached"] is False
     eff = efficiency_from_dict(doc, file="eff.json")
     assert eff.reference_steps == 100 and eff.reference_global_batch == 32 and eff.target_loss == 0.5
     plan = layout.replace(strategy=h4)
@@ -98,6 +105,34 @@ def test_calibration_document_is_read_back_by_the_planner():
     asgd = layout.replace(strategy=Strategy(kind="asgd-ga", accumulation_steps=4, staleness_bound=1),
                           servers=("cloud0:0",))
     assert DEFAULT_SOURCE in eff.source(asgd)
+
+
+def test_overlapped_settings_are_a_variant_of_their_own():
+    layout = _layout()
+    cfg = CalibrationConfig(model="convnet-tiny", global_batch=32, target_loss=0.5, overlaps=(False, True))
+    assert [(s.period, s.overlap) for s in settings(cfg)] == [(4, False), (16, False), (4, True), (16, True)]
+    assert setting_name(settings(cfg)[2]) == "average-H4-overlap"
+    ref = CalibrationRun(strategy=Strategy(), reached=True, samples=1000, steps=100, final_eval_loss=0.49, wall_s=1.0)
+
+    def run(period, overlap, samples):
+        return CalibrationRun(strategy=Strategy(kind="model-averaging", period=period, overlap=overlap),
+                              reached=True, samples=samples, steps=1, final_eval_loss=0.4, wall_s=1.0)
+
+    def plan(period, overlap):
+        return layout.replace(strategy=Strategy(kind="model-averaging", period=period, overlap=overlap))
+
+    # no overlapped figure: the larger of the default and the blocking one at 2H, labelled
+    costly = efficiency_from_dict(efficiency_document(cfg, layout, ref, [run(4, False, 1200), run(8, False, 2500)]))
+    assert costly.multiplier(plan(4, True)) == pytest.approx(2.5) and "H=8" in costly.source(plan(4, True))
+    cheap = efficiency_from_dict(efficiency_document(cfg, layout, ref, [run(4, False, 1200), run(8, False, 1500)]))
+    default = DefaultEfficiency().multiplier(plan(4, True))
+    assert cheap.multiplier(plan(4, True)) == default > 1.5 and "not calibrated" in cheap.source(plan(4, True))
+    assert default == DefaultEfficiency().multiplier(plan(8, False))
+    both = efficiency_from_dict(efficiency_document(cfg, layout, ref, [run(4, False, 1200), run(4, True, 1300)]))
+    assert both.multiplier(plan(4, True)) == pytest.approx(1.3) and both.multiplier(plan(4, False)) == pytest.approx(1.2)
+    # version 1 files (no overlap anywhere) still load
+    old = efficiency_document(cfg, layout, ref, [run(4, False, 1200)]) | {"schema_version": 1}
+    assert efficiency_from_dict(old).multiplier(plan(4, False)) == pytest.approx(1.2)
 
 
 def test_reference_plan_is_one_device_exact():

@@ -146,6 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=number(STEPS), default=600, help="most steps of one run")
     p.add_argument("--periods", default="4,16", help="model-averaging periods H to measure (comma-separated)")
     p.add_argument("--outer", default="average", help="outer optimizers: average, nesterov or both (comma-separated)")
+    p.add_argument("--overlap", choices=("off", "on", "both"), default="off",
+                   help="blocking averages (off), overlapped ones applied one period late (on), or both")
     p.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
     p.add_argument("--lr", type=number(LR), default=1e-3)
     p.add_argument("--seed", type=number(SEED), default=0)

@@ -75,7 +75,9 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     cfg = CalibrationConfig(model=args.model, global_batch=args.global_batch, target_loss=args.target_loss,
                             eval_every=args.eval_every, max_steps=args.steps,
                             periods=_int_list(args.periods, "--periods"),
-                            outer_optimizers=tuple(x for x in args.outer.split(",") if x), optimizer=args.optimizer,
+                            outer_optimizers=tuple(x for x in args.outer.split(",") if x),
+                            overlaps={"off": (False,), "on": (True,), "both": (False, True)}[args.overlap],
+                            optimizer=args.optimizer,
                             lr=args.lr, seed=args.seed, out_dir=args.output, deadline_s=args.deadline)
     doc = calibrate(cluster, profile, cfg, cluster_ref=ref)
     ref_ = doc["reference"]
@@ -84,7 +86,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     for e in doc["entries"]:
         s = e["strategy"]
         bound = "" if e["reached"] else "  (NOT reached: a lower bound)"
-        print(f"model-averaging H={s['period']} {s['outer_optimizer']}: {e['samples_to_target']} samples, "
+        how = ", overlapped" if s.get("overlap") else ""
+        print(f"model-averaging H={s['period']} {s['outer_optimizer']}{how}: {e['samples_to_target']} samples, "
               f"multiplier x{e['multiplier']:.2f}{bound}")
     print(f"wrote {Path(args.output) / 'efficiency.json'} (use: deepcee plan --sync relaxed --efficiency ...)")
     return 0

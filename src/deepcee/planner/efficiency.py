@@ -17,7 +17,10 @@ Two implementations of the :class:`StatisticalEfficiency` protocol:
   :attr:`~DefaultEfficiency.nesterov_slope` with DiLoCo's outer Nesterov step), ``P``
   (partial: :attr:`~DefaultEfficiency.partial_slope`), and, for ASGD-GA, the product of the
   accumulation term ``1 + asgd_slope x log2(k)`` and the staleness term ``1 + asgd_slope x
-  log2(1 + staleness_bound)``. The slopes are chosen to be pessimistic against what the
+  log2(1 + staleness_bound)``. Overlapped model averaging ([Note: overlapped averaging] in
+  :mod:`deepcee.runtime.overlap`) gets the figure of blocking averaging at period ``2H``: each
+  average lands one period late, so a replica's copy holds the others' progress of up to two
+  periods before, as with blocking averages every ``2H`` steps (a rule, NOT measured). The slopes are chosen to be pessimistic against what the
   literature reports (local SGD matching synchronous accuracy at tens of local steps;
   DiLoCo at hundreds with an outer Nesterov step): they make relaxed plans win only when
   their throughput gain is large. They ignore the replica count, the model and the data.
@@ -26,7 +29,11 @@ Two implementations of the :class:`StatisticalEfficiency` protocol:
   measured uses its figure; one between two measured settings of the same rule gets the
   log-linear interpolation; a looser one than any measured gets the larger of the default and
   the loosest measured figure; a tighter one the tightest measured figure. Plans of another
-  model, and rules the file does not cover, fall back to the default, and say so.
+  model, and rules the file does not cover, fall back to the default, and say so. Overlapped
+  settings are a variant of their own; a file without overlapped figures gives an overlapped
+  setting the larger of the default and the blocking figure at ``2H`` (calibrated or
+  interpolated where it can): on gpt-tiny the measured overlapped settings needed more samples
+  than blocking ones at ``2H`` (docs/results.md), so the blocking figure alone is not conservative.
 
 Every figure carries its source (:meth:`StatisticalEfficiency.source`), shown next to every
 predicted time to target.
@@ -35,7 +42,7 @@ predicted time to target.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -47,7 +54,8 @@ from deepcee.plan import Plan, Strategy
 from deepcee.planfile import strategy_from_fields
 
 FORMAT = "deepcee.efficiency"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+"""2: strategies may carry ``overlap`` (overlapped model averaging); version 1 files still load."""
 EXACT_SOURCE = "exact (synchronous: no loss of statistical efficiency)"
 DEFAULT_SOURCE = "default (conservative, not measured)"
 
@@ -99,7 +107,7 @@ class DefaultEfficiency:
             return 1.0
         if s.kind == "model-averaging":
             slope = self.nesterov_slope if s.outer_optimizer == "nesterov" else self.average_slope
-            return 1.0 + slope * _log2(s.period)
+            return 1.0 + slope * _log2(s.period * (2 if s.overlap else 1))
         if s.kind == "partial":
             return 1.0 + self.partial_slope * _log2(s.full_sync_every)
         return (1.0 + self.asgd_slope * _log2(s.accumulation_steps)) * (
@@ -115,7 +123,7 @@ class DefaultEfficiency:
 def variant(s: Strategy) -> tuple[str, str, float]:
     """``(kind, variant, interval)``: settings of one variant are interpolated over the interval."""
     if s.kind == "model-averaging":
-        return s.kind, s.outer_optimizer, float(s.period)
+        return s.kind, s.outer_optimizer + (" overlapped" if s.overlap else ""), float(s.period)
     if s.kind == "partial":
         return s.kind, "", float(s.full_sync_every)
     if s.kind == "asgd-ga":
@@ -160,6 +168,11 @@ class CalibratedEfficiency:
         points = sorted((variant(m.strategy)[2], m.multiplier) for m in self.entries
                         if variant(m.strategy)[:2] == (kind, var))
         label = f"calibrated ({self.file or 'calibration'})"
+        if not points and s.overlap:
+            m, src = self._lookup(replace(s, overlap=False, period=2 * s.period))
+            if self.default.of(s) > m:
+                return self.default.of(s), f"{DEFAULT_SOURCE} (overlap not calibrated)"
+            return m, f"{src}, as blocking averaging at H={2 * s.period} (overlap not calibrated)"
         if not points:
             return self.default.of(s), f"{DEFAULT_SOURCE}; {self.file or 'the calibration'} has no {kind} {var}".rstrip()
         for px, py in points:
@@ -195,7 +208,7 @@ def efficiency_from_dict(d: Any, *, file: str = "<efficiency.json>") -> Calibrat
     """A calibration from its ``deepcee.efficiency`` JSON form; every field checked by the input
     layer's validator (:class:`deepcee.inputs.Fields`), errors name the file and the field."""
     f = Fields(d, file=file, error=SpecError)
-    check_format(f, FORMAT, (SCHEMA_VERSION,))
+    check_format(f, FORMAT, (1, SCHEMA_VERSION))
     entries = [_measured(e) for e in f.records("entries", [], max_len=MAX_ENTRIES)]
     ref = f.record_of("reference", None) if f.raw("reference", None) is not None else None
     target = f.number("target_loss", LOSS, None)

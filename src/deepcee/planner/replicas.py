@@ -15,7 +15,9 @@ Torch-free. Entry point: :func:`plan_replicas` (``plan_with_sync(..., sync="rela
    their local steps together); replicas fastest first (the averaging root sits in replica 0).
 4. Strategies on every layout: ``exact`` with ring, hierarchical or parameter-server sync
    (HeteroG/Cloudless-style replicas that stay synchronous), model averaging for each period
-   H and outer optimizer (plain; DiLoCo's Nesterov with lr 0.7, momentum 0.9), ASGD-GA for
+   H and outer optimizer (plain; DiLoCo's Nesterov with lr 0.7, momentum 0.9), blocking and
+   overlapped (applied one period late: [Note: overlapped averaging] in
+   :mod:`deepcee.runtime.overlap`; its statistical efficiency in :mod:`.efficiency`), ASGD-GA for
    each accumulation k and staleness bound, partial averaging for each full-sync interval P
    (window: a fraction of the replicas' mean local step, groups of two or more). Parameter
    servers: the first device of each island the plan uses (Cloudless: one per region).
@@ -67,6 +69,8 @@ class RelaxedOptions:
     outer_optimizers: tuple[str, ...] = ("average", "nesterov")
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
+    overlaps: tuple[bool, ...] = (False, True)
+    """Model averaging: blocking (``False``) and overlapped (``True``) averages."""
     accumulations: tuple[int, ...] = (1, 4, 16)
     staleness_bounds: tuple[int, ...] = (1, 4)
     full_syncs: tuple[int, ...] = (1, 4, 16)
@@ -84,6 +88,8 @@ class RelaxedOptions:
             vals = getattr(self, name)
             if not vals or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in vals):
                 raise PlanError(f"needs integers >= 1, got {vals!r}", field=name)
+        if not self.overlaps or any(not isinstance(v, bool) for v in self.overlaps):
+            raise PlanError(f"needs true and/or false, got {self.overlaps!r}", field="overlaps")
         if not 0 < self.window_fraction:
             raise PlanError(f"must be > 0, got {self.window_fraction!r}", field="window_fraction")
 
@@ -195,7 +201,8 @@ def _steps(s: Strategy, most: int) -> int:
         return 2
     interval = {"model-averaging": s.period, "asgd-ga": s.accumulation_steps * 2,
                 "partial": s.full_sync_every}[s.kind]
-    return max(8, min(most, 2 * interval))
+    # overlapped averaging ends with a blocking round: four periods keep it from dominating the rate
+    return max(8, min(most, (4 if s.overlap else 2) * interval))
 
 
 def blocks_of(islands: Sequence[tuple[str, ...]], exhaustive: int) -> list[tuple[int, ...]]:
@@ -222,11 +229,12 @@ def partitions(items: Sequence[int]) -> Iterator[list[tuple[int, ...]]]:
 def strategies(opts: RelaxedOptions, step_s: float) -> list[tuple[Strategy, str]]:
     """``(strategy, plan sync)`` of every setting tried on a layout."""
     out: list[tuple[Strategy, str]] = [(Strategy(), sync) for sync in opts.exact_syncs]
-    for h, outer in itertools.product(opts.periods, opts.outer_optimizers):
+    for h, outer, overlap in itertools.product(opts.periods, opts.outer_optimizers, opts.overlaps):
         nesterov = outer == "nesterov"
         out.append((Strategy(kind="model-averaging", period=h, outer_optimizer=outer,
                              outer_lr=opts.outer_lr if nesterov else 1.0,
-                             outer_momentum=opts.outer_momentum if nesterov else 0.0), "allreduce-ring"))
+                             outer_momentum=opts.outer_momentum if nesterov else 0.0, overlap=overlap),
+                    "allreduce-ring"))
     out += [(Strategy(kind="asgd-ga", accumulation_steps=k, staleness_bound=s), "allreduce-ring")
             for k, s in itertools.product(opts.accumulations, opts.staleness_bounds)]
     out += [(Strategy(kind="partial", window_s=opts.window_fraction * step_s, min_group=2, full_sync_every=p),

@@ -47,7 +47,9 @@ from deepcee.runtime.partition import Segment, Topology
 HEADER_BYTES = 16
 TAG_BASE = 1 << 22
 """Tags of these messages start here, far above the pipeline's ``2m``/``2m+1``."""
-TAG_PUSH, TAG_PULL, TAG_SERVERS, TAG_GATHER, TAG_SCATTER = (TAG_BASE + i for i in range(5))
+TAG_PUSH, TAG_PULL, TAG_SERVERS, TAG_GATHER, TAG_SCATTER, TAG_ROUND_GATHER, TAG_ROUND_SCATTER = (
+    TAG_BASE + i for i in range(7))
+"""``TAG_ROUND_*``: overlapped averaging's rounds ([Note: overlapped averaging] in :mod:`deepcee.runtime.overlap`)."""
 TAG_SEGMENT_PUSH = TAG_BASE + 1000
 """``asgd-ga`` pushes: one tag per segment (``+ segment index``), so a server can wait for each separately."""
 
@@ -87,17 +89,31 @@ class Messenger:
     def recv(self, like: torch.Tensor, src: int, tag: int, *, wait_delivery: bool = True) -> tuple[torch.Tensor, float]:
         """A tensor shaped like ``like`` from rank ``src``; with ``wait_delivery``, not before its
         emulated delivery. Returns it and its delivery (wall) time."""
+        return self.wait(self.post_recv(like, src, tag), wait_delivery=wait_delivery)
+
+    def post_recv(self, like: torch.Tensor, src: int, tag: int) -> PendingRecv:
+        """Start receiving a tensor shaped like ``like`` from ``src`` (the transfer goes on in the
+        background); :meth:`wait` or :meth:`arrived` it later, in posting order per ``src`` and ``tag``."""
         nbytes = like.numel() * like.element_size()
         buf = torch.empty(nbytes + HEADER_BYTES, dtype=torch.uint8, device=self.torch_device)
-        work = dist.irecv(buf, src=src, tag=tag)
-        self._wait(work, f"receiving from {self.topo.describe(src)}")
-        at = float(buf[nbytes:].cpu().clone().view(torch.float64)[0])
+        return PendingRecv(work=dist.irecv(buf, src=src, tag=tag), buf=buf, like=like, src=src)
+
+    def arrived(self, pending: PendingRecv) -> bool:
+        """Whether ``pending`` is here: received, and on an emulated link its delivery time passed."""
+        if not pending.work.is_completed():
+            return False
+        return self.shaper is None or pending.delivery_wall() <= self.clock.wall()
+
+    def wait(self, pending: PendingRecv, *, wait_delivery: bool = True) -> tuple[torch.Tensor, float]:
+        """``pending``'s tensor and its delivery (wall) time; blocks until it is here (see :meth:`recv`)."""
+        self._wait(pending.work, f"receiving from {self.topo.describe(pending.src)}")
+        at = pending.delivery_wall()
         if wait_delivery and self.shaper is not None:
             if at - self.clock.wall() > self.timeout_s:  # a link down past the timeout (deepcee.cluster.outages)
-                raise RuntimeSetupError(f"{self.topo.describe(self.rank)}: receiving from {self.topo.describe(src)} "
+                raise RuntimeSetupError(f"{self.topo.describe(self.rank)}: receiving from {self.topo.describe(pending.src)} "
                                         f"would not be delivered within {self.timeout_s:g} s (the link is dead)")
             self.clock.sleep_until(at)
-        return buf[:nbytes].view(like.dtype).view(like.shape).clone(), at
+        return pending.value(), at
 
     def flush(self) -> None:
         """Wait for every send so far (their receivers have them then)."""
@@ -111,6 +127,27 @@ class Messenger:
         except RuntimeError as exc:
             raise RuntimeSetupError(f"{self.topo.describe(self.rank)}: {what} did not complete within "
                                     f"{self.timeout_s:g} s ({str(exc).splitlines()[0][:160]})") from None
+
+
+@dataclass(slots=True, kw_only=True)
+class PendingRecv:
+    """A receive posted by :meth:`Messenger.post_recv`: the buffer holds the payload, then the header."""
+
+    work: Any
+    buf: torch.Tensor
+    like: torch.Tensor
+    src: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.like.numel() * self.like.element_size()
+
+    def delivery_wall(self) -> float:
+        """The emulated delivery time the sender wrote in the header (call once received)."""
+        return float(self.buf[self.nbytes:].cpu().clone().view(torch.float64)[0])
+
+    def value(self) -> torch.Tensor:
+        return self.buf[:self.nbytes].view(self.like.dtype).view(self.like.shape).clone()
 
 
 # -- a segment's parameters on one rank ------------------------------------------------------

@@ -15,7 +15,9 @@ rest of the step for the plan's :class:`~deepcee.plan.Strategy`:
   - ``model-averaging`` (:class:`ModelAveraging`): its own optimizer step; every ``period``
     local steps all replicas combine their parameters per segment ([Note: deterministic
     averaging] in :mod:`deepcee.runtime.replicas`): plain mean, or DiLoCo's outer step
-    ([Note: outer nesterov]);
+    ([Note: outer nesterov]); with ``overlap`` (:class:`OverlappedAveraging`) the combination
+    runs while the next period's local steps do and lands one period late ([Note: overlapped
+    averaging] in :mod:`deepcee.runtime.overlap`);
   - ``asgd-ga`` (:class:`AsgdGa`): no local optimizer; gradients summed over ``k`` local
     steps, pushed to the parameter servers, the servers' model pulled ([Note: asgd-ga]);
   - ``partial`` (:class:`Partial`): its own optimizer step, then the group the coordinator
@@ -45,6 +47,7 @@ from deepcee.plan import Plan
 from deepcee.runtime import coordinator as coord
 from deepcee.runtime.evaluation import evaluate
 from deepcee.runtime.executor import run_step
+from deepcee.runtime.overlap import Rounds
 from deepcee.runtime.partition import Segment, Topology
 from deepcee.runtime.ps import (
     AppliedPush,
@@ -215,6 +218,10 @@ class _Runner(ABC):
         """Whether an evaluation follows local step ``k`` (only where every replica holds the same model)."""
         return False
 
+    def evaluate(self) -> float:
+        """The evaluation loss of the model the replicas agree on (every rank calls it together)."""
+        return evaluate(self.t)
+
     def finish(self, run: RelaxedRun) -> None:
         run.averages = self.averages
 
@@ -245,7 +252,7 @@ class ModelAveraging(_Runner):
         done = k + 1
         return bool(every) and done % period == 0 and done // every > (done - period) // every
 
-    def _nesterov(self, j: int, seg: SegmentParams) -> Callable[[list[torch.Tensor]], torch.Tensor]:
+    def _nesterov(self, j: int, seg: SegmentParams | None = None) -> Callable[[list[torch.Tensor]], torch.Tensor]:
         """[Note: outer nesterov] at the segment's root (called there only)."""
         s = self.t.plan.strategy
         state = self.outer.setdefault(j, {"anchor": self.t.initial_values[j].clone()})
@@ -259,6 +266,48 @@ class ModelAveraging(_Runner):
             return state["anchor"]
 
         return combine
+
+
+class OverlappedAveraging(ModelAveraging):
+    """``model-averaging`` with ``overlap``: rounds in flight during local steps ([Note: overlapped averaging])."""
+
+    def __init__(self, t: Trainer) -> None:
+        super().__init__(t)
+        self.rounds = Rounds(t.messenger, t.my_segments, t.plan.num_replicas, self._combine, t.initial_values)
+
+    def _combine(self, j: int) -> Callable[[list[torch.Tensor]], torch.Tensor]:
+        return self._nesterov(j) if self.t.plan.strategy.outer_optimizer == "nesterov" else mean_in_order
+
+    def after_step(self, k: int) -> float:
+        self.t.optimizer.step()
+        t0 = self.t.clock.wall()
+        at_sync, last = (k + 1) % self.t.plan.strategy.period == 0, k + 1 == self.t.cfg.steps
+        if at_sync or last:  # the run's last step ends with a blocking sync point
+            self.rounds.sync_point()
+            self.averages += 1
+            if last:
+                self.rounds.finish()
+        else:
+            self.rounds.poll()  # a root combines a round whose copies all arrived
+        return self.t.clock.wall() - t0
+
+    def evaluate(self) -> float:
+        """``anchor_k``, the model every replica knows at a sync point; the replicas' own copies are put back."""
+        own = [(seg, seg.flat_values().clone()) for _, seg in self.t.my_segments]
+        self.rounds.set_anchor()
+        try:
+            return evaluate(self.t)
+        finally:
+            for seg, values in own:
+                seg.set_values(values)
+
+    def finish(self, run: RelaxedRun) -> None:
+        if self.rounds.pending is not None:  # stopped at the target: drain, keep the evaluated anchor
+            evaluated = dict(self.rounds.anchor)
+            self.rounds.take()
+            self.rounds.anchor = evaluated
+            self.rounds.set_anchor()
+        super().finish(run)
 
 
 class AsgdGa(_Runner):
@@ -309,6 +358,11 @@ class Partial(_Runner):
 RUNNERS: dict[str, type[_Runner]] = {"model-averaging": ModelAveraging, "asgd-ga": AsgdGa, "partial": Partial}
 
 
+def runner_for(t: Trainer) -> _Runner:
+    s = t.plan.strategy
+    return OverlappedAveraging(t) if s.overlap else RUNNERS[s.kind](t)
+
+
 def check_relaxed(t: Trainer) -> None:
     """What relaxed runs do not support yet, refused with the reason."""
     kind = t.plan.strategy.kind
@@ -338,7 +392,7 @@ def run_relaxed(t: Trainer) -> RelaxedRun:
                                 fixed_order=t.cfg.fixed_arrival_order, timeout_s=t.cfg.timeout_s, store=t.w.store,
                                 job=t.job.name).serve()
         return run
-    runner = RUNNERS[t.plan.strategy.kind](t)
+    runner = runner_for(t)
     k = 0
     while runner.more(k):
         start = t.clock.wall()
@@ -347,7 +401,7 @@ def run_relaxed(t: Trainer) -> RelaxedRun:
         sync_s = 0.0 if t.plan.strategy.kind == "asgd-ga" else sync_in_replica(t)
         comm_s = runner.after_step(k)
         end = t.clock.wall()
-        eval_loss = evaluate(t) if runner.evaluates(k) else None
+        eval_loss = runner.evaluate() if runner.evaluates(k) else None
         metrics = t.rank_metrics(rec, sync_s)
         if t.cfg.trace and comm_s > 0:  # the cross-replica exchange, for timelines
             metrics = replace(metrics, trace=(*metrics.trace, (f"SYNC {t.plan.strategy.kind}", end - comm_s, end)))
@@ -419,10 +473,17 @@ def _strategy_run(runs: list[RelaxedRun], t: Trainer) -> StrategyRun:
     t_a = max(ends.get((q, 0), float("inf")) for q in range(plan.num_replicas))
     t_b = max(ends.values(), default=float("nan"))
     done = sum(plan.replicas[r].batch for (r, _), end in ends.items() if t_a < end <= t_b)
-    # evaluations (all ranks at once) are not training time
-    pauses = {ls.step: ls.resume_wall - ls.end_wall for run in runs for ls in run.steps
-              if ls.eval_loss is not None and t_a <= ls.end_wall < t_b}
-    window = (t_b - t_a - sum(pauses.values())) / d
+    # evaluations (all ranks at once) are not training time: from the last rank's arrival at
+    # one to its end, inside the window (a rank waiting there for a slower one is still counted,
+    # as at an average; an evaluation after the last step adds nothing)
+    evals: dict[int, list[LocalStep]] = {}
+    for run in runs:
+        for ls in run.steps:
+            if ls.eval_loss is not None:
+                evals.setdefault(ls.step, []).append(ls)
+    pauses = [max(0.0, min(min(x.resume_wall for x in e), t_b) - max(max(x.end_wall for x in e), t_a))
+              for e in evals.values()]
+    window = (t_b - t_a - sum(pauses)) / d
     groups = [ReplicaGroup(round=g.round, members=g.members, full=g.full, open_s=(g.open_wall - epoch) / d,
                            close_s=(g.close_wall - epoch) / d, arrivals=g.arrivals)
               for run in runs for g in run.groups]

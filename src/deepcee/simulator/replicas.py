@@ -15,7 +15,9 @@ global barrier only where the strategy has one:
   :func:`~deepcee.simulator.engine.simulate`, unchanged (stragglers: one engine iteration at a
   time on the cluster with the slowdowns in force at its start);
 - ``model-averaging``, ``asgd-ga``, ``partial``: each replica runs local steps on its own
-  clock and meets the others only as its rule says ([Note: relaxed rules (simulator)]).
+  clock and meets the others only as its rule says ([Note: relaxed rules (simulator)]);
+  overlapped model averaging does not block at a sync point, it waits at the next one for
+  what has not arrived ([Note: overlapped averaging (simulator)] in :mod:`.overlap`).
 
 ``steps`` counts what the runtime's ``--steps`` counts: global steps (exact), local steps of
 every replica (model averaging, ASGD-GA) or rounds (partial).
@@ -47,6 +49,7 @@ from deepcee.plan import Plan
 from deepcee.profile import ModelProfile
 from deepcee.simulator.engine import Event, simulate
 from deepcee.simulator.network import Loop, NetEvent, Network
+from deepcee.simulator.overlap import run_overlapped_averaging
 from deepcee.simulator.pipelines import ReplicaPipeline, layer_segments, segment_sync
 from deepcee.simulator.strategies import (
     GroupRecord,
@@ -246,6 +249,8 @@ def simulate_replicas(plan: Plan, cluster: Cluster, model: ModelProfile, *, step
     run = Run(plan, cluster, model, stragglers=stragglers, record=record, start_s=start_s)
     runner = {"exact": run_exact, "model-averaging": run_model_averaging,
               "asgd-ga": run_asgd_ga, "partial": run_partial}[plan.strategy.kind]
+    if plan.strategy.overlap:
+        runner = run_overlapped_averaging
     runner(run, steps)
     run.loop.run()
     for r, ends in enumerate(run.step_ends):

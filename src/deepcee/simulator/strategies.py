@@ -18,7 +18,8 @@ and sends the total back to its holders. A server serves segments in layer order
   the Nesterov outer optimizer also the outer step) and sends the result back to each
   replica's first holder (its own replica's holders directly), which hands it on to the
   other holders of its replica: one copy per replica crosses the WAN; the runtime's gather
-  and scatter ([Note: deterministic averaging] there).
+  and scatter ([Note: deterministic averaging] there). With ``overlap`` nobody waits at the
+  sync point: [Note: overlapped averaging (simulator)] in :mod:`.overlap`.
 - ``partial``: after each local step a replica waits for its group. Rounds are formed in
   arrival order: a round closes when ``max_group`` replicas wait (0: no bound), or all do, or
   ``window_s`` has passed since it opened and at least ``min_group`` wait; every
