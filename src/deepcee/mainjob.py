@@ -211,10 +211,11 @@ def run_main_job(cfg: MainJobConfig | None = None, *, say: Callable[[str], None]
 
     t = time.monotonic()
     eff, ref_samples = ttt.efficiency_of(eff_file)
-    # model averaging within what was measured: the calibrated periods, plain averaging (other
+    # model averaging within what was measured: the calibrated periods, plain blocking averaging (other
     # settings would be judged by the conservative default, which a run may contradict: convnet-tiny's
     # H=256 with the outer Nesterov step, default x2.20, did not reach the target in 800 steps)
-    options = None if cfg.efficiency_file else RelaxedOptions(periods=cfg.periods, outer_optimizers=("average",))
+    options = None if cfg.efficiency_file else RelaxedOptions(periods=cfg.periods, outer_optimizers=("average",),
+                                                              overlaps=(False,))
     planned = ttt.candidates(prof.cluster, prof.profile, cfg.global_batch, cfg.model, cfg.scenario, eff, options)
     timings["plan_s"] = time.monotonic() - t
     cands = planned.systems
