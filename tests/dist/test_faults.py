@@ -162,3 +162,44 @@ def test_dead_link_leaves_out_one_end_and_training_goes_on(tmp_path):
     assert [x["device"] for x in lost["lost"]] == [N0] and "link is dead" in lost["reason"]
     assert lost["steps_redone"] == 0 and lost["restored_from"] is None
     assert N0 not in lost["devices"] and set(lost["devices"]) == {C0, C1, E0}
+
+
+def test_a_peer_stopping_inside_a_checkpoint_save_is_detected_by_heartbeat_not_timeout(tmp_path):
+    # cloud0:1 stops (SIGSTOP) at the start of its part of checkpoint step 4's save, while its
+    # peers are in that save's collectives waiting on it. Those waits watch the fault flag, so the
+    # survivors see the stalled heartbeat (lost_after_s) and recover; the group's timeout (120 s
+    # here) would have been waited out before. The run clips the gradient norm: its all-reduce
+    # comes before the commit point, and the result still equals the single-process reference.
+    from dataclasses import replace
+
+    from _fault_hooks import StopInSave
+
+    steps, at, clip = 8, 4, 0.5
+    lost_after_s = 8.0
+    cfg = TrainConfig(steps=steps, dtype="float64", optimizer=ADAM, mode="real", timeout_s=120, capture=True,
+                      checkpoint_every=at, clip_grad_norm=clip)
+    job = adaptive_job(PLAN, load_scenario("local-small"), model="gpt-tiny", config=cfg, run_dir=tmp_path,
+                       name="stop-in-save", devices=DEVICES, policy=ScriptedPolicy(changes=()),
+                       elastic=ElasticConfig(heartbeat_s=0.25, lost_after_s=lost_after_s, rejoin=False))
+    spec = job.hooks
+    job = replace(job, hooks=StopInSave(devices=spec.devices, policy=spec.policy, elastic=spec.elastic,
+                                        stop_device=C1, at_step=at))
+    t0 = time.monotonic()
+    (result,) = launch_jobs([job], deadline_s=DEADLINE_S, elastic=Elastic(finish_grace_s=5.0))
+    wall_s = time.monotonic() - t0
+    assert wall_s < cfg.timeout_s  # the survivors never waited out the timeout
+    losses, _, params = reference("gpt-tiny", PLAN, steps, ADAM, clip_grad_norm=clip)
+    assert [m.step for m in result.metrics] == list(range(steps))
+    for got, want in zip(result.losses, losses, strict=True):
+        assert got == pytest.approx(want, rel=RTOL)
+    for rank, cap in load_captures(tmp_path).items():
+        for key, p in cap["params"].items():
+            torch.testing.assert_close(p, params[key], rtol=RTOL, atol=ATOL,
+                                       msg=lambda m, k=key, r=rank: f"rank {r} param {k}: {m}")
+    (lost,) = _events(tmp_path)
+    assert [x["device"] for x in lost["lost"]] == [C1] and "no heartbeat" in lost["reason"]
+    assert lost["steps_applied"] == at and lost["steps_redone"] == 0  # its stage peer held every layer
+    detect_s = lost["fault_reported_at"] - float((tmp_path / "stopped").read_text())
+    # bounded by the heartbeat rule (lost_after_s, counted from the last beat seen, up to a beat
+    # before the stop), with room for a loaded machine; far below the timeout
+    assert lost_after_s - 2 * 0.25 <= detect_s < lost_after_s + 20.0

@@ -44,11 +44,11 @@ import pickle
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -61,6 +61,7 @@ if TYPE_CHECKING:
     from deepcee.runtime.trainer import Trainer
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 PIDS_DIR = "pids"
 """``<run_dir>/pids/<device>``: the pid of the process running the device now."""
@@ -281,33 +282,59 @@ class Session:
 
         gloo's point-to-point works never say they are complete before ``wait()`` is called
         (``is_completed()`` stays false), so the blocking wait runs in a thread of its own while
-        this one watches the flag; on a fault that thread is left behind, blocked on the lost
-        peer until its connection closes or the wait times out (the old group stays referenced
-        until then, [Note: elastic process groups])."""
+        this one watches the flag ([Note: watched calls])."""
         if work.is_completed():  # collectives do say so
             try:
                 work.wait()
                 return None
             except RuntimeError as exc:
                 return self._finish_wait(exc, what, peer)
-        done = threading.Event()
-        box: list[BaseException] = []
+        box = self._watched(lambda: work.wait(timedelta(seconds=timeout_s)))
+        # a second wait() on a gloo receive would wait for another message: never call it again
+        return self._finish_wait(box[1], what, peer) if box[1] is not None else None
 
-        def block() -> None:
+    def call(self, fn: Callable[[], T], *, what: str, peer: str | None = None) -> T:
+        """``fn()`` in a thread of its own while this one watches the fault flag ([Note: watched
+        calls]): :class:`PeerLost` within a poll of a fault; its failure (but a domain error of
+        its own, e.g. no checkpoint to restore) is reported as one."""
+        value, exc = self._watched(fn)
+        if exc is None:
+            return value
+        if isinstance(exc, DeepceeError) and not isinstance(exc, PeerLost):
+            raise exc
+        return self._finish_wait(exc, what, peer)
+
+    # [Note: watched calls]
+    # A blocking torch.distributed operation (a gloo wait, a collective inside a DCP save or
+    # load, an object send) cannot be interrupted: with a peer stopped or cut off, it returns
+    # only at the group's timeout, and with a peer killed it may too (a ring collective's rank
+    # waits on a live neighbour that has already failed out of it). So an elastic rank runs such
+    # an operation in a helper thread and watches the fault flag, which the heartbeat thread
+    # sets within a heartbeat of a lost peer, from its own: detection is bounded by the
+    # heartbeat (a process gone) or ``lost_after_s`` (a hang), not by ``timeout_s``. On a fault
+    # the helper thread is left behind, blocked on the old generation's group, which stays
+    # referenced until the thread ends ([Note: elastic process groups]); whatever it writes
+    # after (a checkpoint's files) is never committed: rank 0 commits a checkpoint only once
+    # its save returned on this thread.
+    def _watched(self, fn: Callable[[], Any]) -> tuple[Any, BaseException | None]:
+        """``(fn(), None)`` or ``(None, its exception)``; :class:`PeerLost` on a fault meanwhile."""
+        done = threading.Event()
+        box: list[Any] = [None, None]
+
+        def run() -> None:
             try:
-                work.wait(timedelta(seconds=timeout_s))
-            except BaseException as exc:  # noqa: BLE001  (handed to the waiting thread)
-                box.append(exc)
+                box[0] = fn()
+            except BaseException as exc:  # noqa: BLE001  (handed to the watching thread)
+                box[1] = exc
             finally:
                 done.set()
 
-        threading.Thread(target=block, name="deepcee-wait", daemon=True).start()
+        threading.Thread(target=run, name="deepcee-watched", daemon=True).start()
         pause = 1e-4
         while not done.wait(pause):
             self.check()
             pause = min(2 * pause, POLL_MAX_S)
-        # a second wait() on a gloo receive would wait for another message: never call it again
-        return self._finish_wait(box[0], what, peer) if box else None
+        return box[0], box[1]
 
     def _finish_wait(self, exc: BaseException, what: str, peer: str | None) -> None:
         first = str(exc).splitlines()[0][:160] if str(exc) else type(exc).__name__

@@ -78,6 +78,7 @@ from deepcee.runtime.progress import RunLog, gather_rank_infos
 from deepcee.runtime.realnet.relay import RelayControl
 from deepcee.runtime.records import (
     AppliedChange,
+    BoundaryMetrics,
     RankMetrics,
     ResumeRecord,
     StepMetrics,
@@ -141,6 +142,8 @@ class Trainer:
         self.ties = rparams.model_ties(job.model)
         self.optstep = OptimizerStep(job.config)
         self.resumed: ResumeRecord | None = None
+        self.unrecorded: tuple[int, Any, float, AppliedChange | None] | None = None
+        """Rank 0: the last step trained, gathered and not yet written (:meth:`record_step`)."""
         # Every rank creates every group, in the same order (torch.distributed requires it).
         self.set_plan(job.plan, make_job_group=True)
 
@@ -516,6 +519,8 @@ class Trainer:
                 if stop:
                     break  # every rank has the same (all-reduced) evaluation loss: all stop here
             except Exception as exc:  # noqa: BLE001  (the hooks decide; FixedPlan re-raises)
+                if self.unrecorded is not None and self.unrecorded[0] == step:
+                    self.record_step()  # the step was applied everywhere; its boundary failed
                 step, carried = self.hooks.recover(self, step, exc)
                 t_prev = self.clock.wall()
         return self._finish()
@@ -527,6 +532,7 @@ class Trainer:
         mine = self._train_step(step, self.capture) if self.active else self._serve_step()
         gathered = self._gather(mine)
         step_s = self.clock.wall() - t_prev
+        self.unrecorded = (step, gathered, step_s, carried)
         # evaluations and checkpoints are not part of any step's time
         if self._due(self.cfg.eval_every, step + 1) or self._due(self.cfg.checkpoint_every, step + 1):
             self.w.waiter.gate(f"boundary/{step}")
@@ -535,18 +541,29 @@ class Trainer:
             self._checkpoint(step + 1)
         boundary = self.hooks.decide(self, step, gathered)
         t_prev = self.clock.wall()  # the decision is not part of any step; applying it is
-        if self.writer is not None:
-            ranks_now = [r for r in gathered if r is not None]
-            norm = next((r.grad_norm for r in ranks_now if r.grad_norm is not None), None)
-            self.records.append(step_metrics(step, ranks_now, step_s, global_batch=self.plan.global_batch,
-                                             emulation=self.info, epoch=self.epoch if self.cfg.trace else None,
-                                             change=carried, boundary=boundary, lr=self.optstep.lr(step),
-                                             grad_norm=norm, eval_loss=eval_loss, strategy=self.plan.strategy))
-            self.writer.write(self.records[-1].to_dict())
-            self.runlog.step(self.records[-1])
+        self.record_step(boundary=boundary, eval_loss=eval_loss)
         if reached(eval_loss, self.cfg.target_loss):
             return None, t_prev, True
         return self.hooks.apply(self), t_prev, False
+
+    def record_step(self, *, boundary: BoundaryMetrics | None = None, eval_loss: float | None = None) -> None:
+        """Rank 0: write the record of the step trained last (once). An elastic run's rank 0 calls
+        it when the step's boundary (checkpoint, evaluation, decision) failed after every member
+        had applied the step's update: the step is part of the run, without the boundary's part."""
+        if self.unrecorded is None:
+            return
+        step, gathered, step_s, carried = self.unrecorded
+        self.unrecorded = None
+        if self.writer is None:
+            return
+        ranks_now = [r for r in gathered if r is not None]
+        norm = next((r.grad_norm for r in ranks_now if r.grad_norm is not None), None)
+        self.records.append(step_metrics(step, ranks_now, step_s, global_batch=self.plan.global_batch,
+                                         emulation=self.info, epoch=self.epoch if self.cfg.trace else None,
+                                         change=carried, boundary=boundary, lr=self.optstep.lr(step),
+                                         grad_norm=norm, eval_loss=eval_loss, strategy=self.plan.strategy))
+        self.writer.write(self.records[-1].to_dict())
+        self.runlog.step(self.records[-1])
 
     def _finish(self) -> TrainResult | None:
         self._save_capture(self.capture)
@@ -602,8 +619,9 @@ class Trainer:
         if self.cfg.capture and step == self.start_step:
             capture["grads"] = self._named(lambda p: p.grad)
         owned = norm_owned(self) if self.optstep.measures_norm else []
-        self.hooks.before_update(self, step)  # an elastic run's commit point
-        outcome = self.optstep(step, self.optimizer, self.stage.params, owned, self.active_group,
+        norm = self.optstep.measure(self.stage.params, owned, self.active_group, self.w.waiter)
+        self.hooks.before_update(self, step)  # an elastic run's commit point: no collective after it
+        outcome = self.optstep(step, self.optimizer, self.stage.params, norm,
                                pace=self.pacer.run)  # the emulated device steps at its own speed too
         return self.rank_metrics(rec, sync_s, outcome, loss_scale)
 
