@@ -203,3 +203,43 @@ def test_a_peer_stopping_inside_a_checkpoint_save_is_detected_by_heartbeat_not_t
     # bounded by the heartbeat rule (lost_after_s, counted from the last beat seen, up to a beat
     # before the stop), with room for a loaded machine; far below the timeout
     assert lost_after_s - 2 * 0.25 <= detect_s < lost_after_s + 20.0
+
+
+def test_a_lost_device_of_one_replica_the_others_go_on(tmp_path):
+    # three replicas under the exact strategy (ring all-reduce per layer): every layer on
+    # cloud0:0, on cloud0:1, and data parallel on edge0:0 + edge0:1. edge0:1 is killed: the other
+    # replicas lose nothing; the hit one is re-planned on edge0:0 or dropped (its samples to
+    # another replica), whichever the simulator finds faster ([Note: elastic replicas]). The next
+    # generation still runs several replicas, at least one of them exactly as before; every layer
+    # still has a holder: nothing is redone, and the run equals the single-process reference
+    from _runtime_helpers import make_replicas_plan
+
+    e1 = "edge0:1"
+    devices = (C0, C1, E0, e1)
+    plan = make_replicas_plan("gpt-tiny", [([(0, 6, (C0,), (2,))], 1, "gpipe"), ([(0, 6, (C1,), (2,))], 1, "gpipe"),
+                                           ([(0, 6, (E0, e1), (1, 1))], 2, "gpipe")])
+    steps = 10
+    cfg = TrainConfig(steps=steps, dtype="float64", optimizer=ADAM, mode="real", timeout_s=60, capture=True)
+    job = adaptive_job(plan, load_scenario("local-small"), model="gpt-tiny", config=cfg, run_dir=tmp_path,
+                       name="replicas", devices=devices, policy=ScriptedPolicy(changes=()),
+                       elastic=ElasticConfig(heartbeat_s=0.25, lost_after_s=8.0, rejoin=False))
+    _inject(tmp_path, after_steps=3, device=e1, sig=signal.SIGKILL)
+    t0 = time.monotonic()
+    (result,) = launch_jobs([job], deadline_s=DEADLINE_S, elastic=Elastic(finish_grace_s=5.0))
+    assert time.monotonic() - t0 < DEADLINE_S
+    losses, _, params = reference("gpt-tiny", plan, steps, ADAM)
+    assert [m.step for m in result.metrics] == list(range(steps))
+    for got, want in zip(result.losses, losses, strict=True):
+        assert got == pytest.approx(want, rel=RTOL)
+    for rank, cap in load_captures(tmp_path).items():
+        for key, p in cap["params"].items():
+            torch.testing.assert_close(p, params[key], rtol=RTOL, atol=ATOL,
+                                       msg=lambda m, k=key, r=rank: f"rank {r} param {k}: {m}")
+    (lost,) = _events(tmp_path)
+    assert [(x["device"], x["rank"]) for x in lost["lost"]] == [(e1, 3)]
+    assert lost["steps_redone"] == 0 and lost["restored_from"] is None
+    new = lost["plan"]["replicas"]
+    assert len(new) >= 2 and sum(r["microbatch_size"] * r["num_microbatches"] for r in new) == plan.global_batch
+    before = plan.to_dict()["replicas"]
+    assert before[0] in new or before[1] in new  # a replica that lost nothing goes on as it was
+    assert e1 not in {d for r in new for st in r["stages"] for d in st["devices"]}

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from deepcee.adapter.messages import Move, state_moves
 from deepcee.errors import DeepceeError, RuntimeSetupError
-from deepcee.plan import Plan, save_json_atomic
+from deepcee.plan import Plan, ReplicaPlan, save_json_atomic
 from deepcee.runtime import checkpoint as ckpt
 from deepcee.runtime import persist, runlock
 from deepcee.runtime.elastic import (
@@ -45,6 +45,7 @@ from deepcee.runtime.elastic import (
     Session,
     Transition,
 )
+from deepcee.runtime.partition import needs_servers
 from deepcee.runtime.records import AppliedChange, PlanChange
 
 if TYPE_CHECKING:
@@ -93,7 +94,7 @@ def held_layers(t: Trainer) -> tuple[int, ...]:
     """The layers whose current state this rank holds: its stage's, if it runs one."""
     if not t.active or getattr(t, "stage", None) is None:
         return ()
-    st = t.plan.stages[t.placement.stage]
+    st = t.pipeline.stages[t.placement.stage]  # its replica's stage
     return tuple(range(st.layer_start, st.layer_stop))
 
 
@@ -108,6 +109,76 @@ def replan(h: AdaptiveHooks, t: Trainer, devices: Sequence[str]) -> Plan:
     plan = plan_training(planning, h.model_profile(t), t.plan.global_batch,
                          options=getattr(h.spec.policy, "planner_options", None)).plan
     return plan.replace(cluster=t.plan.cluster, model=t.plan.model)
+
+
+# [Note: elastic replicas]
+# A plan of several replicas under the exact strategy gives every replica the same parameters
+# and optimizer state after each step, so a layer is held by its stage's devices in *every*
+# replica and a replica that loses a device loses no state the others lack. The leader keeps
+# the replicas that lost nothing as they are and, for each one that lost a device, considers
+# two ways on: that replica re-planned by the planner on its surviving devices (its own share of
+# the global batch), or that replica dropped, its samples given to one of the others (re-planned
+# on its own devices for the larger batch). The candidate the simulator finds fastest (on the
+# planning cluster, the model's profile) is the next plan; the global batch is the same, so the
+# mathematics are too. A device coming back, or a plan of one pipeline, gets the planner's plan
+# on every device instead (which may be one pipeline or several replicas).
+
+
+def next_plan(h: AdaptiveHooks, t: Trainer, devices: Sequence[str]) -> Plan:
+    """The next generation's plan on ``devices`` ([Note: elastic re-plan], [Note: elastic replicas])."""
+    plan = t.plan
+    if plan.num_replicas == 1 or any(d not in plan.devices for d in devices):
+        return replan(h, t, devices)
+    kept = [rep for rep in plan.replicas if all(d in devices for d in rep.devices)]
+    hit = [rep for rep in plan.replicas if rep not in kept]
+    cands: list[list[ReplicaPlan]] = [list(kept)]
+    for rep in hit:
+        step: list[list[ReplicaPlan]] = []
+        left = tuple(d for d in rep.devices if d in devices)
+        for base in cands:
+            if left and (sub := _replica_on(h, t, left, rep.batch)) is not None:
+                step.append([*base, *sub])
+            for j, other in enumerate(base):  # dropped: replica j takes its samples
+                if (sub := _replica_on(h, t, other.devices, other.batch + rep.batch)) is not None:
+                    step.append([*base[:j], *sub, *base[j + 1:]])
+        cands = step
+    scored = [_scored(h, t, plan.replace(replicas=tuple(reps), estimate=None), devices) for reps in cands if reps]
+    scored = [c for c in scored if c is not None]
+    if not scored:
+        log.warning("no replica-wise plan on %s; the planner plans them anew", list(devices))
+        return replan(h, t, devices)
+    return max(scored, key=lambda c: c.estimate.samples_per_s)
+
+
+def _replica_on(h: AdaptiveHooks, t: Trainer, devices: Sequence[str], batch: int) -> list[ReplicaPlan] | None:
+    """The planner's pipeline(s) for ``batch`` samples on ``devices`` (exact, no servers), or ``None``."""
+    from deepcee.planner.search import plan_training
+
+    try:
+        sub = plan_training(h.planning_cluster(t).subset(devices), h.model_profile(t), batch,
+                            options=getattr(h.spec.policy, "planner_options", None)).plan
+    except DeepceeError as exc:
+        log.info("no plan for %d samples on %s: %s", batch, list(devices), exc)
+        return None
+    if sub.strategy.kind != "exact" or needs_servers(sub):
+        return None
+    return list(sub.replicas)
+
+
+def _scored(h: AdaptiveHooks, t: Trainer, plan: Plan, devices: Sequence[str]) -> Plan | None:
+    """``plan`` with the simulator's estimate on the planning cluster, or ``None`` if it does not run there."""
+    from deepcee.plan import Estimate
+    from deepcee.simulator.replicas import simulate_replicas
+
+    cluster = h.planning_cluster(t).subset(devices)
+    try:
+        r = simulate_replicas(plan, cluster, h.model_profile(t), steps=2)
+    except DeepceeError as exc:
+        log.info("candidate plan with %d replicas rejected: %s", plan.num_replicas, exc)
+        return None
+    return plan.replace(estimate=Estimate(iteration_s=r.iteration_s, samples_per_s=r.samples_per_s,
+                                          peak_memory_bytes=dict(r.peak_memory_bytes), bottleneck=r.bottleneck,
+                                          source="simulator"))
 
 
 def cut_off_end(h: AdaptiveHooks, t: Trainer, fault: Fault, joins: Sequence[JoinRecord]) -> str:
@@ -125,7 +196,7 @@ def cut_off_end(h: AdaptiveHooks, t: Trainer, fault: Fault, joins: Sequence[Join
         rest = [j for j in joins if j.device != end]
         held = {layer for j in rest for layer in j.layers}
         try:
-            plan = replan(h, t, tuple(d for d in h.spec.devices if any(j.device == d for j in rest)))
+            plan = next_plan(h, t, tuple(d for d in h.spec.devices if any(j.device == d for j in rest)))
             speed = plan.estimate.samples_per_s if plan.estimate is not None else 0.0
         except DeepceeError:
             speed = 0.0
@@ -154,7 +225,7 @@ def decide_recovery(h: AdaptiveHooks, t: Trainer, gen: int, joins: Sequence[Join
     if not joins:
         raise RuntimeSetupError(f"generation {gen}: every device is lost ({', '.join(d.device for d in lost)})")
     devices = tuple(d for d in h.spec.devices if any(j.device == d for j in joins) or d in rejoining)
-    plan = replan(h, t, devices)
+    plan = next_plan(h, t, devices)
     holders = {layer: tuple(j.device for j in joins if layer in j.layers) for layer in range(t.plan.num_layers)}
     missing = [layer for layer, held in holders.items() if not held]
     holding = [j for j in joins if j.layers]  # an idle member's step count means nothing

@@ -30,7 +30,7 @@ def rebuild(t: Trainer, key: str, received: Mapping[int, dict[str, Any]], kept_s
             for name, b in t.blocks[layer].named_buffers():
                 b.copy_(payload["buffers"][name])
     t.build_stage(key)
-    start = t.plan.stages[t.placement.stage].layer_start
+    start = t.pipeline.stages[t.placement.stage].layer_start  # its replica's stage
     for name, p in t.stage.module.named_parameters():
         idx, rest = name.split(".", 1)
         layer = start + int(idx)

@@ -242,6 +242,8 @@ class Session:
     def lost_reason(self, device: str, *, started: bool = False) -> str | None:
         """Why ``device`` counts as lost now, or ``None`` while it lives (``started``: only once
         it has written a heartbeat)."""
+        if self.store.check([f"finished/{device}"]):
+            return None  # it trained every step and left: the records it owed are written
         now = time.monotonic()
         key = f"hb/{device}"
         value = self.store.get(key).decode() if self.store.check([key]) else ""
@@ -589,6 +591,7 @@ def run_elastic_job(job: Job, rank: int, world_size: int, store: dist.Store, *, 
                         result = t.train()
                 else:
                     result = _rejoin(job, s, store, device, node)
+                s.store.set(f"finished/{s.me}", "1")  # its process ends now: not a lost member
                 if result is not None:
                     s.finish()
                 return result
