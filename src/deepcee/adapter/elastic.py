@@ -86,7 +86,7 @@ def _restore_step(folder: str) -> int:
 def session(t: Trainer) -> Session:
     s = t.w.waiter
     if not isinstance(s, Session):
-        raise RuntimeSetupError("an elastic job's ranks must be started by deepcee.runtime.elastic.run_elastic_job")
+        raise RuntimeSetupError("an elastic job's ranks must be started by deepcee.runtime.elastic_rank.run_elastic_job")
     return s
 
 

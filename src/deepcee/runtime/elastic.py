@@ -1,7 +1,8 @@
 """Elastic training: when a device is lost, the survivors leave the broken process group and go on.
 
-One :class:`Session` per rank of an elastic job (:func:`run_elastic_job` is what such a rank
-runs). The decisions (which plan the survivors train, which state moves, whether a checkpoint
+One :class:`Session` per rank of an elastic job (:func:`deepcee.runtime.elastic_rank.run_elastic_job`
+is what such a rank runs; settings, errors and records are :mod:`deepcee.runtime.elastic_types`,
+re-exported here). The decisions (which plan the survivors train, which state moves, whether a checkpoint
 must be restored) belong to the run's hooks (the adapter's, :mod:`deepcee.adapter.elastic`);
 this module is the mechanism under them.
 
@@ -45,124 +46,30 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
-from deepcee.errors import DeepceeError, RuntimeSetupError, SpecError
-
-if TYPE_CHECKING:
-    from deepcee.runtime.job import Job
-    from deepcee.runtime.records import TrainResult
-    from deepcee.runtime.trainer import Trainer
+from deepcee.errors import DeepceeError, RuntimeSetupError
+from deepcee.runtime.elastic_types import (
+    Decide,
+    ElasticConfig,
+    Excluded,
+    Fault,
+    JoinRecord,
+    LostDevice,
+    PeerLost,
+    Transition,
+)
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-PIDS_DIR = "pids"
-"""``<run_dir>/pids/<device>``: the pid of the process running the device now."""
 POLL_MAX_S = 1e-3
 """Longest sleep between two looks at a pending operation (the first ones are shorter)."""
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ElasticConfig:
-    """How an elastic run notices a lost device and takes a returning one back."""
-
-    heartbeat_s: float = 0.25
-    """How often each rank writes its heartbeat and looks at the others'."""
-    lost_after_s: float = 5.0
-    """A member whose heartbeat stood still this long is lost (a hung process or host). A
-    process gone from this machine is lost at the next heartbeat."""
-    rejoin: bool = True
-    """Take a device that comes back in again at the next step boundary."""
-
-    def __post_init__(self) -> None:
-        for name in ("heartbeat_s", "lost_after_s"):
-            v = getattr(self, name)
-            if not (isinstance(v, int | float) and 0 < v < 3600):
-                raise SpecError(f"must be a number of seconds in (0, 3600), got {v!r}", field=name)
-        if self.lost_after_s < 4 * self.heartbeat_s:
-            raise SpecError(f"must be at least 4 heartbeats ({4 * self.heartbeat_s:g} s), got {self.lost_after_s!r}",
-                            field="lost_after_s")
-
-
-class PeerLost(RuntimeSetupError):
-    """This rank's generation has a fault: a member is lost, or an operation failed or timed out."""
-
-    def __init__(self, message: str, *, suspect: str | None = None) -> None:
-        super().__init__(message)
-        self.suspect = suspect
-
-
-class Excluded(RuntimeSetupError):
-    """This rank was left out of the next generation (it was thought lost): it must rejoin."""
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class LostDevice:
-    device: str
-    rank: int
-    """Its rank in the generation it was lost from."""
-    reason: str
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class JoinRecord:
-    """What a survivor tells the leader."""
-
-    device: str
-    rank: int
-    applied: int
-    """Steps whose update this rank holds (the next step it would run)."""
-    version: int
-    """The plan version in force on this rank."""
-    layers: tuple[int, ...]
-    """The layers whose current state this rank holds (its stage's, if it has one)."""
-    detected_s: float
-    """Wall time (``time.time()``) it noticed the fault."""
-    last: Any = None
-    """Its step record of step ``applied - 1`` (for a record rank 0 never got)."""
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Transition:
-    """The next generation, as the leader (or rank 0, for a rejoin) decided it."""
-
-    gen: int
-    devices: tuple[str, ...]
-    """Members in rank order."""
-    resume_step: int
-    lost: tuple[LostDevice, ...] = ()
-    joined: tuple[str, ...] = ()
-    """Devices that come back."""
-    detail: Any = None
-    """The hooks' part: plan, state moves or checkpoint, version."""
-    fault_s: float | None = None
-    """Wall time of the first fault report (``None``: a rejoin)."""
-    decided_s: float = 0.0
-    reason: str = ""
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Fault:
-    """The first report of a generation's fault."""
-
-    by: str
-    suspect: str | None
-    reason: str
-    at_s: float
-
-
-class Decide(Protocol):
-    """The leader's call into the hooks: the next generation from the survivors' records."""
-
-    def __call__(self, gen: int, joins: Sequence[JoinRecord], lost: Sequence[LostDevice],
-                 rejoining: Sequence[str], fault: Fault | None) -> Transition: ...
 
 
 def _proc_alive(pid: int) -> bool:
@@ -528,99 +435,5 @@ class Session:
         self.store.set("done", "1")
 
 
-# ---------------------------------------------------------------------------------------------
-# a rank of an elastic launch
-# ---------------------------------------------------------------------------------------------
-
-
-class JoiningHooks(Protocol):
-    """What an elastic job's hooks do beyond :class:`deepcee.runtime.hooks.TrainerHooks`."""
-
-    def admitted(self, tr: Transition) -> None:
-        """Before the trainer of a device that comes back exists: the members and plan of ``tr``."""
-
-    def join(self, trainer: Trainer, tr: Transition) -> None:
-        """Take part in ``tr`` as a device that comes back (the trainer is in generation ``tr.gen``)."""
-
-
-class ElasticFactory(Protocol):
-    """:attr:`deepcee.runtime.job.Job.hooks` of an elastic job."""
-
-    elastic: ElasticConfig
-
-    def warm(self, job: Job, device: torch.device) -> None:
-        """One-off costs of a process that comes back (imports, first passes), paid before it asks."""
-
-
-def elastic_config(job: Job) -> ElasticConfig | None:
-    """The job's elastic settings (its hooks factory's ``elastic``), or ``None``."""
-    return getattr(job.hooks, "elastic", None)
-
-
-def run_elastic_job(job: Job, rank: int, world_size: int, store: dist.Store, *, device: torch.device,
-                    node: str = "", launcher_rank: int | None = None) -> TrainResult | None:
-    """One rank of an elastic launch: generation 0 from the start, or, for a device that comes
-    back, the generation that admits it; trains until the end (rank 0 returns the result)."""
-    from deepcee.runtime import runlock
-    from deepcee.runtime.trainer import Trainer, Worker
-
-    cfg = elastic_config(job)
-    devices = tuple(job.hooks.rank_devices(job))
-    if world_size != len(devices):
-        raise RuntimeSetupError(f"an elastic job runs one rank per device of {list(devices)}, the launch has "
-                                f"{world_size}")
-    s = Session(dist.PrefixStore(f"{job.name}/elastic", store), cfg, device=devices[rank], launch_devices=devices,
-                timeout_s=job.config.timeout_s, torch_device=device)
-    returning = s.returning
-    s.start()
-    pids = Path(job.run_dir) / PIDS_DIR
-    pids.mkdir(parents=True, exist_ok=True)
-    (pids / devices[rank]).write_text(str(os.getpid()))  # who runs which device (operators, fault tests)
-    try:
-        while True:
-            try:
-                if not returning:
-                    s.enter(Transition(gen=0, devices=devices, resume_step=0))
-                    w = Worker(rank=rank, world_size=world_size, store=store, device=device, node=node,
-                               launcher_rank=launcher_rank, waiter=s)
-                    with runlock.agree(job.run_dir, job=job.name, rank=rank, store=store,
-                                       timeout_s=job.config.timeout_s) as lock:
-                        t = Trainer(job, w, job.hooks.hooks(job, w))
-                        t.run_lock = lock
-                        t.setup()
-                        result = t.train()
-                else:
-                    result = _rejoin(job, s, store, device, node)
-                s.store.set(f"finished/{s.me}", "1")  # its process ends now: not a lost member
-                if result is not None:
-                    s.finish()
-                return result
-            except Excluded as exc:
-                log.warning("%s: %s; asking to rejoin", s.me, exc)
-                s.leave()
-                returning = True
-    finally:
-        s.close()
-        s.leave()
-        s.release()
-
-
-def _rejoin(job: Job, s: Session, store: dist.Store, device: torch.device, node: str) -> TrainResult | None:
-    from deepcee.runtime.trainer import Trainer, Worker
-
-    job.hooks.warm(job, device)
-    tr = s.await_admission()
-    if tr is None:
-        log.info("%s: the run ended before it could rejoin", s.me)
-        return None
-    rank = s.enter(tr)
-    w = Worker(rank=rank, world_size=len(tr.devices), store=store, device=device, node=node, waiter=s)
-    hooks = job.hooks.hooks(job, w)
-    hooks.admitted(tr)
-    t = Trainer(replace(job, plan=tr.detail.plan), w, hooks)  # the new plan's groups, as every member makes them
-    hooks.join(t, tr)
-    return t.train(joining=True)
-
-
-__all__ = ["ElasticConfig", "Excluded", "JoinRecord", "LostDevice", "PeerLost", "Session", "Transition",
-           "elastic_config", "run_elastic_job"]
+__all__ = ["POLL_MAX_S", "Decide", "ElasticConfig", "Excluded", "Fault", "JoinRecord", "LostDevice", "PeerLost",
+           "Session", "Transition"]

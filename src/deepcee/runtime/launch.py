@@ -43,7 +43,7 @@ from deepcee.errors import RuntimeSetupError, SpecError
 from deepcee.plan import Plan, save_json_atomic
 from deepcee.runtime import dist as rdist
 from deepcee.runtime import runlock
-from deepcee.runtime.elastic import elastic_config
+from deepcee.runtime.elastic_rank import elastic_config
 from deepcee.runtime.emulation import choose_dilation
 from deepcee.runtime.job import Job, TrainConfig
 from deepcee.runtime.rank import run_jobs_on_rank
