@@ -40,3 +40,28 @@ class _StoppingHooks(AdaptiveHooks):
             save(step_done)
 
         t._checkpoint = stopping
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HoldForRejoin(AdaptSpec):
+    """Rank 0 holds every step boundary from ``from_step`` on until some device asks to rejoin
+    (then takes it in there, as at any boundary), until one has come back: a run of few steps
+    still sees the restarted process (imports, warm-up: seconds) come back, however loaded the
+    machine. It watches for faults while it holds."""
+
+    from_step: int
+    hold_s: float = 120.0
+
+    def hooks(self, job, worker) -> AdaptiveHooks:
+        return _HoldingHooks(self, job, worker)
+
+
+class _HoldingHooks(AdaptiveHooks):
+    def decide(self, t, step, gathered):
+        if t.w.rank == 0 and step >= self.spec.from_step and not any(e["kind"] == "device-rejoin" for e in self.events):
+            s = t.w.waiter
+            t_end = time.monotonic() + self.spec.hold_s
+            while not s.rejoin_requests() and time.monotonic() < t_end:
+                s.check()
+                time.sleep(0.02)
+        return super().decide(t, step, gathered)

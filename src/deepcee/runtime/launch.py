@@ -155,7 +155,8 @@ def launch_jobs(jobs: Sequence[Job], *, world_size: int | None = None, deadline_
         shaped, cluster, devices, dilation = _realnet_jobs(jobs, world_size)
         timeout = max(j.config.timeout_s for j in shaped)
         stats = launch_realnet(_jobs_entry, (shaped, timeout, _parent_level()), cluster=cluster, devices=devices,
-                               deadline_s=deadline_s, dilation=dilation, elastic=elastic)
+                               deadline_s=deadline_s, dilation=dilation, elastic=elastic,
+                               outages=tuple({o for j in shaped for o in j.config.link_outages}))
         log.info("relay: %s", stats.to_dict())
         for j in shaped:  # drops and queueing are part of what a realnet run measured
             save_json_atomic(Path(j.run_dir) / "relay.json", {
