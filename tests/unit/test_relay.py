@@ -323,6 +323,12 @@ def test_a_pair_down_drops_every_packet_in_its_windows_and_only_there():
     assert q.offer(1, 0, 100, now=100.6) is not None
     with pytest.raises(SpecError, match="no pair 0->2"):
         q.set_down(0, 2, True)
+    # a relay whose epoch is its own start applies the windows only once a run sets the epoch
+    q = WanQueue([PairSpec(src=0, dst=1, latency_s=0.0, resource="r", down_s=((1.0, None),))],
+                 [ResourceSpec(name="r", bandwidth_bytes_per_s=1e6)], queue_limit_s=1.0, epoch_s=0.0, down_armed=False)
+    assert q.offer(0, 1, 100, now=5.0) is not None
+    q.set_epoch(10.0, now=10.0)
+    assert q.offer(0, 1, 100, now=10.5) is not None and q.offer(0, 1, 100, now=11.5) is None
     with pytest.raises(SpecError, match="down windows"):
         PairSpec(src=0, dst=1, latency_s=0.0, resource="r", down_s=((2.0, 1.0),))
 

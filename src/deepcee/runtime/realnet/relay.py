@@ -150,7 +150,7 @@ def serve(config: RelayConfig, tun_fds: Sequence[int], *, owner_pid: int | None 
         raise SpecError(f"{len(config.addresses)} addresses but {len(tun_fds)} TUN descriptors", field="fds")
     t0, times0 = clock(), os.times()
     queue = WanQueue(config.pairs, config.resources, queue_limit_s=config.queue_limit_s,
-                     epoch_s=t0 if config.epoch_s is None else config.epoch_s)
+                     epoch_s=t0 if config.epoch_s is None else config.epoch_s, down_armed=config.epoch_s is not None)
     rank_of_addr = {socket.inet_aton(a): i for i, a in enumerate(config.addresses)}
     rank_of_fd = {fd: i for i, fd in enumerate(tun_fds)}
     hdr = config.vnet_hdr_bytes

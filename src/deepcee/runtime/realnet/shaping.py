@@ -244,7 +244,7 @@ class WanQueue:
     """
 
     def __init__(self, pairs: Iterable[PairSpec], resources: Iterable[ResourceSpec], *, queue_limit_s: float,
-                 epoch_s: float = 0.0) -> None:
+                 epoch_s: float = 0.0, down_armed: bool = True) -> None:
         if not queue_limit_s > 0:
             raise SpecError(f"must be > 0, got {queue_limit_s!r}", field="queue_limit_s")
         self.queue_limit_s = queue_limit_s
@@ -257,6 +257,9 @@ class WanQueue:
             self._pairs[(p.src, p.dst)] = _Pair(p.latency_s, self._resources[p.resource], p.down_s)
         self._specs = resources
         self._epoch_s = epoch_s
+        self._down_armed = down_armed
+        """Whether the pairs' down windows apply yet: they count from a training run's start, so a
+        relay whose epoch is its own start applies them only once a run sets it (:meth:`set_epoch`)."""
         self._changes: list[tuple[float, str, float]] = []
         self._schedule_traces(epoch_s)
         self._heap: list[tuple[float, int, int, Any]] = []
@@ -271,7 +274,7 @@ class WanQueue:
             self.unroutable += 1
             return None
         res = pair.resource
-        if pair.down_s or pair.down_now:
+        if pair.down_now or (pair.down_s and self._down_armed):
             if pair.is_down(now - self._epoch_s):
                 res.dropped += 1
                 return None
@@ -322,7 +325,7 @@ class WanQueue:
         for r in self._specs:
             if r.trace_times_s:
                 self._resources[r.name].bandwidth_bytes_per_s = r.bandwidth_bytes_per_s
-        self._epoch_s = epoch_s
+        self._epoch_s, self._down_armed = epoch_s, True
         self._schedule_traces(epoch_s)
         return self.advance(now)
 
