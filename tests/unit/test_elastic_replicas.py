@@ -65,3 +65,37 @@ def test_a_device_coming_back_gets_the_planners_plan_on_every_device(world) -> N
     fewer = SimpleNamespace(plan=ae.next_plan(h, t, (C0, C1, E0)))
     got = ae.next_plan(h, fewer, (C0, C1, E0, E1))
     assert set(got.devices) <= {C0, C1, E0, E1} and got.global_batch == plan.global_batch
+
+
+def test_a_fault_naming_no_peer_regroups_the_same_members_once(world) -> None:
+    # every member answered and the fault names no peer (a collective timed out): the same
+    # members go on at the next step in a new generation; failing again there ends the run
+    import pickle
+
+    import torch
+    import torch.distributed as dist
+
+    from deepcee.errors import RuntimeSetupError
+    from deepcee.runtime.elastic import ElasticConfig, Fault, JoinRecord, Session
+
+    plan, h, _ = world
+    devices = (C0, C1, E0, E1)
+    s = Session(dist.HashStore(), ElasticConfig(), device=C0, launch_devices=devices, timeout_s=5.0,
+                torch_device=torch.device("cpu"))
+    t = SimpleNamespace(plan=plan, first_step=0, w=SimpleNamespace(waiter=s))
+    joins = [JoinRecord(device=d, rank=r, applied=5, version=0, layers=(0, 1), detected_s=0.0)
+             for r, d in enumerate(devices)]
+    fault = Fault(by=C1, suspect=None, reason="the checkpoint save did not complete in time", at_s=1.0)
+    tr = ae.decide_recovery(h, t, 0, joins, [], [], fault)
+    assert tr.devices == devices and tr.resume_step == 5 and not tr.lost and ae.transition_kind(tr) == "regroup"
+    assert tr.detail.plan == plan and tr.detail.moves == () and tr.detail.steps_redone == 0
+    s.store.set("g0/decision", pickle.dumps(tr))
+    with pytest.raises(RuntimeSetupError, match="failed again at step 5"):
+        ae.decide_recovery(h, t, 1, joins, [], [], fault)
+    assert ae.decide_recovery(h, t, 1, [_at_step(j, 6) for j in joins], [], [], fault).resume_step == 6
+
+
+def _at_step(j, applied):
+    from dataclasses import replace
+
+    return replace(j, applied=applied)

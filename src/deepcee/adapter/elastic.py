@@ -20,7 +20,8 @@ goes on from that checkpoint's step; the steps between are redone (``steps_redon
 event). A device that comes back (:func:`decide_rejoin`, rank 0 at a step boundary) gets the
 same treatment: a plan on the members and it, layers moved to it. Every transition is
 recorded in ``<run_dir>/elastic.json`` (rank 0) and as a :class:`~deepcee.runtime.records.PlanChange`
-of kind ``device-lost`` or ``device-rejoin``.
+of kind ``device-lost`` or ``device-rejoin`` (``regroup``: the same members go on after a fault
+that named no peer, :func:`_regroup`).
 """
 
 from __future__ import annotations
@@ -217,8 +218,7 @@ def decide_recovery(h: AdaptiveHooks, t: Trainer, gen: int, joins: Sequence[Join
         # named; one end is left out ([Note: which end of a dead link])
         suspect = fault.suspect if fault is not None else None
         if suspect is None or suspect not in h.devices:
-            why = fault.reason if fault is not None else "a step failed"
-            raise RuntimeSetupError(f"generation {gen}: {why}; no device is lost, so there is nothing to recover from")
+            return _regroup(h, t, gen, joins, fault)
         suspect = cut_off_end(h, t, fault, joins)
         lost = [LostDevice(device=suspect, rank=h.devices.index(suspect), reason=fault.reason)]
         joins = [j for j in joins if j.device != suspect]
@@ -247,6 +247,31 @@ def decide_recovery(h: AdaptiveHooks, t: Trainer, gen: int, joins: Sequence[Join
     return Transition(gen=gen + 1, devices=devices, resume_step=resume, lost=tuple(lost),
                       joined=tuple(d for d in rejoining if d in devices), detail=detail,
                       fault_s=fault.at_s if fault is not None else None, decided_s=time.time(), reason=reason)
+
+
+def _regroup(h: AdaptiveHooks, t: Trainer, gen: int, joins: Sequence[JoinRecord], fault: Fault | None) -> Transition:
+    """Every member answered and the fault names no peer (a collective timed out: over a dead
+    link, gloo does not say whose). The same members form a new generation and go on at the
+    next step, whose transfers name the peer they wait for if the fault comes back; a second
+    such fault with no step done in between ends the run."""
+    why = fault.reason if fault is not None else "a step failed"
+    applied = max(j.applied for j in joins)
+    before = session(t).decision(gen - 1) if gen > 0 else None
+    if before is not None and not before.lost and not before.joined and before.resume_step == applied:
+        raise RuntimeSetupError(f"generation {gen}: {why}; no device is lost, and the regrouped members failed again "
+                                f"at step {applied} without naming a peer")
+    if len({(j.applied, j.version) for j in joins if j.layers}) > 1:
+        raise RuntimeSetupError(f"generation {gen}: {why}; no device is lost, but the members disagree on the step")
+    detail = ElasticDetail(plan=t.plan, version=max(j.version for j in joins) + 1, applied=applied,
+                           first_step=t.first_step)
+    return Transition(gen=gen + 1, devices=tuple(j.device for j in joins), resume_step=applied, detail=detail,
+                      fault_s=fault.at_s if fault is not None else None, decided_s=time.time(),
+                      reason=f"regroup: {why}")
+
+
+def transition_kind(tr: Transition) -> str:
+    """``device-lost``, ``device-rejoin`` or ``regroup`` (the same members, after a fault naming no peer)."""
+    return "device-lost" if tr.lost else ("device-rejoin" if tr.joined else "regroup")
 
 
 def decide_rejoin(h: AdaptiveHooks, t: Trainer, step: int, rejoining: Sequence[str]) -> Transition:
@@ -338,7 +363,7 @@ def _settle(h: AdaptiveHooks, t: Trainer, tr: Transition, kept: Mapping[Any, Any
     session(t).applied = tr.resume_step
     h.version = d.version
     h.plans.append(d.plan)
-    kind = "device-lost" if tr.lost else "device-rejoin"
+    kind = transition_kind(tr)
     change_s = time.time() - t0
     h.changes.append(PlanChange(start_step=tr.resume_step, kind=kind, reason=tr.reason, change_s=change_s,
                                 moved_bytes=d.moved_bytes, moves=tuple((m.layer, m.src, m.dst) for m in d.moves),
@@ -371,7 +396,7 @@ def event_dict(tr: Transition, resumed_s: float) -> dict[str, Any]:
     """One line of ``elastic.json``: wall times are ``time.time()`` seconds."""
     d: ElasticDetail = tr.detail
     est = d.plan.estimate
-    return {"generation": tr.gen, "kind": "device-lost" if tr.lost else "device-rejoin", "reason": tr.reason,
+    return {"generation": tr.gen, "kind": transition_kind(tr), "reason": tr.reason,
             "lost": [{"device": x.device, "rank": x.rank, "reason": x.reason} for x in tr.lost],
             "joined": list(tr.joined), "devices": list(tr.devices), "fault_reported_at": tr.fault_s,
             "decided_at": tr.decided_s, "resumed_at": resumed_s, "steps_applied": d.applied,

@@ -362,6 +362,12 @@ class Session:
                 return [joins[d] for d in self.members if d in joins], [lost[d] for d in self.members if d in lost]
             time.sleep(self.cfg.heartbeat_s / 5)
 
+    def decision(self, gen: int) -> Transition | None:
+        """The transition decided after generation ``gen``'s fault, if one was (a rejoin's is not kept here)."""
+        key = f"g{gen}/decision"
+        verdict = _loads(self.store.get(key)) if self.store.check([key]) else None
+        return verdict if isinstance(verdict, Transition) else None
+
     def _await_decision(self, gen: int, leader: str) -> bytes:
         key = f"g{gen}/decision"
         while not self.store.check([key]):
