@@ -182,8 +182,13 @@ def train(args: argparse.Namespace) -> int:
                 print(f"replica {r}:")
             print(format_table(lowered_schedule(replica_plan(plan, r))))
         return 0
-    if (args.adapt or args.link_trace or args.elastic) and env is not None:
-        raise DeepceeError("--adapt, --link-trace and --elastic run on local processes, not under torchrun")
+    if args.elastic and env is not None:
+        # torchrun's agent answers a worker's death by stopping and restarting every worker of the
+        # job (its own elasticity), so the survivors could not go on; see docs/running.md
+        raise DeepceeError("--elastic runs on local processes, not under torchrun (torchrun restarts every "
+                           "worker when one dies, where --elastic keeps the survivors training)")
+    if (args.adapt or args.link_trace) and env is not None:
+        raise DeepceeError("--adapt and --link-trace run on local processes, not under torchrun")
     if args.restart_after is not None and not args.elastic:
         raise SpecError("--restart-after needs --elastic", field="--restart-after")
     if args.restart_after is not None and not 0 <= args.restart_after < 3600:

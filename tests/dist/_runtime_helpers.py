@@ -73,10 +73,11 @@ def user_model() -> nn.Sequential:
 
 
 def reference(model, plan: Plan, steps: int, opt: OptimizerConfig, *, loss_fn=None, dataset=None, seed: int = 0,
-              dtype: torch.dtype = torch.float64):
+              dtype: torch.dtype = torch.float64, clip_grad_norm: float | None = None):
     """Single process, full global batch, ``dtype`` (float64 by default): (losses, step-0 grads,
     final params) keyed ``"<block>.<name>"`` (a tied parameter under each of its names). A
-    user's model is copied first (whole, so ties stay ties), never trained in place."""
+    user's model is copied first (whole, so ties stay ties), never trained in place.
+    ``clip_grad_norm``: torch's ``clip_grad_norm_`` over the whole model before each update."""
     if isinstance(model, str):
         blocks, default_loss = nets.build(model, seed, dtype=dtype)
         loss_fn = loss_fn or default_loss
@@ -97,6 +98,8 @@ def reference(model, plan: Plan, steps: int, opt: OptimizerConfig, *, loss_fn=No
         losses.append(loss.item())
         if grads0 is None:
             grads0 = {k: p.grad.clone() for k, p in named.items()}
+        if clip_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(list({id(p): p for p in named.values()}.values()), clip_grad_norm)
         optimizer.step()
     return losses, grads0, {k: p.detach().clone() for k, p in named.items()}
 

@@ -300,3 +300,48 @@ def test_relay_control_path_comes_from_the_environment(monkeypatch):
 def test_namespaces_refuse_a_malformed_congestion_control():
     with pytest.raises(SpecError, match="congestion_control"):
         netns.WanNamespaces(2, congestion_control="cubic; rm -rf /")
+
+
+def test_a_pair_down_drops_every_packet_in_its_windows_and_only_there():
+    # a dead link (fault injection): windows from the epoch, the last one for good; the other
+    # direction and other times carry packets as before; set_epoch moves the windows too
+    q = WanQueue([PairSpec(src=0, dst=1, latency_s=0.0, resource="r", down_s=((1.0, 2.0), (5.0, None))),
+                  PairSpec(src=1, dst=0, latency_s=0.0, resource="s")],
+                 [ResourceSpec(name="r", bandwidth_bytes_per_s=1e6), ResourceSpec(name="s", bandwidth_bytes_per_s=1e6)],
+                 queue_limit_s=1.0, epoch_s=10.0)
+    assert q.offer(0, 1, 100, now=10.5) is not None
+    assert q.offer(0, 1, 100, now=11.5) is None
+    assert q.offer(1, 0, 100, now=11.5) is not None
+    assert q.offer(0, 1, 100, now=12.5) is not None
+    assert q.offer(0, 1, 100, now=15.0) is None and q.offer(0, 1, 100, now=1e6) is None
+    assert q.stats().resource("r").dropped == 3
+    q.set_epoch(100.0, now=100.5)
+    assert q.offer(0, 1, 100, now=100.5) is not None and q.offer(0, 1, 100, now=101.5) is None
+    q.set_down(1, 0, True)  # live
+    assert q.offer(1, 0, 100, now=100.5) is None
+    q.set_down(1, 0, False)
+    assert q.offer(1, 0, 100, now=100.6) is not None
+    with pytest.raises(SpecError, match="no pair 0->2"):
+        q.set_down(0, 2, True)
+    # a relay whose epoch is its own start applies the windows only once a run sets the epoch
+    q = WanQueue([PairSpec(src=0, dst=1, latency_s=0.0, resource="r", down_s=((1.0, None),))],
+                 [ResourceSpec(name="r", bandwidth_bytes_per_s=1e6)], queue_limit_s=1.0, epoch_s=0.0, down_armed=False)
+    assert q.offer(0, 1, 100, now=5.0) is not None
+    q.set_epoch(10.0, now=10.0)
+    assert q.offer(0, 1, 100, now=10.5) is not None and q.offer(0, 1, 100, now=11.5) is None
+    with pytest.raises(SpecError, match="down windows"):
+        PairSpec(src=0, dst=1, latency_s=0.0, resource="r", down_s=((2.0, 1.0),))
+
+
+def test_relay_config_cuts_the_pairs_of_a_link_outage(tmp_path):
+    from deepcee.cluster.outages import LinkOutage
+
+    cluster = load_scenario("local-small")
+    devices = ["cloud0:0", "cloud0:1", "edge0:0", "end0:0"]
+    cfg = relay_config(cluster, devices, control_path=str(tmp_path / "s"), dilation=2.0,
+                       outages=(LinkOutage(a="cloud0", b="end0", start_s=1.5),
+                                LinkOutage(a="edge0", b="end0", start_s=1.0, stop_s=3.0)))
+    down = {(p.src, p.dst): p.down_s for p in cfg.pairs if p.down_s}
+    assert down == {(0, 3): ((3.0, None),), (3, 0): ((3.0, None),), (1, 3): ((3.0, None),), (3, 1): ((3.0, None),),
+                    (2, 3): ((2.0, 6.0),), (3, 2): ((2.0, 6.0),)}
+    assert RelayConfig.from_dict(cfg.to_dict()) == cfg

@@ -113,7 +113,7 @@ def test_deepcee_runtime_does_what_it_declares() -> None:
     """The runtime code behind each declared property (read, not run: the dist tests run it)."""
     import inspect
 
-    from deepcee.runtime import p2p, trainer
+    from deepcee.runtime import outputs, p2p, pacing, trainer
 
     realnet = deepcee_runtime("realnet")
     # receives posted when the step starts, on gloo (CPU)
@@ -123,8 +123,8 @@ def test_deepcee_runtime_does_what_it_declares() -> None:
     # sends are isend, waited for at the end of the step
     assert realnet.sends == "async" and "dist.isend" in inspect.getsource(p2p.P2P._send)
     # mode emulated waits for the comm model's all-reduce; realnet gathers records through the store
-    assert "allreduce_s(" in inspect.getsource(trainer.Trainer._pace_allreduce)
-    assert "realnet" in inspect.getsource(trainer.Trainer._gather)
+    assert "allreduce_s(" in inspect.getsource(pacing.pace_allreduce)
+    assert "realnet" in inspect.getsource(outputs.gather)
     # the optimizer step is paced like compute, which the simulator counts from the profile
     assert "pace=self.pacer.run" in inspect.getsource(trainer.Trainer._train_step)
 

@@ -138,6 +138,8 @@ class Coordinator:
 
     def warm_up(self, plan: Plan) -> None:
         """Score the starting plan once, so the first real decision pays no imports."""
+        if plan.num_replicas > 1:
+            return  # never asked (see decide)
         scorer = getattr(self.policy, "scorer", None)
         if scorer is not None:
             scorer(plan, self.nominal)
@@ -152,6 +154,9 @@ class Coordinator:
     def decide(self, step: int, plan: Plan) -> DecisionMessage:
         if self.policy is None:
             return DecisionMessage(kind=DecisionKind.KEEP, start_step=step + 1, reason="adapter off")
+        if plan.num_replicas > 1:  # an elastic run's plan: the policy models one pipeline
+            return DecisionMessage(kind=DecisionKind.KEEP, start_step=step + 1,
+                                   reason="several replicas: the policy is not asked")
         estimated = cluster_with_estimates(self.nominal, self.monitor.estimates().values())
         decision = self.policy.decide(AdapterState(plan=plan, cluster=estimated,
                                                    iterations_left=self.steps - step - 1,

@@ -20,7 +20,8 @@ goes on from that checkpoint's step; the steps between are redone (``steps_redon
 event). A device that comes back (:func:`decide_rejoin`, rank 0 at a step boundary) gets the
 same treatment: a plan on the members and it, layers moved to it. Every transition is
 recorded in ``<run_dir>/elastic.json`` (rank 0) and as a :class:`~deepcee.runtime.records.PlanChange`
-of kind ``device-lost`` or ``device-rejoin``.
+of kind ``device-lost`` or ``device-rejoin`` (``regroup``: the same members go on after a fault
+that named no peer, :func:`_regroup`).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 from deepcee.adapter.messages import Move, state_moves
 from deepcee.errors import DeepceeError, RuntimeSetupError
-from deepcee.plan import Plan, save_json_atomic
+from deepcee.plan import Plan, ReplicaPlan, save_json_atomic
 from deepcee.runtime import checkpoint as ckpt
 from deepcee.runtime import persist, runlock
 from deepcee.runtime.elastic import (
@@ -45,6 +46,7 @@ from deepcee.runtime.elastic import (
     Session,
     Transition,
 )
+from deepcee.runtime.partition import needs_servers
 from deepcee.runtime.records import AppliedChange, PlanChange
 
 if TYPE_CHECKING:
@@ -85,7 +87,7 @@ def _restore_step(folder: str) -> int:
 def session(t: Trainer) -> Session:
     s = t.w.waiter
     if not isinstance(s, Session):
-        raise RuntimeSetupError("an elastic job's ranks must be started by deepcee.runtime.elastic.run_elastic_job")
+        raise RuntimeSetupError("an elastic job's ranks must be started by deepcee.runtime.elastic_rank.run_elastic_job")
     return s
 
 
@@ -93,7 +95,7 @@ def held_layers(t: Trainer) -> tuple[int, ...]:
     """The layers whose current state this rank holds: its stage's, if it runs one."""
     if not t.active or getattr(t, "stage", None) is None:
         return ()
-    st = t.plan.stages[t.placement.stage]
+    st = t.pipeline.stages[t.placement.stage]  # its replica's stage
     return tuple(range(st.layer_start, st.layer_stop))
 
 
@@ -108,6 +110,76 @@ def replan(h: AdaptiveHooks, t: Trainer, devices: Sequence[str]) -> Plan:
     plan = plan_training(planning, h.model_profile(t), t.plan.global_batch,
                          options=getattr(h.spec.policy, "planner_options", None)).plan
     return plan.replace(cluster=t.plan.cluster, model=t.plan.model)
+
+
+# [Note: elastic replicas]
+# A plan of several replicas under the exact strategy gives every replica the same parameters
+# and optimizer state after each step, so a layer is held by its stage's devices in *every*
+# replica and a replica that loses a device loses no state the others lack. The leader keeps
+# the replicas that lost nothing as they are and, for each one that lost a device, considers
+# two ways on: that replica re-planned by the planner on its surviving devices (its own share of
+# the global batch), or that replica dropped, its samples given to one of the others (re-planned
+# on its own devices for the larger batch). The candidate the simulator finds fastest (on the
+# planning cluster, the model's profile) is the next plan; the global batch is the same, so the
+# mathematics are too. A device coming back, or a plan of one pipeline, gets the planner's plan
+# on every device instead (which may be one pipeline or several replicas).
+
+
+def next_plan(h: AdaptiveHooks, t: Trainer, devices: Sequence[str]) -> Plan:
+    """The next generation's plan on ``devices`` ([Note: elastic re-plan], [Note: elastic replicas])."""
+    plan = t.plan
+    if plan.num_replicas == 1 or any(d not in plan.devices for d in devices):
+        return replan(h, t, devices)
+    kept = [rep for rep in plan.replicas if all(d in devices for d in rep.devices)]
+    hit = [rep for rep in plan.replicas if rep not in kept]
+    cands: list[list[ReplicaPlan]] = [list(kept)]
+    for rep in hit:
+        step: list[list[ReplicaPlan]] = []
+        left = tuple(d for d in rep.devices if d in devices)
+        for base in cands:
+            if left and (sub := _replica_on(h, t, left, rep.batch)) is not None:
+                step.append([*base, *sub])
+            for j, other in enumerate(base):  # dropped: replica j takes its samples
+                if (sub := _replica_on(h, t, other.devices, other.batch + rep.batch)) is not None:
+                    step.append([*base[:j], *sub, *base[j + 1:]])
+        cands = step
+    scored = [_scored(h, t, plan.replace(replicas=tuple(reps), estimate=None), devices) for reps in cands if reps]
+    scored = [c for c in scored if c is not None]
+    if not scored:
+        log.warning("no replica-wise plan on %s; the planner plans them anew", list(devices))
+        return replan(h, t, devices)
+    return max(scored, key=lambda c: c.estimate.samples_per_s)
+
+
+def _replica_on(h: AdaptiveHooks, t: Trainer, devices: Sequence[str], batch: int) -> list[ReplicaPlan] | None:
+    """The planner's pipeline(s) for ``batch`` samples on ``devices`` (exact, no servers), or ``None``."""
+    from deepcee.planner.search import plan_training
+
+    try:
+        sub = plan_training(h.planning_cluster(t).subset(devices), h.model_profile(t), batch,
+                            options=getattr(h.spec.policy, "planner_options", None)).plan
+    except DeepceeError as exc:
+        log.info("no plan for %d samples on %s: %s", batch, list(devices), exc)
+        return None
+    if sub.strategy.kind != "exact" or needs_servers(sub):
+        return None
+    return list(sub.replicas)
+
+
+def _scored(h: AdaptiveHooks, t: Trainer, plan: Plan, devices: Sequence[str]) -> Plan | None:
+    """``plan`` with the simulator's estimate on the planning cluster, or ``None`` if it does not run there."""
+    from deepcee.plan import Estimate
+    from deepcee.simulator.replicas import simulate_replicas
+
+    cluster = h.planning_cluster(t).subset(devices)
+    try:
+        r = simulate_replicas(plan, cluster, h.model_profile(t), steps=2)
+    except DeepceeError as exc:
+        log.info("candidate plan with %d replicas rejected: %s", plan.num_replicas, exc)
+        return None
+    return plan.replace(estimate=Estimate(iteration_s=r.iteration_s, samples_per_s=r.samples_per_s,
+                                          peak_memory_bytes=dict(r.peak_memory_bytes), bottleneck=r.bottleneck,
+                                          source="simulator"))
 
 
 def cut_off_end(h: AdaptiveHooks, t: Trainer, fault: Fault, joins: Sequence[JoinRecord]) -> str:
@@ -125,7 +197,7 @@ def cut_off_end(h: AdaptiveHooks, t: Trainer, fault: Fault, joins: Sequence[Join
         rest = [j for j in joins if j.device != end]
         held = {layer for j in rest for layer in j.layers}
         try:
-            plan = replan(h, t, tuple(d for d in h.spec.devices if any(j.device == d for j in rest)))
+            plan = next_plan(h, t, tuple(d for d in h.spec.devices if any(j.device == d for j in rest)))
             speed = plan.estimate.samples_per_s if plan.estimate is not None else 0.0
         except DeepceeError:
             speed = 0.0
@@ -146,15 +218,14 @@ def decide_recovery(h: AdaptiveHooks, t: Trainer, gen: int, joins: Sequence[Join
         # named; one end is left out ([Note: which end of a dead link])
         suspect = fault.suspect if fault is not None else None
         if suspect is None or suspect not in h.devices:
-            why = fault.reason if fault is not None else "a step failed"
-            raise RuntimeSetupError(f"generation {gen}: {why}; no device is lost, so there is nothing to recover from")
+            return _regroup(h, t, gen, joins, fault)
         suspect = cut_off_end(h, t, fault, joins)
         lost = [LostDevice(device=suspect, rank=h.devices.index(suspect), reason=fault.reason)]
         joins = [j for j in joins if j.device != suspect]
     if not joins:
         raise RuntimeSetupError(f"generation {gen}: every device is lost ({', '.join(d.device for d in lost)})")
     devices = tuple(d for d in h.spec.devices if any(j.device == d for j in joins) or d in rejoining)
-    plan = replan(h, t, devices)
+    plan = next_plan(h, t, devices)
     holders = {layer: tuple(j.device for j in joins if layer in j.layers) for layer in range(t.plan.num_layers)}
     missing = [layer for layer, held in holders.items() if not held]
     holding = [j for j in joins if j.layers]  # an idle member's step count means nothing
@@ -176,6 +247,31 @@ def decide_recovery(h: AdaptiveHooks, t: Trainer, gen: int, joins: Sequence[Join
     return Transition(gen=gen + 1, devices=devices, resume_step=resume, lost=tuple(lost),
                       joined=tuple(d for d in rejoining if d in devices), detail=detail,
                       fault_s=fault.at_s if fault is not None else None, decided_s=time.time(), reason=reason)
+
+
+def _regroup(h: AdaptiveHooks, t: Trainer, gen: int, joins: Sequence[JoinRecord], fault: Fault | None) -> Transition:
+    """Every member answered and the fault names no peer (a collective timed out: over a dead
+    link, gloo does not say whose). The same members form a new generation and go on at the
+    next step, whose transfers name the peer they wait for if the fault comes back; a second
+    such fault with no step done in between ends the run."""
+    why = fault.reason if fault is not None else "a step failed"
+    applied = max(j.applied for j in joins)
+    before = session(t).decision(gen - 1) if gen > 0 else None
+    if before is not None and not before.lost and not before.joined and before.resume_step == applied:
+        raise RuntimeSetupError(f"generation {gen}: {why}; no device is lost, and the regrouped members failed again "
+                                f"at step {applied} without naming a peer")
+    if len({(j.applied, j.version) for j in joins if j.layers}) > 1:
+        raise RuntimeSetupError(f"generation {gen}: {why}; no device is lost, but the members disagree on the step")
+    detail = ElasticDetail(plan=t.plan, version=max(j.version for j in joins) + 1, applied=applied,
+                           first_step=t.first_step)
+    return Transition(gen=gen + 1, devices=tuple(j.device for j in joins), resume_step=applied, detail=detail,
+                      fault_s=fault.at_s if fault is not None else None, decided_s=time.time(),
+                      reason=f"regroup: {why}")
+
+
+def transition_kind(tr: Transition) -> str:
+    """``device-lost``, ``device-rejoin`` or ``regroup`` (the same members, after a fault naming no peer)."""
+    return "device-lost" if tr.lost else ("device-rejoin" if tr.joined else "regroup")
 
 
 def decide_rejoin(h: AdaptiveHooks, t: Trainer, step: int, rejoining: Sequence[str]) -> Transition:
@@ -267,7 +363,7 @@ def _settle(h: AdaptiveHooks, t: Trainer, tr: Transition, kept: Mapping[Any, Any
     session(t).applied = tr.resume_step
     h.version = d.version
     h.plans.append(d.plan)
-    kind = "device-lost" if tr.lost else "device-rejoin"
+    kind = transition_kind(tr)
     change_s = time.time() - t0
     h.changes.append(PlanChange(start_step=tr.resume_step, kind=kind, reason=tr.reason, change_s=change_s,
                                 moved_bytes=d.moved_bytes, moves=tuple((m.layer, m.src, m.dst) for m in d.moves),
@@ -300,7 +396,7 @@ def event_dict(tr: Transition, resumed_s: float) -> dict[str, Any]:
     """One line of ``elastic.json``: wall times are ``time.time()`` seconds."""
     d: ElasticDetail = tr.detail
     est = d.plan.estimate
-    return {"generation": tr.gen, "kind": "device-lost" if tr.lost else "device-rejoin", "reason": tr.reason,
+    return {"generation": tr.gen, "kind": transition_kind(tr), "reason": tr.reason,
             "lost": [{"device": x.device, "rank": x.rank, "reason": x.reason} for x in tr.lost],
             "joined": list(tr.joined), "devices": list(tr.devices), "fault_reported_at": tr.fault_s,
             "decided_at": tr.decided_s, "resumed_at": resumed_s, "steps_applied": d.applied,

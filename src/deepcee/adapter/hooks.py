@@ -150,13 +150,11 @@ class AdaptiveHooks:
         if spec.elastic is None and (job.config.checkpoint_every or job.config.resume):
             raise SpecError("checkpoints are supported with the adapter only in an elastic run (the plan changes)",
                             field="checkpoint")
-        if job.plan.num_replicas > 1:
+        if job.plan.num_replicas > 1 and (spec.elastic is None or job.plan.strategy.kind != "exact"):
             raise SpecError(f"the adapter re-tunes and re-plans one pipeline; plan {job.plan.system!r} has "
                             f"{job.plan.num_replicas} replicas ({job.plan.strategy.describe()}), whose links and "
-                            "strategy it does not model yet: run it without --adapt", field="plan.replicas")
-        if spec.elastic is not None and job.config.clip_grad_norm is not None:
-            raise SpecError("an elastic run does not clip the gradient norm yet (its all-reduce comes after the "
-                            "step's commit point)", field="clip_grad_norm")
+                            "strategy it does not model yet: run it without --adapt (an elastic run takes "
+                            "several replicas under the exact strategy)", field="plan.replicas")
         self.spec = spec
         self.devices: tuple[str, ...] = spec.devices
         """Rank ``r`` runs ``devices[r]`` (an elastic run: of the generation in force)."""

@@ -23,33 +23,39 @@ from deepcee.cluster import Cluster
 from deepcee.errors import PlanError
 from deepcee.plan import Plan
 from deepcee.planfile import plan_from_dict
-from deepcee.runtime.partition import Placement, Topology
+from deepcee.runtime.partition import Placement, Topology, needs_servers
 
 
 class DeviceTopology(Topology):
     """A :class:`Topology` whose ranks are fixed per device: rank ``r`` runs ``devices[r]``.
 
-    Devices of ``devices`` that the plan leaves out are idle ranks (``is_active`` false).
+    Devices of ``devices`` that the plan leaves out are idle ranks (``is_active`` false). A plan
+    may hold several replicas (an elastic run's); parameter servers, ranks of their own, are
+    not supported (every rank here is a device).
     """
 
     def __init__(self, plan: Plan, devices: Sequence[str]) -> None:
+        if needs_servers(plan):
+            raise PlanError(f"plan {plan.system!r} needs parameter servers ({plan.sync}), ranks of their own that "
+                            "ranks tied to devices do not have", field="servers")
         super().__init__(plan, len(devices))
         rank_of = {d: r for r, d in enumerate(devices)}
         missing = [d for d in plan.devices if d not in rank_of]
         if missing:
             raise PlanError(f"plan uses device(s) {missing} that no rank runs (ranks run {list(devices)})")
         self.devices = tuple(devices)
-        placements = [self._plan_placement(plan, s, k, rank_of) for s, st in enumerate(plan.stages)
-                      for k in range(len(st.devices))]
+        placements = [self._plan_placement(rep.stages, q, s, k, rank_of) for q, rep in enumerate(plan.replicas)
+                      for s, st in enumerate(rep.stages) for k in range(len(st.devices))]
         self._fixed = {p.rank: p for p in placements}
-        self._fixed_stage = {s: tuple(rank_of[d] for d in st.devices) for s, st in enumerate(plan.stages)}
+        self._fixed_stage = {(q, s): tuple(rank_of[d] for d in st.devices) for q, rep in enumerate(plan.replicas)
+                             for s, st in enumerate(rep.stages)}
 
     @staticmethod
-    def _plan_placement(plan: Plan, s: int, k: int, rank_of: Mapping[str, int]) -> Placement:
-        st = plan.stages[s]
+    def _plan_placement(stages: Sequence[Any], q: int, s: int, k: int, rank_of: Mapping[str, int]) -> Placement:
+        st = stages[s]
         lo = sum(st.shares[:k])
         return Placement(rank=rank_of[st.devices[k]], stage=s, index=k, device=st.devices[k], lo=lo,
-                         hi=lo + st.shares[k])
+                         hi=lo + st.shares[k], replica=q)
 
     @property
     def num_active(self) -> int:
@@ -68,14 +74,26 @@ class DeviceTopology(Topology):
         return self._fixed[rank]
 
     def rank_of(self, stage: int, index: int, replica: int = 0) -> int:
-        return self._fixed_stage[stage][index]  # one replica: the adapter refuses more
+        return self._fixed_stage[(replica, stage)][index]
 
     def stage_ranks(self, stage: int, replica: int = 0) -> tuple[int, ...]:
-        return self._fixed_stage[stage]
+        return self._fixed_stage[(replica, stage)]
+
+    def replica_ranks(self, replica: int) -> tuple[int, ...]:
+        return tuple(sorted(r for r, p in self._fixed.items() if p.replica == replica))
 
     def rank_of_device(self, device: str) -> int:
         return self.devices.index(device)
 
+
+def layer_holders(plan: Plan) -> dict[int, tuple[str, ...]]:
+    """Layer -> the devices that hold it under ``plan`` (its stage's, in every replica)."""
+    out: dict[int, tuple[str, ...]] = {}
+    for rep in plan.replicas:
+        for st in rep.stages:
+            for layer in range(st.layer_start, st.layer_stop):
+                out[layer] = out.get(layer, ()) + st.devices
+    return out
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -105,13 +123,13 @@ def state_moves(old: Plan, new: Plan, cluster: Cluster, layer_bytes: Sequence[fl
     if old.num_layers != new.num_layers or len(layer_bytes) != new.num_layers:
         raise PlanError(f"plans of {old.num_layers} and {new.num_layers} layers, {len(layer_bytes)} layer sizes")
     if holders is None:
-        holders = {layer: st.devices for st in old.stages for layer in range(st.layer_start, st.layer_stop)}
+        holders = layer_holders(old)
     empty = [layer for layer in range(new.num_layers) if not holders.get(layer)]
     if empty:
         raise PlanError(f"no device holds the state of layers {empty}")
     load: dict[str, float] = {}
     out = []
-    for st in new.stages:
+    for st in (st for rep in new.replicas for st in rep.stages):
         for layer in range(st.layer_start, st.layer_stop):
             nbytes = float(layer_bytes[layer])
             for d in st.devices:

@@ -434,9 +434,10 @@ def priors_from_cluster(cluster: Cluster, plan: Plan | None = None, *, at_s: flo
         pairs = [(a, b) for a in names for b in names if a != b]
     else:
         pairs = []
-        for a, b in zip(plan.stages, plan.stages[1:], strict=False):
-            for i, j, _, _ in share_overlaps(a.shares, b.shares):
-                pairs += [(a.devices[i], b.devices[j]), (b.devices[j], a.devices[i])]
+        for rep in plan.replicas:
+            for a, b in zip(rep.stages, rep.stages[1:], strict=False):
+                for i, j, _, _ in share_overlaps(a.shares, b.shares):
+                    pairs += [(a.devices[i], b.devices[j]), (b.devices[j], a.devices[i])]
     out: dict[str, LinkSpec] = {}
     for src, dst in pairs:
         link = cluster.link(src, dst)

@@ -30,7 +30,7 @@ def rebuild(t: Trainer, key: str, received: Mapping[int, dict[str, Any]], kept_s
             for name, b in t.blocks[layer].named_buffers():
                 b.copy_(payload["buffers"][name])
     t.build_stage(key)
-    start = t.plan.stages[t.placement.stage].layer_start
+    start = t.pipeline.stages[t.placement.stage].layer_start  # its replica's stage
     for name, p in t.stage.module.named_parameters():
         idx, rest = name.split(".", 1)
         layer = start + int(idx)
@@ -79,7 +79,7 @@ def move_state(t: Trainer, devices: Sequence[str], moves: Sequence[Move]) -> dic
 def _send_object(t: Trainer, obj: Any, dst: str) -> None:
     rank = t.topo.rank_of_device(dst)
     try:
-        dist.send_object_list([obj], dst=rank)
+        t.w.waiter.call(lambda: dist.send_object_list([obj], dst=rank), what=f"sending layer state to {dst}", peer=dst)
     except RuntimeError as exc:
         raise RuntimeSetupError(f"rank {t.w.rank}: sending layer state to rank {rank} ({dst}) failed: "
                                 f"{str(exc)[:160]}") from None
@@ -89,7 +89,8 @@ def _recv_object(t: Trainer, src: str) -> Any:
     rank = t.topo.rank_of_device(src)
     box: list[Any] = [None]
     try:
-        dist.recv_object_list(box, src=rank)
+        t.w.waiter.call(lambda: dist.recv_object_list(box, src=rank), what=f"receiving layer state from {src}",
+                        peer=src)
     except RuntimeError as exc:
         raise RuntimeSetupError(f"rank {t.w.rank}: receiving layer state from rank {rank} ({src}) failed: "
                                 f"{str(exc)[:160]}") from None

@@ -19,7 +19,11 @@ DCP folders, manifest, integrity; the metrics file), ``persist`` (a trainer's sa
 starting weights), ``state`` (a model's state under its own names), ``export`` (a checkpoint as
 one ``state_dict``), ``runlock`` (one run per run folder), ``lr`` (learning-rate schedules),
 ``optstep`` (learning rate, global gradient norm, clipping, float16 loss scale),
-``evaluation`` (held-out loss), ``progress`` (progress lines, TensorBoard), ``machines``
+``evaluation`` (held-out loss), ``outputs`` (a trainer's step records, metrics file and result),
+``pacing`` (a trainer's emulated time: epoch, link shaper, relay, paced all-reduces),
+``elastic`` / ``elastic_types`` / ``elastic_rank`` (a rank's part in an elastic run: its session
+of heartbeats, watched waits and agreement; the settings and records; what such a rank runs),
+``progress`` (progress lines, TensorBoard), ``machines``
 (torchrun processes to devices by machine), ``data`` (shipped datasets), ``params`` (a user
 model's private copies on the ranks and its tied parameters), ``launch``, ``supervise``
 (starting and watching rank processes, torch-free), and the real-network mode's package

@@ -30,10 +30,10 @@ import json
 import logging
 import os
 import socket
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -206,6 +206,9 @@ def init_process_group(*, store: dist.Store, rank: int, world_size: int, backend
     log.debug("rank %d/%d joined (%s)", rank, world_size, backend)
 
 
+T = TypeVar("T")
+
+
 class Waiter(Protocol):
     """How a rank waits for its point-to-point transfers and collectives."""
 
@@ -222,6 +225,12 @@ class Waiter(Protocol):
 
     def check(self) -> None:
         """Raise if the run's communication is known to be broken (polled by out-of-band waits)."""
+
+    def call(self, fn: Callable[[], T], *, what: str, peer: str | None = None) -> T:
+        """``fn()``: a blocking operation with collectives inside (a checkpoint's save or load,
+        an object send); an elastic run watches for lost peers meanwhile, so a rank in it never
+        waits out the group's timeout for a peer known to be gone ([Note: watched calls] in
+        :mod:`deepcee.runtime.elastic`)."""
 
     def gate(self, name: str) -> None:
         """Before collectives the trainer makes outside any step (checkpoints, evaluations): an
@@ -247,6 +256,9 @@ class BlockingWaiter:
 
     def check(self) -> None:
         return None
+
+    def call(self, fn: Callable[[], T], *, what: str, peer: str | None = None) -> T:
+        return fn()
 
     def gate(self, name: str) -> None:
         return None

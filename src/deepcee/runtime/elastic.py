@@ -1,7 +1,8 @@
 """Elastic training: when a device is lost, the survivors leave the broken process group and go on.
 
-One :class:`Session` per rank of an elastic job (:func:`run_elastic_job` is what such a rank
-runs). The decisions (which plan the survivors train, which state moves, whether a checkpoint
+One :class:`Session` per rank of an elastic job (:func:`deepcee.runtime.elastic_rank.run_elastic_job`
+is what such a rank runs; settings, errors and records are :mod:`deepcee.runtime.elastic_types`,
+re-exported here). The decisions (which plan the survivors train, which state moves, whether a checkpoint
 must be restored) belong to the run's hooks (the adapter's, :mod:`deepcee.adapter.elastic`);
 this module is the mechanism under them.
 
@@ -44,124 +45,31 @@ import pickle
 import socket
 import threading
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
-from deepcee.errors import DeepceeError, RuntimeSetupError, SpecError
-
-if TYPE_CHECKING:
-    from deepcee.runtime.job import Job
-    from deepcee.runtime.records import TrainResult
-    from deepcee.runtime.trainer import Trainer
+from deepcee.errors import DeepceeError, RuntimeSetupError
+from deepcee.runtime.elastic_types import (
+    Decide,
+    ElasticConfig,
+    Excluded,
+    Fault,
+    JoinRecord,
+    LostDevice,
+    PeerLost,
+    Transition,
+)
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
-PIDS_DIR = "pids"
-"""``<run_dir>/pids/<device>``: the pid of the process running the device now."""
 POLL_MAX_S = 1e-3
 """Longest sleep between two looks at a pending operation (the first ones are shorter)."""
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ElasticConfig:
-    """How an elastic run notices a lost device and takes a returning one back."""
-
-    heartbeat_s: float = 0.25
-    """How often each rank writes its heartbeat and looks at the others'."""
-    lost_after_s: float = 5.0
-    """A member whose heartbeat stood still this long is lost (a hung process or host). A
-    process gone from this machine is lost at the next heartbeat."""
-    rejoin: bool = True
-    """Take a device that comes back in again at the next step boundary."""
-
-    def __post_init__(self) -> None:
-        for name in ("heartbeat_s", "lost_after_s"):
-            v = getattr(self, name)
-            if not (isinstance(v, int | float) and 0 < v < 3600):
-                raise SpecError(f"must be a number of seconds in (0, 3600), got {v!r}", field=name)
-        if self.lost_after_s < 4 * self.heartbeat_s:
-            raise SpecError(f"must be at least 4 heartbeats ({4 * self.heartbeat_s:g} s), got {self.lost_after_s!r}",
-                            field="lost_after_s")
-
-
-class PeerLost(RuntimeSetupError):
-    """This rank's generation has a fault: a member is lost, or an operation failed or timed out."""
-
-    def __init__(self, message: str, *, suspect: str | None = None) -> None:
-        super().__init__(message)
-        self.suspect = suspect
-
-
-class Excluded(RuntimeSetupError):
-    """This rank was left out of the next generation (it was thought lost): it must rejoin."""
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class LostDevice:
-    device: str
-    rank: int
-    """Its rank in the generation it was lost from."""
-    reason: str
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class JoinRecord:
-    """What a survivor tells the leader."""
-
-    device: str
-    rank: int
-    applied: int
-    """Steps whose update this rank holds (the next step it would run)."""
-    version: int
-    """The plan version in force on this rank."""
-    layers: tuple[int, ...]
-    """The layers whose current state this rank holds (its stage's, if it has one)."""
-    detected_s: float
-    """Wall time (``time.time()``) it noticed the fault."""
-    last: Any = None
-    """Its step record of step ``applied - 1`` (for a record rank 0 never got)."""
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Transition:
-    """The next generation, as the leader (or rank 0, for a rejoin) decided it."""
-
-    gen: int
-    devices: tuple[str, ...]
-    """Members in rank order."""
-    resume_step: int
-    lost: tuple[LostDevice, ...] = ()
-    joined: tuple[str, ...] = ()
-    """Devices that come back."""
-    detail: Any = None
-    """The hooks' part: plan, state moves or checkpoint, version."""
-    fault_s: float | None = None
-    """Wall time of the first fault report (``None``: a rejoin)."""
-    decided_s: float = 0.0
-    reason: str = ""
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Fault:
-    """The first report of a generation's fault."""
-
-    by: str
-    suspect: str | None
-    reason: str
-    at_s: float
-
-
-class Decide(Protocol):
-    """The leader's call into the hooks: the next generation from the survivors' records."""
-
-    def __call__(self, gen: int, joins: Sequence[JoinRecord], lost: Sequence[LostDevice],
-                 rejoining: Sequence[str], fault: Fault | None) -> Transition: ...
 
 
 def _proc_alive(pid: int) -> bool:
@@ -241,6 +149,8 @@ class Session:
     def lost_reason(self, device: str, *, started: bool = False) -> str | None:
         """Why ``device`` counts as lost now, or ``None`` while it lives (``started``: only once
         it has written a heartbeat)."""
+        if self.store.check([f"finished/{device}"]):
+            return None  # it trained every step and left: the records it owed are written
         now = time.monotonic()
         key = f"hb/{device}"
         value = self.store.get(key).decode() if self.store.check([key]) else ""
@@ -281,33 +191,59 @@ class Session:
 
         gloo's point-to-point works never say they are complete before ``wait()`` is called
         (``is_completed()`` stays false), so the blocking wait runs in a thread of its own while
-        this one watches the flag; on a fault that thread is left behind, blocked on the lost
-        peer until its connection closes or the wait times out (the old group stays referenced
-        until then, [Note: elastic process groups])."""
+        this one watches the flag ([Note: watched calls])."""
         if work.is_completed():  # collectives do say so
             try:
                 work.wait()
                 return None
             except RuntimeError as exc:
                 return self._finish_wait(exc, what, peer)
-        done = threading.Event()
-        box: list[BaseException] = []
+        box = self._watched(lambda: work.wait(timedelta(seconds=timeout_s)))
+        # a second wait() on a gloo receive would wait for another message: never call it again
+        return self._finish_wait(box[1], what, peer) if box[1] is not None else None
 
-        def block() -> None:
+    def call(self, fn: Callable[[], T], *, what: str, peer: str | None = None) -> T:
+        """``fn()`` in a thread of its own while this one watches the fault flag ([Note: watched
+        calls]): :class:`PeerLost` within a poll of a fault; its failure (but a domain error of
+        its own, e.g. no checkpoint to restore) is reported as one."""
+        value, exc = self._watched(fn)
+        if exc is None:
+            return value
+        if isinstance(exc, DeepceeError) and not isinstance(exc, PeerLost):
+            raise exc
+        return self._finish_wait(exc, what, peer)
+
+    # [Note: watched calls]
+    # A blocking torch.distributed operation (a gloo wait, a collective inside a DCP save or
+    # load, an object send) cannot be interrupted: with a peer stopped or cut off, it returns
+    # only at the group's timeout, and with a peer killed it may too (a ring collective's rank
+    # waits on a live neighbour that has already failed out of it). So an elastic rank runs such
+    # an operation in a helper thread and watches the fault flag, which the heartbeat thread
+    # sets within a heartbeat of a lost peer, from its own: detection is bounded by the
+    # heartbeat (a process gone) or ``lost_after_s`` (a hang), not by ``timeout_s``. On a fault
+    # the helper thread is left behind, blocked on the old generation's group, which stays
+    # referenced until the thread ends ([Note: elastic process groups]); whatever it writes
+    # after (a checkpoint's files) is never committed: rank 0 commits a checkpoint only once
+    # its save returned on this thread.
+    def _watched(self, fn: Callable[[], Any]) -> tuple[Any, BaseException | None]:
+        """``(fn(), None)`` or ``(None, its exception)``; :class:`PeerLost` on a fault meanwhile."""
+        done = threading.Event()
+        box: list[Any] = [None, None]
+
+        def run() -> None:
             try:
-                work.wait(timedelta(seconds=timeout_s))
-            except BaseException as exc:  # noqa: BLE001  (handed to the waiting thread)
-                box.append(exc)
+                box[0] = fn()
+            except BaseException as exc:  # noqa: BLE001  (handed to the watching thread)
+                box[1] = exc
             finally:
                 done.set()
 
-        threading.Thread(target=block, name="deepcee-wait", daemon=True).start()
+        threading.Thread(target=run, name="deepcee-watched", daemon=True).start()
         pause = 1e-4
         while not done.wait(pause):
             self.check()
             pause = min(2 * pause, POLL_MAX_S)
-        # a second wait() on a gloo receive would wait for another message: never call it again
-        return self._finish_wait(box[0], what, peer) if box else None
+        return box[0], box[1]
 
     def _finish_wait(self, exc: BaseException, what: str, peer: str | None) -> None:
         first = str(exc).splitlines()[0][:160] if str(exc) else type(exc).__name__
@@ -426,6 +362,12 @@ class Session:
                 return [joins[d] for d in self.members if d in joins], [lost[d] for d in self.members if d in lost]
             time.sleep(self.cfg.heartbeat_s / 5)
 
+    def decision(self, gen: int) -> Transition | None:
+        """The transition decided after generation ``gen``'s fault, if one was (a rejoin's is not kept here)."""
+        key = f"g{gen}/decision"
+        verdict = _loads(self.store.get(key)) if self.store.check([key]) else None
+        return verdict if isinstance(verdict, Transition) else None
+
     def _await_decision(self, gen: int, leader: str) -> bytes:
         key = f"g{gen}/decision"
         while not self.store.check([key]):
@@ -499,98 +441,5 @@ class Session:
         self.store.set("done", "1")
 
 
-# ---------------------------------------------------------------------------------------------
-# a rank of an elastic launch
-# ---------------------------------------------------------------------------------------------
-
-
-class JoiningHooks(Protocol):
-    """What an elastic job's hooks do beyond :class:`deepcee.runtime.hooks.TrainerHooks`."""
-
-    def admitted(self, tr: Transition) -> None:
-        """Before the trainer of a device that comes back exists: the members and plan of ``tr``."""
-
-    def join(self, trainer: Trainer, tr: Transition) -> None:
-        """Take part in ``tr`` as a device that comes back (the trainer is in generation ``tr.gen``)."""
-
-
-class ElasticFactory(Protocol):
-    """:attr:`deepcee.runtime.job.Job.hooks` of an elastic job."""
-
-    elastic: ElasticConfig
-
-    def warm(self, job: Job, device: torch.device) -> None:
-        """One-off costs of a process that comes back (imports, first passes), paid before it asks."""
-
-
-def elastic_config(job: Job) -> ElasticConfig | None:
-    """The job's elastic settings (its hooks factory's ``elastic``), or ``None``."""
-    return getattr(job.hooks, "elastic", None)
-
-
-def run_elastic_job(job: Job, rank: int, world_size: int, store: dist.Store, *, device: torch.device,
-                    node: str = "", launcher_rank: int | None = None) -> TrainResult | None:
-    """One rank of an elastic launch: generation 0 from the start, or, for a device that comes
-    back, the generation that admits it; trains until the end (rank 0 returns the result)."""
-    from deepcee.runtime import runlock
-    from deepcee.runtime.trainer import Trainer, Worker
-
-    cfg = elastic_config(job)
-    devices = tuple(job.hooks.rank_devices(job))
-    if world_size != len(devices):
-        raise RuntimeSetupError(f"an elastic job runs one rank per device of {list(devices)}, the launch has "
-                                f"{world_size}")
-    s = Session(dist.PrefixStore(f"{job.name}/elastic", store), cfg, device=devices[rank], launch_devices=devices,
-                timeout_s=job.config.timeout_s, torch_device=device)
-    returning = s.returning
-    s.start()
-    pids = Path(job.run_dir) / PIDS_DIR
-    pids.mkdir(parents=True, exist_ok=True)
-    (pids / devices[rank]).write_text(str(os.getpid()))  # who runs which device (operators, fault tests)
-    try:
-        while True:
-            try:
-                if not returning:
-                    s.enter(Transition(gen=0, devices=devices, resume_step=0))
-                    w = Worker(rank=rank, world_size=world_size, store=store, device=device, node=node,
-                               launcher_rank=launcher_rank, waiter=s)
-                    with runlock.agree(job.run_dir, job=job.name, rank=rank, store=store,
-                                       timeout_s=job.config.timeout_s) as lock:
-                        t = Trainer(job, w, job.hooks.hooks(job, w))
-                        t.run_lock = lock
-                        t.setup()
-                        result = t.train()
-                else:
-                    result = _rejoin(job, s, store, device, node)
-                if result is not None:
-                    s.finish()
-                return result
-            except Excluded as exc:
-                log.warning("%s: %s; asking to rejoin", s.me, exc)
-                s.leave()
-                returning = True
-    finally:
-        s.close()
-        s.leave()
-        s.release()
-
-
-def _rejoin(job: Job, s: Session, store: dist.Store, device: torch.device, node: str) -> TrainResult | None:
-    from deepcee.runtime.trainer import Trainer, Worker
-
-    job.hooks.warm(job, device)
-    tr = s.await_admission()
-    if tr is None:
-        log.info("%s: the run ended before it could rejoin", s.me)
-        return None
-    rank = s.enter(tr)
-    w = Worker(rank=rank, world_size=len(tr.devices), store=store, device=device, node=node, waiter=s)
-    hooks = job.hooks.hooks(job, w)
-    hooks.admitted(tr)
-    t = Trainer(replace(job, plan=tr.detail.plan), w, hooks)  # the new plan's groups, as every member makes them
-    hooks.join(t, tr)
-    return t.train(joining=True)
-
-
-__all__ = ["ElasticConfig", "Excluded", "JoinRecord", "LostDevice", "PeerLost", "Session", "Transition",
-           "elastic_config", "run_elastic_job"]
+__all__ = ["POLL_MAX_S", "Decide", "ElasticConfig", "Excluded", "Fault", "JoinRecord", "LostDevice", "PeerLost",
+           "Session", "Transition"]

@@ -19,7 +19,6 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Callable, Sequence
-from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -97,9 +96,5 @@ def evaluate(t: Trainer) -> float:
             t.stage.discard()
     box = torch.tensor(total, dtype=torch.float64, device=t.w.device)
     work = dist.all_reduce(box, group=t.job_group, async_op=True)
-    try:
-        work.wait(timedelta(seconds=t.cfg.timeout_s))
-    except RuntimeError as exc:
-        raise RuntimeSetupError(f"evaluation all-reduce did not complete within {t.cfg.timeout_s:g} s: "
-                                f"{str(exc)[:160]}") from None
+    t.w.waiter.wait(work, timeout_s=t.cfg.timeout_s, what="the evaluation all-reduce")
     return float(box)

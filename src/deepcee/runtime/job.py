@@ -121,8 +121,9 @@ class TrainConfig:
     stragglers: tuple[Straggler, ...] = ()
     """Devices slowed down for a stretch of the run (emulated modes; see :class:`Straggler`)."""
     link_outages: tuple[LinkOutage, ...] = ()
-    """Links between two nodes down for a stretch of the run (mode ``emulated``: the link
-    shaper applies them; :mod:`deepcee.cluster.outages`)."""
+    """Links between two nodes down for a stretch of the run (:mod:`deepcee.cluster.outages`):
+    mode ``emulated``: the link shaper holds transfers; ``realnet``: the relay drops every packet
+    of the link's pairs."""
     fixed_arrival_order: bool = False
     """``asgd-ga``: servers take pushes from the replicas in turn instead of as they arrive
     (reproducible bit for bit; [Note: asgd-ga] in :mod:`deepcee.runtime.ps`)."""
@@ -145,9 +146,9 @@ class TrainConfig:
                             field="stragglers")
         if any(not isinstance(o, LinkOutage) for o in self.link_outages):
             raise SpecError(f"must be LinkOutage records, got {self.link_outages!r}", field="link_outages")
-        if self.link_outages and self.mode != "emulated":
-            raise SpecError(f"link outages are injected by the emulated link shaper; mode {self.mode!r} has none "
-                            "(realnet: not supported)", field="link-down")
+        if self.link_outages and self.mode not in ("emulated", "realnet"):
+            raise SpecError(f"link outages are injected by the emulated link shaper or the realnet relay; mode "
+                            f"{self.mode!r} has neither", field="link-down")
         if self.mode in PACED_MODES and self.use_cuda:
             raise SpecError(f"mode {self.mode!r} paces CPU workers as emulated devices; use mode 'real' with CUDA",
                             field="mode")

@@ -43,7 +43,7 @@ from deepcee.errors import RuntimeSetupError, SpecError
 from deepcee.plan import Plan, save_json_atomic
 from deepcee.runtime import dist as rdist
 from deepcee.runtime import runlock
-from deepcee.runtime.elastic import elastic_config
+from deepcee.runtime.elastic_rank import elastic_config
 from deepcee.runtime.emulation import choose_dilation
 from deepcee.runtime.job import Job, TrainConfig
 from deepcee.runtime.rank import run_jobs_on_rank
@@ -155,7 +155,8 @@ def launch_jobs(jobs: Sequence[Job], *, world_size: int | None = None, deadline_
         shaped, cluster, devices, dilation = _realnet_jobs(jobs, world_size)
         timeout = max(j.config.timeout_s for j in shaped)
         stats = launch_realnet(_jobs_entry, (shaped, timeout, _parent_level()), cluster=cluster, devices=devices,
-                               deadline_s=deadline_s, dilation=dilation, elastic=elastic)
+                               deadline_s=deadline_s, dilation=dilation, elastic=elastic,
+                               outages=tuple({o for j in shaped for o in j.config.link_outages}))
         log.info("relay: %s", stats.to_dict())
         for j in shaped:  # drops and queueing are part of what a realnet run measured
             save_json_atomic(Path(j.run_dir) / "relay.json", {

@@ -26,14 +26,13 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from deepcee.errors import RuntimeSetupError
+from deepcee.runtime.dist import BlockingWaiter, Waiter
 from deepcee.runtime.job import TrainConfig
 from deepcee.runtime.params import stage_of_blocks
 
@@ -76,17 +75,15 @@ class StepOutcome:
     """A float16 overflow: the optimizer did not step."""
 
 
-def global_grad_norm(owned: Sequence[torch.Tensor], group: Any, *, device: torch.device, timeout_s: float) -> float:
-    """The norm over every rank's ``owned`` gradients (a SUM all-reduce over ``group``)."""
+def global_grad_norm(owned: Sequence[torch.Tensor], group: Any, *, device: torch.device, timeout_s: float,
+                     waiter: Waiter | None = None) -> float:
+    """The norm over every rank's ``owned`` gradients (a SUM all-reduce over ``group``, waited
+    for by ``waiter``: an elastic run's watches for lost peers)."""
     sq = torch.zeros((), dtype=torch.float64, device=device)
     for g in owned:
         sq += g.detach().double().pow(2).sum()
     work = dist.all_reduce(sq, group=group, async_op=True)
-    try:
-        work.wait(timedelta(seconds=timeout_s))
-    except RuntimeError as exc:
-        raise RuntimeSetupError(f"gradient-norm all-reduce did not complete within {timeout_s:g} s: "
-                                f"{str(exc)[:160]}") from None
+    (waiter or BlockingWaiter()).wait(work, timeout_s=timeout_s, what="the gradient-norm all-reduce")
     return math.sqrt(float(sq))
 
 
@@ -116,19 +113,28 @@ class OptimizerStep:
     def lr(self, step: int) -> float:
         return self.cfg.optimizer.lr * self.cfg.lr_schedule.factor(step, self.cfg.steps)
 
+    def measure(self, params: Sequence[nn.Parameter], owned: Sequence[nn.Parameter], group: Any,
+                waiter: Waiter | None = None) -> float | None:
+        """The global norm of the scaled gradients when the step needs it (clipping, float16), else
+        ``None``: a collective over ``group``, so an elastic run measures it before the step's
+        commit point (after it, every rank must be able to apply the update on its own)."""
+        if not self.measures_norm:
+            return None
+        device = params[0].device if params else torch.device("cpu")
+        grads = [p.grad for p in owned if p.grad is not None]
+        return global_grad_norm(grads, group, device=device, timeout_s=self.cfg.timeout_s, waiter=waiter)
+
     def __call__(self, step: int, optimizer: torch.optim.Optimizer, params: Sequence[nn.Parameter],
-                 owned: Sequence[nn.Parameter], group: Any,
-                 pace: Callable[[Callable[[], Any]], Any] | None = None) -> StepOutcome:
-        """``pace`` runs the optimizer's step (an emulated device's pacer: it steps at the
-        device's speed, as the simulator counts it)."""
+                 scaled_norm: float | None, pace: Callable[[Callable[[], Any]], Any] | None = None) -> StepOutcome:
+        """Apply step ``step`` on this rank alone (no collective): ``scaled_norm`` is
+        :meth:`measure`'s; ``pace`` runs the optimizer's step (an emulated device's pacer: it
+        steps at the device's speed, as the simulator counts it)."""
         lr = self.lr(step)
         for g in optimizer.param_groups:
             g["lr"] = lr
         norm = None
-        if self.measures_norm:
-            device = params[0].device if params else torch.device("cpu")
-            grads = [p.grad for p in owned if p.grad is not None]
-            norm = global_grad_norm(grads, group, device=device, timeout_s=self.cfg.timeout_s) / self.loss_scale
+        if scaled_norm is not None:
+            norm = scaled_norm / self.loss_scale
             if self.scaler is not None:
                 scale = self.scaler.scale
                 if not self.scaler.update(math.isfinite(norm)):

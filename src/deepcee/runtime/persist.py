@@ -47,7 +47,7 @@ def _agree(t: Trainer, decide: Any) -> ckpt.Choice | None:
             box[0] = _Verdict(choice=decide())
         except RuntimeSetupError as exc:
             box[0] = _Verdict(error=str(exc))
-    dist.broadcast_object_list(box, src=0, group=t.job_group)
+    t.w.waiter.call(lambda: dist.broadcast_object_list(box, src=0, group=t.job_group), what="the checkpoint verdict")
     verdict: _Verdict = box[0]
     if verdict.error is not None:
         raise RuntimeSetupError(verdict.error)
@@ -57,7 +57,7 @@ def _agree(t: Trainer, decide: Any) -> ckpt.Choice | None:
 def _fail_together(t: Trainer, error: str | None) -> None:
     """Raise on every rank if any rank found ``error`` (the others would wait in a collective)."""
     errors: list[str | None] = [None] * dist.get_world_size(group=t.job_group)
-    dist.all_gather_object(errors, error, group=t.job_group)
+    t.w.waiter.call(lambda: dist.all_gather_object(errors, error, group=t.job_group), what="the checkpoint check")
     first = next((e for e in errors if e is not None), None)
     if first is not None:
         raise RuntimeSetupError(first)
@@ -102,7 +102,10 @@ def save(t: Trainer, step: int) -> None:
         for key, v in rstate.optimizer_tensors(t.optimizer, pnames).items():
             if key.rsplit("/", 1)[0] in model:
                 state[rstate.OPTIM_PREFIX + key] = v
-    dcp.save(state, checkpoint_id=str(folder), process_group=t.job_group)
+    # watched: a rank in the save when a peer is lost stops within a heartbeat ([Note: watched
+    # calls] in deepcee.runtime.elastic); the checkpoint is committed only after it returned here
+    t.w.waiter.call(lambda: dcp.save(state, checkpoint_id=str(folder), process_group=t.job_group),
+                    what=f"saving checkpoint step {step}")
     if t.w.rank == 0:
         ckpt.commit(folder, ckpt.Manifest(
             step=step, plan_digest=t.digest, model=model_label(t.job.model), dtype=t.cfg.dtype,
@@ -136,7 +139,8 @@ def _load_stage(t: Trainer, choice: ckpt.Choice, *, optimizer: bool, every_block
         for key, md in stored.items():
             if key.startswith(rstate.OPTIM_PREFIX) and key.rsplit("/", 1)[0] + "/" in wanted:
                 template[key] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
-    dcp.load(template, checkpoint_id=choice.folder, process_group=t.job_group)
+    t.w.waiter.call(lambda: dcp.load(template, checkpoint_id=choice.folder, process_group=t.job_group),
+                    what=f"loading checkpoint {choice.folder}")
     if optimizer:
         flat = {k.removeprefix(rstate.OPTIM_PREFIX): v for k, v in template.items() if k.startswith(rstate.OPTIM_PREFIX)}
         rstate.load_optimizer_tensors(t.optimizer, pnames, flat)

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from deepcee.errors import SpecError
 from deepcee.runtime import dist as rdist
-from deepcee.runtime import elastic as relastic
+from deepcee.runtime import elastic_rank as relastic
 from deepcee.runtime import runlock
 from deepcee.runtime.job import Job
 from deepcee.runtime.records import TrainResult

@@ -33,7 +33,7 @@ started the child exits, so start ranks from the thread that waits for them (bot
 do). Linux only; elsewhere the supervisor's own kill on every exit path remains.
 
 [Note: elastic supervision]
-An elastic launch (:class:`Elastic`; ranks run :func:`deepcee.runtime.elastic.run_elastic_job`)
+An elastic launch (:class:`Elastic`; ranks run :func:`deepcee.runtime.elastic_rank.run_elastic_job`)
 outlives a rank: a rank that dies is only noted (its survivors re-form without it), and, with
 ``restart_after_s``, started again that long after its death (``restart(rank)``; it asks to
 rejoin). The launch ends when every rank has exited, or ``finish_grace_s`` after the first

@@ -16,7 +16,9 @@ A run whose plan changes while it runs (the adapter) plugs in through
 the trainer through its public methods: :meth:`Trainer.set_plan` (a new plan's topology and
 stage groups), :meth:`Trainer.build_stage` (this rank's stage, schedule row and optimizer for
 the plan in force), :meth:`Trainer.reshard` (same stage, new sample ranges) and
-:meth:`Trainer.make_p2p`. Step records and the result are :mod:`deepcee.runtime.records`.
+:meth:`Trainer.make_p2p`. Step records and the result are :mod:`deepcee.runtime.records`,
+gathered and written by :mod:`deepcee.runtime.outputs`; emulated time (the epoch, link shaping,
+paced all-reduces) is :mod:`deepcee.runtime.pacing`; checkpoints are :mod:`deepcee.runtime.persist`.
 
 [Note: loss weighting]
 Each device scales its per-microbatch mean loss by ``share / global_batch``
@@ -29,9 +31,8 @@ DDP's hooks are not used: they do not fire with split backward (PLATFORM.md).
 
 from __future__ import annotations
 
+import functools
 import logging
-import math
-import pickle
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -46,14 +47,12 @@ from torch import nn
 
 from deepcee import nets
 from deepcee.cluster import Cluster
-from deepcee.cluster.outages import outages_by_devices, up_again_s
-from deepcee.comm import allreduce_s
 from deepcee.errors import DeepceeError, RuntimeSetupError, SpecError
 from deepcee.plan import Plan, save_json_atomic
 from deepcee.runtime import checkpoint as ckpt
 from deepcee.runtime import dist as rdist
+from deepcee.runtime import outputs, pacing, peak_memory, persist, runlock
 from deepcee.runtime import params as rparams
-from deepcee.runtime import peak_memory, persist, runlock
 from deepcee.runtime import state as rstate
 from deepcee.runtime import strategies as rstrat
 from deepcee.runtime.boundary import BoundaryMeta, num_samples
@@ -62,8 +61,6 @@ from deepcee.runtime.emulation import (
     PACED_MODES,
     Clock,
     DevicePacer,
-    FileLedger,
-    LinkShaper,
     choose_dilation,
     emulation_info,
 )
@@ -75,29 +72,21 @@ from deepcee.runtime.optstep import OptimizerStep, StepOutcome, norm_owned
 from deepcee.runtime.p2p import P2P, Meta, TensorMeta, exchange_metadata
 from deepcee.runtime.partition import replica_plan
 from deepcee.runtime.progress import RunLog, gather_rank_infos
-from deepcee.runtime.realnet.relay import RelayControl
 from deepcee.runtime.records import (
     AppliedChange,
     RankMetrics,
     ResumeRecord,
     StepMetrics,
     TrainResult,
-    read_step_metrics,
-    step_metrics,
     train_result,
 )
-from deepcee.runtime.replicas import Messenger, SegmentParams
+from deepcee.runtime.replicas import SegmentParams
 from deepcee.runtime.sources import as_source
 from deepcee.runtime.stage import StageRunner
 from deepcee.runtime.target import reached
 from deepcee.schedule.program import lowered_schedule
 
 log = logging.getLogger(__name__)
-
-STORE_POLL_S = 5e-4
-"""How often rank 0 looks for the ranks' step records in the store (mode ``realnet``); a check
-of a ``FileStore`` costs about 10 us."""
-
 
 __all__ = ["Trainer", "Worker", "plan_digest", "write_error"]
 
@@ -129,7 +118,7 @@ class Trainer:
         self.clock = Clock()
         self.run_dir = Path(job.run_dir)
         self._groups: dict[tuple[int, ...], Any] = {}
-        self._records_sent = 0
+        self.records_sent = 0
         self.records_key = job.name
         """Store prefix of the out-of-band step records (an elastic run's generation changes it)."""
         self.run_lock: runlock.RunLock | None = None
@@ -141,6 +130,8 @@ class Trainer:
         self.ties = rparams.model_ties(job.model)
         self.optstep = OptimizerStep(job.config)
         self.resumed: ResumeRecord | None = None
+        self.unrecorded: tuple[int, Any, float, AppliedChange | None] | None = None
+        """Rank 0: the last step trained, gathered and not yet written (:meth:`record_step`)."""
         # Every rank creates every group, in the same order (torch.distributed requires it).
         self.set_plan(job.plan, make_job_group=True)
 
@@ -170,7 +161,7 @@ class Trainer:
         makes its own); returned so the caller can keep them from being destroyed mid-operation."""
         groups = list(self._groups.values())
         self._groups.clear()
-        self._records_sent = 0
+        self.records_sent = 0
         return groups
 
     def _make_job_group(self) -> Any:
@@ -249,7 +240,7 @@ class Trainer:
             raise SpecError("the dataset has no held-out batches (an eval_batches(batch_size) method, or "
                             "evaluation data; see docs/running.md)", field="eval_every")
         paced = self.cfg.mode in PACED_MODES
-        self.relay = self._relay_control() if self.cfg.mode == "realnet" else None
+        self.relay = pacing.relay_control(self.cfg.timeout_s) if self.cfg.mode == "realnet" else None
         if self.plan.strategy.kind != "exact":
             rstrat.check_relaxed(self)
         slowdowns = [self.cluster.device(d).slowdown for d in self.hooks.paced_devices(self)]
@@ -261,29 +252,8 @@ class Trainer:
                                  stragglers=[s for s in self.cfg.stragglers if s.device == device])
 
     def start_clock(self, epoch: float) -> None:
-        """Emulated time (and every bandwidth trace and straggler) counts from ``epoch`` (the run's
-        shared instant): pacing, link shaping, messages, the relay."""
-        self.epoch = self.pacer.epoch = epoch
-        self.shaper = None
-        if self.cfg.mode == "emulated":
-            self.shaper = LinkShaper(dilation=self.dilation, ledger=FileLedger(self.run_dir / "links"),
-                                     epoch=self.epoch, clock=self.clock, outages=outages_by_devices(
-                                         self.cfg.link_outages, {d.name: d.node for d in self.cluster.devices}))
-        self.messenger = Messenger(rank=self.w.rank, topo=self.topo, cluster=self.cluster, torch_device=self.w.device,
-                                   timeout_s=self.cfg.timeout_s, shaper=self.shaper, clock=self.clock)
-        if self.relay is not None and self.w.rank == 0:
-            # the relay's traces count from the same instant as emulated time (CLOCK_MONOTONIC
-            # is one clock for every namespace of this machine)
-            self.relay.set_epoch(self.epoch)
-
-    def _relay_control(self) -> RelayControl:
-        """The relay of a realnet launch; a clear error when this rank was not started by one."""
-        path = rdist.relay_control_path()
-        if path is None:
-            raise RuntimeSetupError("mode 'realnet' needs ranks started in network namespaces by "
-                                    "deepcee.runtime.launch.launch_jobs (launch_realnet); no relay control "
-                                    f"socket in the environment ({rdist.RELAY_CONTROL_ENV})")
-        return RelayControl(path, timeout_s=self.cfg.timeout_s)
+        """Emulated time counts from ``epoch`` (:func:`deepcee.runtime.pacing.start_clock`)."""
+        pacing.start_clock(self, epoch)
 
     def build_stage(self, key: str, metas: tuple[Meta | None, Meta | None] | None = None) -> None:
         """This rank's stage of the plan in force, its schedule row and optimizer; boundary shapes
@@ -381,79 +351,24 @@ class Trainer:
                      targets=(lambda m: rows[m].targets) if last else None,
                      loss_scale=self.topo.loss_scale(r) * self.optstep.loss_scale)
 
-    def _pace_allreduce(self, devices: Sequence[str], nbytes: int, t0: float, sync: str | None = None) -> None:
-        # The simulator's all-reduce model on the emulated links (one model for both), counted
-        # from the start of the real all-reduce, which overlaps it; traced links read at its start.
-        sync = sync or (self.plan.sync if self.plan.sync not in ("none", "ps") else "allreduce-ring")
-        at_s = self.emulated_s(t0)
-        cut = {} if self.shaper is None else {
-            pair: outs for pair, outs in self.shaper.outages.items() if pair[0] in devices and pair[1] in devices}
-        up_s = max((up_again_s(outs, at_s) for outs in cut.values()), default=at_s)
-        if up_s > at_s:  # a link of the group is down: the all-reduce waits for it (forever: a dead link)
-            me = self.hooks.device(self)
-            peer = next((b for a, b in cut if a == me), next(iter(cut))[1])
-            end = math.inf if math.isinf(up_s) else self.epoch + (up_s + allreduce_s(
-                self.cluster, devices, nbytes, sync, at_s=up_s)) * self.dilation
-            self.w.waiter.sleep_until(self.clock, end, timeout_s=self.cfg.timeout_s,
-                                      what=f"the all-reduce of {len(devices)} devices", peer=peer)
-            return
-        model_s = allreduce_s(self.cluster, devices, nbytes, sync, at_s=at_s)
-        self.clock.sleep_until(t0 + model_s * self.dilation)
-
     def pace_for(self, devices: Sequence[str], sync: str) -> Callable[[int, float], None] | None:
         """``pace(nbytes, t0)`` for an all-reduce over ``devices`` (mode ``emulated``), else ``None``."""
         if self.cfg.mode != "emulated":
             return None
-        return lambda nbytes, t0: self._pace_allreduce(devices, nbytes, t0, sync)
+        return lambda nbytes, t0: pacing.pace_allreduce(self, devices, nbytes, t0, sync)
 
     def _sum_tied_gradients(self) -> float:
         """Tied parameters across stages ([Note: tied parameters] in :mod:`deepcee.runtime.params`)."""
         return rparams.sum_tied_gradients(self.tie_groups, self.blocks, self.plan, self.placement,
                                           timeout_s=self.cfg.timeout_s, clock=self.clock,
-                                          pace=self._pace_allreduce if self.cfg.mode == "emulated" else None)
+                                          pace=functools.partial(pacing.pace_allreduce, self)
+                                          if self.cfg.mode == "emulated" else None)
 
     def emulated_s(self, wall: float | None = None) -> float:
         """Seconds since the run's shared epoch, divided by the dilation (emulated time)."""
         return ((self.clock.wall() if wall is None else wall) - self.epoch) / self.dilation
 
-    def _gather(self, obj: Any) -> list[Any] | None:
-        """Every rank's step record on rank 0 (``None`` elsewhere). See [Note: metrics out of band]."""
-        if self.cfg.mode == "realnet" or self.w.waiter.out_of_band:
-            return self._gather_through_store(obj)
-        out = [None] * dist.get_world_size(group=self.job_group) if self.w.rank == 0 else None
-        dist.gather_object(obj, out, dst=0, group=self.job_group)
-        return out
-
-    # [Note: metrics out of band]
-    # The step records are bookkeeping, not training: in mode ``emulated`` their gather crosses
-    # unshaped loopback and costs well under a millisecond. In mode ``realnet`` the same gloo
-    # gather would cross the emulated WAN: a size all-gather and a gather, each waiting for its
-    # peer, stall every rank about 4 one-way latencies per step (measured: 86 ms of a 280 ms
-    # step on a 20 ms link). So in ``realnet`` the records travel through the launch's
-    # ``FileStore`` (the shared filesystem, outside the namespaces' links): each rank publishes
-    # its record and goes on, rank 0 polls until all are there. Ranks then meet only where
-    # training makes them (transfers, all-reduces), as on a real deployment without metrics.
-    def _gather_through_store(self, obj: Any) -> list[Any] | None:
-        self._records_sent += 1
-        prefix = f"{self.records_key}/records/{self._records_sent}"
-        self.w.store.set(f"{prefix}/{self.w.rank}", pickle.dumps(obj))
-        if self.w.rank != 0:
-            return None
-        # the job group is ranks 0..n-1 (the plan's active ranks or the world)
-        keys = [f"{prefix}/{r}" for r in range(dist.get_world_size(group=self.job_group))]
-        t_end = self.clock.wall() + self.cfg.timeout_s
-        while not self.w.store.check(keys):
-            self.w.waiter.check()
-            if self.clock.wall() > t_end:
-                missing = [k.rsplit("/", 1)[1] for k in keys if not self.w.store.check([k])]
-                raise RuntimeSetupError(f"rank 0: no step record from ranks {missing} within {self.cfg.timeout_s:g} s")
-            time.sleep(STORE_POLL_S)
-        out = [pickle.loads(self.w.store.get(k)) for k in keys]
-        for k in keys:
-            self.w.store.delete_key(k)
-        return out
-
-    def _named(self, tensors: Callable[[nn.Parameter], torch.Tensor | None]) -> dict[str, torch.Tensor]:
+    def named_tensors(self, tensors: Callable[[nn.Parameter], torch.Tensor | None]) -> dict[str, torch.Tensor]:
         start = self.pipeline.stages[self.placement.stage].layer_start
         out = {}
         for name, p in self.stage.module.named_parameters(remove_duplicate=False):  # every name of a tie
@@ -476,23 +391,11 @@ class Trainer:
         return bool(every) and (done % every == 0 or done == self.cfg.steps)
 
     def open_outputs(self, step: int) -> None:
-        """Rank 0's metrics file, progress lines and step records, the run going on at ``step``:
-        lines of steps from ``step`` on are dropped, the records of this launch's earlier steps
-        read back (a rank that becomes rank 0 mid-run takes over from the file). Elsewhere none."""
-        self.close_outputs()
-        if self.w.rank != 0:
-            return
-        path = self.run_dir / "metrics.jsonl"
-        self.writer = ckpt.MetricsWriter(path, append=step > 0, start_step=step)
-        self.records = ([r for r in read_step_metrics(path) if self.first_step <= r.step < step]
-                        if step > self.first_step else [])
-        self.runlog = RunLog.for_run(self.cfg, self.run_dir, global_batch=self.plan.global_batch)
+        """Rank 0's outputs for the run going on at ``step`` (:func:`deepcee.runtime.outputs.open_outputs`)."""
+        outputs.open_outputs(self, step)
 
     def close_outputs(self) -> None:
-        for out in (self.writer, self.runlog):
-            if out is not None:
-                out.close()
-        self.writer = self.runlog = None
+        outputs.close_outputs(self)
 
     def train(self, *, joining: bool = False) -> TrainResult | None:
         """Run the steps; rank 0 returns the result (also written to ``result.json``).
@@ -516,17 +419,20 @@ class Trainer:
                 if stop:
                     break  # every rank has the same (all-reduced) evaluation loss: all stop here
             except Exception as exc:  # noqa: BLE001  (the hooks decide; FixedPlan re-raises)
+                if self.unrecorded is not None and self.unrecorded[0] == step:
+                    outputs.record_step(self, )  # the step was applied everywhere; its boundary failed
                 step, carried = self.hooks.recover(self, step, exc)
                 t_prev = self.clock.wall()
-        return self._finish()
+        return outputs.finish(self)
 
     def _step(self, step: int, carried: AppliedChange | None,
               t_prev: float) -> tuple[AppliedChange | None, float, bool]:
         """Step ``step`` and its boundary; returns the change applied for the next step, when it
         started, and whether the run stops here (the target loss reached)."""
         mine = self._train_step(step, self.capture) if self.active else self._serve_step()
-        gathered = self._gather(mine)
+        gathered = outputs.gather(self, mine)
         step_s = self.clock.wall() - t_prev
+        self.unrecorded = (step, gathered, step_s, carried)
         # evaluations and checkpoints are not part of any step's time
         if self._due(self.cfg.eval_every, step + 1) or self._due(self.cfg.checkpoint_every, step + 1):
             self.w.waiter.gate(f"boundary/{step}")
@@ -535,44 +441,17 @@ class Trainer:
             self._checkpoint(step + 1)
         boundary = self.hooks.decide(self, step, gathered)
         t_prev = self.clock.wall()  # the decision is not part of any step; applying it is
-        if self.writer is not None:
-            ranks_now = [r for r in gathered if r is not None]
-            norm = next((r.grad_norm for r in ranks_now if r.grad_norm is not None), None)
-            self.records.append(step_metrics(step, ranks_now, step_s, global_batch=self.plan.global_batch,
-                                             emulation=self.info, epoch=self.epoch if self.cfg.trace else None,
-                                             change=carried, boundary=boundary, lr=self.optstep.lr(step),
-                                             grad_norm=norm, eval_loss=eval_loss, strategy=self.plan.strategy))
-            self.writer.write(self.records[-1].to_dict())
-            self.runlog.step(self.records[-1])
+        outputs.record_step(self, boundary=boundary, eval_loss=eval_loss)
         if reached(eval_loss, self.cfg.target_loss):
             return None, t_prev, True
         return self.hooks.apply(self), t_prev, False
-
-    def _finish(self) -> TrainResult | None:
-        self._save_capture(self.capture)
-        if self.writer is None:
-            return None
-        self.close_outputs()
-        result = train_result(
-            self.records, job=self.job.name, plan=self.plan, plan_digest=self.digest, start_step=self.first_step,
-            steps=self.cfg.steps, emulation=self.info, run_dir=str(self.run_dir), adapter=self.hooks.adapter_run(),
-            sync=rstrat.describe_sync(self.plan, self.topo),
-            ranks=self.rank_infos or (), resumed=self.resumed, target_loss=self.cfg.target_loss)
-        save_json_atomic(self.run_dir / "result.json", result.to_dict())
-        return result
-
-    def _save_capture(self, capture: dict[str, Any]) -> None:
-        if self.cfg.capture and self.active:
-            capture["params"] = self._named(lambda p: p)
-            (self.run_dir / "capture").mkdir(parents=True, exist_ok=True)
-            torch.save(capture, self.run_dir / "capture" / f"rank{self.w.rank}.pt")
 
     def _train_relaxed(self) -> TrainResult | None:
         """A relaxed strategy's run: its own loop, one gather at the end (no per-step barrier)."""
         self._barrier()
         run = rstrat.run_relaxed(self)
-        self._save_capture({})
-        gathered = self._gather(run)
+        outputs.save_capture(self, {})
+        gathered = outputs.gather(self, run)
         if self.w.rank != 0:
             return None
         records, replicas = rstrat.relaxed_records(gathered, self)
@@ -600,10 +479,11 @@ class Trainer:
         rec = run_step(self.actions, self.stage, self.p2p, self.feeds(step), self.pacer, trace=self.cfg.trace)
         sync_s = rstrat.sync_exact(self) + self._sum_tied_gradients()
         if self.cfg.capture and step == self.start_step:
-            capture["grads"] = self._named(lambda p: p.grad)
+            capture["grads"] = self.named_tensors(lambda p: p.grad)
         owned = norm_owned(self) if self.optstep.measures_norm else []
-        self.hooks.before_update(self, step)  # an elastic run's commit point
-        outcome = self.optstep(step, self.optimizer, self.stage.params, owned, self.active_group,
+        norm = self.optstep.measure(self.stage.params, owned, self.active_group, self.w.waiter)
+        self.hooks.before_update(self, step)  # an elastic run's commit point: no collective after it
+        outcome = self.optstep(step, self.optimizer, self.stage.params, norm,
                                pace=self.pacer.run)  # the emulated device steps at its own speed too
         return self.rank_metrics(rec, sync_s, outcome, loss_scale)
 

@@ -36,13 +36,13 @@ where it acts on it, and ``tests/unit/test_runtime_model.py`` holds the two toge
   latencies more than the ring model with two ranks). In mode ``emulated`` the runtime waits
   for :func:`deepcee.comm.allreduce_s` itself (``allreduce = "modelled"``: agreement there
   holds by construction);
-- the end of a step (:meth:`deepcee.runtime.trainer.Trainer._gather`): mode ``emulated``
+- the end of a step (:func:`deepcee.runtime.outputs.gather`): mode ``emulated``
   gathers every rank's record with a gloo collective over loopback (``step_barrier``: the
   next step starts on every device together); mode ``realnet`` publishes the records in the
   launch's file store, out of band, and only rank 0 (the plan's first device) waits for all of
   them (``first_waits_for_all``; every other device starts its next step when its own ends);
   mode ``real`` gathers them with gloo over the network (a barrier of about four one-way
-  latencies, [Note: metrics out of band] in :mod:`deepcee.runtime.trainer`);
+  latencies, [Note: metrics out of band] in :mod:`deepcee.runtime.outputs`);
 - per-step costs: the optimizer step, paced like compute on an emulated device (the profile's
   measured per-layer times, else the FLOP estimate), no gradient clipping, and the step's
   bookkeeping (``step_overhead_s``: the records' gather or publication, measured by the

@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import shutil
 import subprocess
@@ -69,6 +70,7 @@ from pathlib import Path
 from typing import Any
 
 from deepcee.cluster import Cluster
+from deepcee.cluster.outages import LinkOutage
 from deepcee.errors import RuntimeSetupError, SpecError
 from deepcee.runtime import dist as rdist
 from deepcee.runtime.realnet.netns import (
@@ -113,11 +115,12 @@ _RELAY_BOOTSTRAP = ("import json, runpy, sys; sys.path[:] = json.loads(sys.argv.
 
 def relay_config(cluster: Cluster, devices: Sequence[str], *, control_path: str, dilation: float = 1.0,
                  queue_limit_s: float = DEFAULT_QUEUE_LIMIT_S, epoch_s: float | None = None,
-                 vnet_hdr_bytes: int = 0) -> RelayConfig:
+                 vnet_hdr_bytes: int = 0, outages: Sequence[LinkOutage] = ()) -> RelayConfig:
     """The relay's pairs and resources for ranks running ``devices`` (rank ``r`` = ``devices[r]``).
 
-    Emulated figures become wall figures: latencies, trace times and ``queue_limit_s`` x
-    ``dilation``, rates / ``dilation``."""
+    Emulated figures become wall figures: latencies, trace times, ``queue_limit_s`` and the
+    windows of ``outages`` (links between nodes down: every pair of their devices drops every
+    packet) x ``dilation``, rates / ``dilation``."""
     if dilation < 1:
         raise SpecError(f"must be >= 1, got {dilation!r}", field="dilation")
     if len(set(devices)) != len(devices):
@@ -128,7 +131,10 @@ def relay_config(cluster: Cluster, devices: Sequence[str], *, control_path: str,
             if i == j:
                 continue
             link = cluster.link(a, b)
-            pairs.append(PairSpec(src=i, dst=j, latency_s=link.latency_s * dilation, resource=link.resource))
+            down = tuple((o.start_s * dilation, None if math.isinf(o.stop_s) else o.stop_s * dilation)
+                         for o in outages if o.joins(cluster.device(a).node, cluster.device(b).node))
+            pairs.append(PairSpec(src=i, dst=j, latency_s=link.latency_s * dilation, resource=link.resource,
+                                  down_s=down))
             trace = link.trace
             spec = ResourceSpec(
                 name=link.resource, bandwidth_bytes_per_s=link.bandwidth_bytes_per_s / dilation,
@@ -158,7 +164,8 @@ class RealNetwork:
 
     def __init__(self, cluster: Cluster, devices: Sequence[str], *, dilation: float = 1.0, mtu_bytes: int = 1500,
                  offload: bool = True, queue_limit_s: float = DEFAULT_QUEUE_LIMIT_S,
-                 congestion_control: str | None = DEFAULT_CONGESTION_CONTROL, setup_timeout_s: float = 20.0) -> None:
+                 congestion_control: str | None = DEFAULT_CONGESTION_CONTROL, setup_timeout_s: float = 20.0,
+                 outages: Sequence[LinkOutage] = ()) -> None:
         for d in devices:
             cluster.device(d)  # names the unknown device
         if len(devices) < 1:
@@ -166,6 +173,8 @@ class RealNetwork:
         self.cluster, self.devices = cluster, tuple(devices)
         self.dilation, self.mtu_bytes, self.queue_limit_s = dilation, mtu_bytes, queue_limit_s
         self.setup_timeout_s, self.offload, self.congestion_control = setup_timeout_s, offload, congestion_control
+        self.outages = tuple(outages)
+        """Links down for a stretch of the run (:mod:`deepcee.cluster.outages`; from the relay's epoch)."""
         self.tmp: Path | None = None
         self.namespaces: WanNamespaces | None = None
         self.relay: subprocess.Popen | None = None
@@ -192,7 +201,7 @@ class RealNetwork:
             cleanup_stale(timeout_s=self.setup_timeout_s)
             require_realnet()
             config = relay_config(self.cluster, self.devices, control_path=self.control_path, dilation=self.dilation,
-                                  queue_limit_s=self.queue_limit_s,
+                                  queue_limit_s=self.queue_limit_s, outages=self.outages,
                                   vnet_hdr_bytes=VNET_HDR_BYTES if self.offload else 0)
             self.namespaces = WanNamespaces(self.world_size, mtu_bytes=self.mtu_bytes, offload=self.offload,
                                             congestion_control=self.congestion_control,
@@ -341,7 +350,7 @@ def launch_realnet(target: Callable[..., None], args: tuple[Any, ...], *, cluste
                    deadline_s: float, dilation: float = 1.0, mtu_bytes: int = 1500, offload: bool = True,
                    queue_limit_s: float = DEFAULT_QUEUE_LIMIT_S,
                    congestion_control: str | None = DEFAULT_CONGESTION_CONTROL, grace_s: float = 2.0,
-                   elastic: Elastic | None = None) -> RelayStats:
+                   elastic: Elastic | None = None, outages: Sequence[LinkOutage] = ()) -> RelayStats:
     """Run ``target(rank, world_size, store_path, *args)`` with rank ``r`` on ``devices[r]`` over real TCP.
 
     ``deadline_s`` bounds everything (set-up, run, tear-down excluded). Returns the relay's
@@ -349,7 +358,7 @@ def launch_realnet(target: Callable[..., None], args: tuple[Any, ...], *, cluste
     """
     t_end = time.monotonic() + deadline_s
     with RealNetwork(cluster, devices, dilation=dilation, mtu_bytes=mtu_bytes, offload=offload, queue_limit_s=queue_limit_s,
-                     congestion_control=congestion_control,
+                     congestion_control=congestion_control, outages=outages,
                      setup_timeout_s=min(20.0, deadline_s)) as net:
         left = t_end - time.monotonic()
         if left <= 0:

@@ -125,6 +125,8 @@ def _handle_control(sock: socket.socket, queue: WanQueue, stats: Callable[[], Re
                 queue.set_bandwidth(msg["resource"], float(msg["bandwidth_bytes_per_s"]))
             elif op == "set_latency":
                 queue.set_latency(int(msg["src"]), int(msg["dst"]), float(msg["latency_s"]))
+            elif op == "set_down":
+                queue.set_down(int(msg["src"]), int(msg["dst"]), bool(msg["down"]))
             elif op == "set_epoch":
                 queue.set_epoch(float(msg["epoch_s"]), time.monotonic())
             elif op == "stop":
@@ -148,7 +150,7 @@ def serve(config: RelayConfig, tun_fds: Sequence[int], *, owner_pid: int | None 
         raise SpecError(f"{len(config.addresses)} addresses but {len(tun_fds)} TUN descriptors", field="fds")
     t0, times0 = clock(), os.times()
     queue = WanQueue(config.pairs, config.resources, queue_limit_s=config.queue_limit_s,
-                     epoch_s=t0 if config.epoch_s is None else config.epoch_s)
+                     epoch_s=t0 if config.epoch_s is None else config.epoch_s, down_armed=config.epoch_s is not None)
     rank_of_addr = {socket.inet_aton(a): i for i, a in enumerate(config.addresses)}
     rank_of_fd = {fd: i for i, fd in enumerate(tun_fds)}
     hdr = config.vnet_hdr_bytes
@@ -248,8 +250,13 @@ class RelayControl:
     def set_latency(self, src: int, dst: int, latency_s: float) -> None:
         self._call({"op": "set_latency", "src": src, "dst": dst, "latency_s": latency_s})
 
+    def set_down(self, src: int, dst: int, down: bool) -> None:
+        """Cut the directed pair ``src -> dst`` (ranks) now, or bring it back: a dead link."""
+        self._call({"op": "set_down", "src": src, "dst": dst, "down": down})
+
     def set_epoch(self, epoch_s: float) -> None:
-        """Restart the bandwidth traces at ``epoch_s`` (a ``time.monotonic()`` value of this machine)."""
+        """Restart the bandwidth traces and link-down windows at ``epoch_s`` (a ``time.monotonic()``
+        value of this machine)."""
         self._call({"op": "set_epoch", "epoch_s": epoch_s})
 
     def stop(self) -> RelayStats:

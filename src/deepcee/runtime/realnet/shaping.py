@@ -14,7 +14,10 @@ buffer of ``queue_limit_s x bandwidth`` bytes), so TCP sees losses instead of an
 queue. Released packets leave through one priority queue (heap) ordered by release time.
 Bandwidth traces apply at their change times (seconds after ``epoch_s``); rates and
 latencies can also be set at any time; packets already queued keep the times they were
-given (they are "on the wire").
+given (they are "on the wire"). A pair can be *down* (a dead link: fault injection, from
+windows in its spec, seconds after ``epoch_s`` like the traces, or set live): every packet
+offered on it meanwhile is dropped and counted with the resource's drops, so TCP over it
+stalls in retransmissions as over a cut cable.
 
 :class:`RelayConfig` is what the relay process reads (JSON, ``schema_version`` 1);
 :class:`RelayStats` is what it reports. The process around this core is
@@ -46,10 +49,17 @@ class PairSpec:
     """One-way propagation delay added after serialisation."""
     resource: str
     """The shared pipe whose rate and FIFO this pair uses."""
+    down_s: tuple[tuple[float, float | None], ...] = ()
+    """Windows ``(start, stop)`` (seconds after the relay's epoch; ``stop`` ``None``: never back)
+    in which the pair drops every packet (a dead link)."""
 
     def __post_init__(self) -> None:
         if self.src == self.dst or self.src < 0 or self.dst < 0:
             raise SpecError(f"pair needs two different ranks >= 0, got {self.src!r} -> {self.dst!r}", field="pairs")
+        for w in self.down_s:
+            if len(w) != 2 or not (w[0] >= 0 and (w[1] is None or w[1] > w[0])):
+                raise SpecError(f"pair {self.src}->{self.dst}: down windows need 0 <= start < stop, got {w!r}",
+                                field="pairs.down_s")
         if not self.latency_s >= 0:
             raise SpecError(f"pair {self.src}->{self.dst}: latency_s must be >= 0, got {self.latency_s!r}")
         if not self.resource:
@@ -120,7 +130,8 @@ class RelayConfig:
     def to_dict(self) -> dict[str, Any]:
         return {
             "format": CONFIG_FORMAT, "schema_version": SCHEMA_VERSION, "addresses": list(self.addresses),
-            "pairs": [{"src": p.src, "dst": p.dst, "latency_s": p.latency_s, "resource": p.resource} for p in self.pairs],
+            "pairs": [{"src": p.src, "dst": p.dst, "latency_s": p.latency_s, "resource": p.resource,
+                       **({"down_s": [list(w) for w in p.down_s]} if p.down_s else {})} for p in self.pairs],
             "resources": [{"name": r.name, "bandwidth_bytes_per_s": r.bandwidth_bytes_per_s,
                            "trace_times_s": list(r.trace_times_s),
                            "trace_bandwidth_bytes_per_s": list(r.trace_bandwidth_bytes_per_s)} for r in self.resources],
@@ -136,7 +147,8 @@ class RelayConfig:
         return RelayConfig(
             addresses=tuple(d["addresses"]), control_path=d["control_path"], queue_limit_s=d["queue_limit_s"],
             epoch_s=d.get("epoch_s"), vnet_hdr_bytes=d.get("vnet_hdr_bytes", 0),
-            pairs=tuple(PairSpec(**p) for p in d["pairs"]),
+            pairs=tuple(PairSpec(**{**p, "down_s": tuple(tuple(w) for w in p.get("down_s", ()))})
+                        for p in d["pairs"]),
             resources=tuple(ResourceSpec(name=r["name"], bandwidth_bytes_per_s=r["bandwidth_bytes_per_s"],
                                          trace_times_s=tuple(r.get("trace_times_s", ())),
                                          trace_bandwidth_bytes_per_s=tuple(r.get("trace_bandwidth_bytes_per_s", ())))
@@ -161,6 +173,14 @@ class _Resource:
 class _Pair:
     latency_s: float
     resource: _Resource
+    down_s: tuple[tuple[float, float | None], ...] = ()
+    """Windows relative to the queue's epoch (see :class:`PairSpec`)."""
+    down_now: bool = False
+    """Set live (:meth:`WanQueue.set_down`)."""
+
+    def is_down(self, t_s: float) -> bool:
+        """Whether the pair drops packets at ``t_s`` seconds after the epoch."""
+        return self.down_now or any(a <= t_s and (b is None or t_s < b) for a, b in self.down_s)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -224,7 +244,7 @@ class WanQueue:
     """
 
     def __init__(self, pairs: Iterable[PairSpec], resources: Iterable[ResourceSpec], *, queue_limit_s: float,
-                 epoch_s: float = 0.0) -> None:
+                 epoch_s: float = 0.0, down_armed: bool = True) -> None:
         if not queue_limit_s > 0:
             raise SpecError(f"must be > 0, got {queue_limit_s!r}", field="queue_limit_s")
         self.queue_limit_s = queue_limit_s
@@ -234,8 +254,12 @@ class WanQueue:
         for p in pairs:
             if p.resource not in self._resources:
                 raise SpecError(f"pair {p.src}->{p.dst} names unknown resource {p.resource!r}", field="pairs.resource")
-            self._pairs[(p.src, p.dst)] = _Pair(p.latency_s, self._resources[p.resource])
+            self._pairs[(p.src, p.dst)] = _Pair(p.latency_s, self._resources[p.resource], p.down_s)
         self._specs = resources
+        self._epoch_s = epoch_s
+        self._down_armed = down_armed
+        """Whether the pairs' down windows apply yet: they count from a training run's start, so a
+        relay whose epoch is its own start applies them only once a run sets it (:meth:`set_epoch`)."""
         self._changes: list[tuple[float, str, float]] = []
         self._schedule_traces(epoch_s)
         self._heap: list[tuple[float, int, int, Any]] = []
@@ -250,6 +274,10 @@ class WanQueue:
             self.unroutable += 1
             return None
         res = pair.resource
+        if pair.down_now or (pair.down_s and self._down_armed):
+            if pair.is_down(now - self._epoch_s):
+                res.dropped += 1
+                return None
         start = res.free_at if res.free_at > now else now
         wait = start - now
         if wait > self.queue_limit_s:
@@ -291,11 +319,13 @@ class WanQueue:
         self._changes = sorted(changes, reverse=True)  # popped from the end, earliest first
 
     def set_epoch(self, epoch_s: float, now: float) -> list[tuple[str, float]]:
-        """Restart the traces from ``epoch_s`` (e.g. the training run's start): every traced
-        resource goes back to its nominal rate, then the changes due by ``now`` apply."""
+        """Restart the traces (and the pairs' down windows) from ``epoch_s`` (e.g. the training
+        run's start): every traced resource goes back to its nominal rate, then the changes due
+        by ``now`` apply."""
         for r in self._specs:
             if r.trace_times_s:
                 self._resources[r.name].bandwidth_bytes_per_s = r.bandwidth_bytes_per_s
+        self._epoch_s, self._down_armed = epoch_s, True
         self._schedule_traces(epoch_s)
         return self.advance(now)
 
@@ -315,6 +345,12 @@ class WanQueue:
         if not bandwidth_bytes_per_s > 0:
             raise SpecError(f"must be > 0, got {bandwidth_bytes_per_s!r}", field="bandwidth_bytes_per_s")
         self._resources[resource].bandwidth_bytes_per_s = float(bandwidth_bytes_per_s)
+
+    def set_down(self, src: int, dst: int, down: bool) -> None:
+        """Cut the pair now (every packet offered on it is dropped) or bring it back."""
+        if (src, dst) not in self._pairs:
+            raise SpecError(f"no pair {src}->{dst}", field="pairs")
+        self._pairs[(src, dst)].down_now = bool(down)
 
     def set_latency(self, src: int, dst: int, latency_s: float) -> None:
         if (src, dst) not in self._pairs:
