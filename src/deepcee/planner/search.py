@@ -90,6 +90,7 @@ from deepcee.planner.space import (
 from deepcee.planner.split import split_layers
 from deepcee.planner.steps import Candidate, Config, SearchState, final_rank_key, rank_key
 from deepcee.profile import ModelProfile
+from deepcee.simulator.runtime_model import DEFAULT_RUNTIME, RuntimeModel
 from deepcee.units import GIB
 
 __all__ = [
@@ -184,8 +185,8 @@ def plan_training(cluster: Cluster, model: ModelProfile, global_batch: int, *,
     grouping = group_devices(cluster, island_threshold_s=options.island_threshold_s, speed_ratio=options.speed_ratio)
     max_stages = min(model.num_layers, options.max_stages or model.num_layers)
     search = SearchState(cluster=cluster, model=model, global_batch=global_batch, options=options, grouping=grouping,
-                     tables=RangeTables(cluster, model, options.syncs), cost_model=options.cost_model
-                     or AnalyticCostModel(), sizes=microbatch_sizes(global_batch, options), max_stages=max_stages)
+                     tables=RangeTables(cluster, model, options.syncs, runtime=_runtime_of(options)),
+                     cost_model=options.cost_model or AnalyticCostModel(), sizes=microbatch_sizes(global_batch, options), max_stages=max_stages)
     search.min_boundary_bytes = min((model.boundary_bytes(b) for b in range(1, model.num_layers)), default=0.0)
     dist = island_distances(cluster, grouping)
     _search_chains(search, dist)
@@ -230,6 +231,11 @@ def plan_training(cluster: Cluster, model: ModelProfile, global_batch: int, *,
     return PlanResult(plan=plan, explanation=tuple(explanation), candidates_evaluated=search.evaluated,
                       planning_s=elapsed, top=tuple(top), grouping=grouping, counterfactuals=tuple(counterfactuals),
                       scored=tuple(sorted(_dedupe(c for c in search.scored.values() if c is not None), key=rank_key)))
+
+
+def _runtime_of(options: PlannerOptions) -> RuntimeModel:
+    """The runtime the cost model scores with (its buffers count in the DP's memory)."""
+    return getattr(options.cost_model, "runtime", None) or DEFAULT_RUNTIME
 
 
 def _dedupe(cands: Iterable[Candidate]) -> list[Candidate]:
@@ -321,7 +327,7 @@ def _infeasible(search: SearchState) -> InfeasiblePlanError:
     slots = tuple((d,) for d in sorted(devs, key=pos.__getitem__))
     layout = StageLayout(slots=slots, islands=(), label="one device per stage")
     tab = search.dp_inputs(layout, n)
-    excess = [np.where(np.tril(np.ones_like(rc.compute_s, dtype=bool)), _INF, rc.memory_excess(1))
+    excess = [np.where(np.tril(np.ones_like(rc.compute_s, dtype=bool)), _INF, rc.memory_excess(1, False, tab.m))
               for rc in tab.costs]
     got = split_layers(excess, [np.full(excess[0].shape[0], -_INF)] * len(excess))
     assert got is not None  # every range of a one-layer-or-more split has a finite excess
