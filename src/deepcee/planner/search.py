@@ -261,7 +261,8 @@ def _compacts(search: SearchState, cands: list[Candidate], ranked: list[Config])
     """Compact schedules for the best distinct pipelines (stage devices, microbatch size), taken in
     turn from the cost-model ranking of fixed schedules and from the closed-form ranking (which
     ignores the schedule, as a compact schedule nearly does), up to ``compact_top``; then the best
-    are refined. All within ``compact_budget`` stages x microbatches, the builder's cost."""
+    are refined. All within ``compact_budget`` stages x microbatches, the builder's cost, half of
+    it kept for the refinement."""
     opts = search.options
     if "compact" not in opts.schedules:
         return []
@@ -284,12 +285,14 @@ def _compacts(search: SearchState, cands: list[Candidate], ranked: list[Config])
             bases.setdefault(key, plan)
     out = []
     for plan in list(bases.values())[: opts.compact_top]:
+        if out and search.compact_used > opts.compact_budget / 2:
+            break  # the other half is the refinement's: its screened builds find the better splits
         built = search.compact(plan)
         got = search.score(built) if built is not None else None
         if got is not None:
             out.append(got)
     out.sort(key=rank_key)
-    out += [search.refine(c) for c in out]  # all of them, as far as the budget lasts
+    out += [search.refine(c, first=k == 0) for k, c in enumerate(out)]  # all of them, as far as the budget lasts
     if bases and not search.compact_used:
         search.notes.append(f"no compact schedule built: the best pipelines exceed compact_max_actions "
                             f"{opts.compact_max_actions} (stages x microbatches)")
