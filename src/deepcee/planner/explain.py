@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from deepcee.plan import Plan
-from deepcee.planner.cost_model import AnalyticCostModel, SimulatorCostModel
+from deepcee.planner.cost_model import AnalyticCostModel
 from deepcee.planner.grouping import distance_s
 from deepcee.planner.space import Chain, chain_layouts
 from deepcee.planner.steps import Candidate, SearchState, rank_key
@@ -89,7 +89,6 @@ class _Counterfactuals:
 
     def __init__(self, search: SearchState, best: Candidate) -> None:
         self.search, self.best = search, best
-        self.scorer = search.options.confirm_model or SimulatorCostModel()
         self.work_left = search.options.confirm_max_work
         self.skipped = 0
         base = best.simulated or best.estimate
@@ -103,8 +102,7 @@ class _Counterfactuals:
             self.skipped += 1
             return None
         self.work_left -= work
-        est = self.scorer.estimate(cand.plan, self.search.cluster, self.search.model)
-        self.search.evaluated += 1
+        est = self.search.confirm(cand.plan)
         if any(b > self.search.cluster.memory_bytes(d) for d, b in est.peak_memory_bytes.items()):
             return None
         return Counterfactual(label=label, plan=cand.plan.replace(estimate=est), change=est.iteration_s / self.base_s - 1,

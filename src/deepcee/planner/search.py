@@ -69,7 +69,7 @@ from deepcee.planner.chains import (
     merged_units,
     search_chains,
 )
-from deepcee.planner.cost_model import AnalyticCostModel, SimulatorCostModel
+from deepcee.planner.cost_model import AnalyticCostModel
 from deepcee.planner.explain import Counterfactual, explain
 from deepcee.planner.grouping import Grouping, group_devices
 from deepcee.planner.options import SYNC_CHOICES, PlannerOptions
@@ -303,16 +303,13 @@ def _confirm(search: SearchState, cands: list[Candidate]) -> list[Candidate]:
     k = search.options.confirm_top
     if k == 0:
         return cands[:1]
-    scorer = search.options.confirm_model or SimulatorCostModel()
     out, work = [], 0
     for c in cands[:k]:
         w = 6 * len(c.plan.devices) * c.plan.num_microbatches
         if work + w > search.options.confirm_max_work:
             break
         work += w
-        search.evaluated += 1
-        out.append(Candidate(plan=c.plan, estimate=c.estimate,
-                             simulated=scorer.estimate(c.plan, search.cluster, search.model)))
+        out.append(Candidate(plan=c.plan, estimate=c.estimate, simulated=search.confirm(c.plan)))
     if len(out) < min(k, len(cands)):
         search.notes.append(f"confirmed {len(out)} of the best {min(k, len(cands))} plans with the "
                             f"simulator (confirm_max_work {search.options.confirm_max_work} device-actions); "

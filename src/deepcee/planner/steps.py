@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from deepcee.cluster import Cluster
 from deepcee.plan import SCHEDULES, Estimate, Plan, StagePlan
 from deepcee.planner.chains import ChainResult
-from deepcee.planner.cost_model import CostModel, stage_costs
+from deepcee.planner.cost_model import CostModel, SimulatorCostModel, stage_costs
 from deepcee.planner.grouping import Grouping
 from deepcee.planner.options import PlannerOptions
 from deepcee.planner.ranges import RangeTables, largest_remainder_shares
@@ -108,6 +108,19 @@ class SearchState:
     """What the chain search did (see [Note: chain search])."""
     chain_moves: int = 0
     """Chains evaluated by the local search (clusters of more than ``exhaustive_islands`` islands)."""
+    confirmed: dict[tuple, Estimate] = field(default_factory=dict)
+    """The confirming model's estimates so far, by plan (a plan confirmed, then explained, or
+    explained twice, is simulated once)."""
+
+    def confirm(self, plan: Plan) -> Estimate:
+        """The confirming model's estimate of ``plan`` (the simulator by default), computed once."""
+        key = (plan.stages, plan.schedule, plan.sync, plan.actions, plan.microbatch_size)
+        got = self.confirmed.get(key)
+        if got is None:
+            scorer = self.options.confirm_model or SimulatorCostModel()
+            got = self.confirmed[key] = scorer.estimate(plan, self.cluster, self.model)
+            self.evaluated += 1
+        return got
 
     # -- step 1 ---------------------------------------------------------------------------
     def shares(self, devs: tuple[str, ...], n: int) -> tuple[int, ...]:
