@@ -360,9 +360,9 @@ class SearchState:
         The climb follows the built schedules (the plan space's own values) when there are any: a
         moved order can beat what the builder makes of its split, and a climb on such values
         stopped one boundary short of splits whose own schedules are faster
-        (testbed/resnet101/128). ``first`` (the best compact plan): six neighbours get a built
-        schedule per step (else three), whatever the compact budget (the steps are bounded), so
-        its climb never stops for want of budget."""
+        (testbed/resnet101/128). ``first`` (the best compact plan): ``refine_best_guides``
+        neighbours get a built schedule per step (else three), whatever the compact budget (the
+        steps are bounded), so its climb never stops for want of budget."""
         return self._climb(cand, first=first)
 
     def _climb(self, cand: Candidate, *, first: bool) -> Candidate:
@@ -373,9 +373,10 @@ class SearchState:
             plan = cursor.plan
             trial, guide = self._neighbours(plan)
             built_guides = []
-            for _, _, stages, _ in sorted(guide)[: 6 if first else 3] if compact else ():
+            forced = first and self.options.refine_best_guides > 0
+            for _, _, stages, _ in sorted(guide)[: self.options.refine_best_guides if forced else 3] if compact else ():
                 built = self.compact(plan.replace(stages=stages, schedule="zb-h1", actions=()), screen=True,
-                                     force=first)
+                                     force=forced)
                 got1 = self.score(built) if built is not None else None
                 if got1 is not None:  # the next step moves this order (fitted to the split), not the old one
                     built_guides.append((got1.estimate.iteration_s, len(guide) + len(built_guides), stages,
