@@ -136,19 +136,26 @@ def _search_chains(search: SearchState, dist: np.ndarray) -> None:
     units = island_units(g, opts) if exact else merged_units(g, dist, opts.exhaustive_islands)
 
     def evaluate(chain: Chain) -> float:
-        # after the first chains: microbatch sizes within 4x of the best so far's and the two
-        # granularities next to its (the closed form is smooth in both); the best chains are
-        # laid out again in full below
+        # after the first chains: microbatch sizes within 4x of the best so far's and the
+        # granularities nearest its (the closed form is smooth in both), nearest first until two
+        # have given a plan (a granularity whose stages cannot hold the model says nothing about
+        # finer ones: testbed/gpt2-xl/128's cloud-only chain); the best chains are laid out again
+        # in full below
         layouts = chain_layouts(g, chain, search.max_stages)
         sizes = None
-        if len(seen) >= 8:
-            sizes = search.sizes_near(4)
-            near = search.granularity_near()
-            if near is not None:
-                layouts = sorted(layouts, key=lambda lay: (abs(math.log2(max(lay.granularity, 1) / near)),
-                                                           lay.granularity))[:1]
+        near = search.granularity_near() if len(seen) >= 8 else None
         seen.append(chain)
-        return min((search.evaluate_layout(lay, sizes)[0] for lay in layouts), default=_INF)
+        if near is None:
+            return min((search.evaluate_layout(lay)[0] for lay in layouts), default=_INF)
+        sizes = search.sizes_near(4)
+        layouts = sorted(layouts, key=lambda lay: (abs(math.log2(max(lay.granularity, 1) / near)), lay.granularity))
+        best, found = _INF, 0
+        for lay in layouts:
+            value = search.evaluate_layout(lay, sizes)[0]
+            best, found = min(best, value), found + math.isfinite(value)
+            if found >= 2:
+                break
+        return best
 
     seen: list[Chain] = []
 

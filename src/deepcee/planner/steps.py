@@ -357,15 +357,18 @@ class SearchState:
         (A compact plan's actions are always the builder's for its own split and costs, so an
         exhaustive search that builds them per split covers every plan returned here.)
 
-        The climb follows the built schedules (the plan space's own values) when there are any: a
-        moved order can beat what the builder makes of its split, and a climb on such values
-        stopped one boundary short of splits whose own schedules are faster
-        (testbed/resnet101/128). ``first`` (the best compact plan): ``refine_best_guides``
+        A compact plan climbs twice: once following the built schedules only (the plan space's
+        own values: a moved order can beat what the builder makes of its split, and a climb on
+        such values stopped one boundary short of splits whose own schedules are faster,
+        testbed/resnet101/128), once following every guide (which reaches other splits,
+        random3/analytic); the better end wins. ``first`` (the best compact plan): ``refine_best_guides``
         neighbours get a built schedule per step (else three), whatever the compact budget (the
         steps are bounded), so its climb never stops for want of budget."""
-        return self._climb(cand, first=first)
+        if cand.plan.schedule != "compact":
+            return self._climb(cand, first=first, built_only=True)
+        return min((self._climb(cand, first=first, built_only=b) for b in (True, False)), key=rank_key)
 
-    def _climb(self, cand: Candidate, *, first: bool) -> Candidate:
+    def _climb(self, cand: Candidate, *, first: bool, built_only: bool) -> Candidate:
         """One climb of :meth:`refine`: the best plan of the space it found."""
         best, cursor = cand, cand
         compact = cand.plan.schedule == "compact"
@@ -381,7 +384,7 @@ class SearchState:
                 if got1 is not None:  # the next step moves this order (fitted to the split), not the old one
                     built_guides.append((got1.estimate.iteration_s, len(guide) + len(built_guides), stages,
                                          got1.plan.actions))
-            guide = built_guides or guide
+            guide = (built_guides or guide) if built_only else guide + built_guides
             real = min((c for c in trial if c.plan.schedule != "compact"), key=rank_key, default=None)
             if real is not None and rank_key(real) < rank_key(best):
                 best = real
@@ -432,11 +435,9 @@ class SearchState:
             self.refine_used += work
             got = [self.score(x) for x in moved]
             trial += [g for g in got if g is not None]
-            if plan.schedule == "compact" and any(g is not None for g in got):
-                # what the split admits: its order moved or zb-h2 (whose order the builder also
-                # tries), whichever is faster; the guide ranks neighbours by it
-                guide.append((min(g.estimate.iteration_s for g in got if g is not None), len(guide), stages,
-                              plan.actions))
+            if plan.schedule == "compact" and got[0] is not None:
+                # its order moved to the split: the guide ranks neighbours by it
+                guide.append((got[0].estimate.iteration_s, len(guide), stages, plan.actions))
         return trial, guide
 
     def compact(self, plan: Plan, *, screen: bool = False, force: bool = False) -> Plan | None:
