@@ -254,18 +254,24 @@ def _dedupe(cands: Iterable[Candidate]) -> list[Candidate]:
 
 
 def _diverse(ranked: list[Config]) -> list[Config]:
-    """``ranked`` (closed form, best first) reordered in rounds: the best configuration of every
-    layout, then the second best of every layout, and so on (each round in closed-form order).
-    The closed form is only a screen, and one layout's microbatch sizes and splits could fill
-    every place that steps 2 and 3 take (local-small/resnet-tiny/64: twelve one-stage variants
-    ahead of the two-stage layout whose compact schedule is best)."""
+    """``ranked`` (closed form, best first) interleaved with the same configurations taken in
+    rounds over layouts (the best of every layout, then the second best of every layout, ...),
+    without repeats. The closed form is only a screen, and one layout's microbatch sizes and
+    splits could fill every place that steps 2 and 3 take (local-small/resnet-tiny/64: twelve
+    one-stage variants ahead of the two-stage layout whose compact schedule is best); taking
+    both orders in turn keeps the closed form's best too."""
     rounds: dict[tuple, int] = {}
     keyed = []
     for k, cfg in enumerate(ranked):
         r = rounds.get(cfg.layout.slots, 0)
         rounds[cfg.layout.slots] = r + 1
         keyed.append((r, k, cfg))
-    return [cfg for _, _, cfg in sorted(keyed, key=lambda x: x[:2])]
+    by_layout = [cfg for _, _, cfg in sorted(keyed, key=lambda x: x[:2])]
+    out: dict[int, Config] = {}
+    for a, b in zip(ranked, by_layout, strict=True):
+        out.setdefault(id(a), a)
+        out.setdefault(id(b), b)
+    return list(out.values())
 
 
 def _coverage(ranked: list[Config]) -> list[Config]:
