@@ -198,11 +198,11 @@ def plan_training(cluster: Cluster, model: ModelProfile, global_batch: int, *,
     dist = island_distances(cluster, grouping)
     _search_chains(search, dist)
     _progress(options, "layer splits", 0.0)
-    ranked = _diverse(sorted(search.configs.values(), key=lambda c: c.key))
+    ranked = sorted(search.configs.values(), key=lambda c: c.key)
     for k, cfg in enumerate(ranked[: options.sweep_top]):
         search.sweep(cfg)
         _progress(options, "layer splits", (k + 1) / max(1, min(len(ranked), options.sweep_top)))
-    ranked = _diverse(sorted(search.configs.values(), key=lambda c: c.key))
+    ranked = sorted(search.configs.values(), key=lambda c: c.key)
     cands: list[Candidate] = []
     picked: set[int] = set()
     for full, group in ((True, ranked[: options.model_top]), (False, _coverage(ranked))):
@@ -253,25 +253,19 @@ def _dedupe(cands: Iterable[Candidate]) -> list[Candidate]:
     return list(seen.values())
 
 
-def _diverse(ranked: list[Config]) -> list[Config]:
-    """``ranked`` (closed form, best first) interleaved with the same configurations taken in
-    rounds over layouts (the best of every layout, then the second best of every layout, ...),
-    without repeats. The closed form is only a screen, and one layout's microbatch sizes and
-    splits could fill every place that steps 2 and 3 take (local-small/resnet-tiny/64: twelve
-    one-stage variants ahead of the two-stage layout whose compact schedule is best); taking
-    both orders in turn keeps the closed form's best too."""
+def _by_layout(ranked: list[Config]) -> list[Config]:
+    """``ranked`` (closed form, best first) in rounds over layouts: the best configuration of every
+    layout, then the second best of every layout, and so on (each round in closed-form order).
+    The closed form ignores the schedule, so one layout's microbatch sizes and splits could take
+    every compact base (local-small/resnet-tiny/64: the two-stage layout whose compact schedule
+    is best came after six variants of others)."""
     rounds: dict[tuple, int] = {}
     keyed = []
     for k, cfg in enumerate(ranked):
         r = rounds.get(cfg.layout.slots, 0)
         rounds[cfg.layout.slots] = r + 1
         keyed.append((r, k, cfg))
-    by_layout = [cfg for _, _, cfg in sorted(keyed, key=lambda x: x[:2])]
-    out: dict[int, Config] = {}
-    for a, b in zip(ranked, by_layout, strict=True):
-        out.setdefault(id(a), a)
-        out.setdefault(id(b), b)
-    return list(out.values())
+    return [cfg for _, _, cfg in sorted(keyed, key=lambda x: x[:2])]
 
 
 def _coverage(ranked: list[Config]) -> list[Config]:
@@ -299,7 +293,7 @@ def _compacts(search: SearchState, cands: list[Candidate], ranked: list[Config])
         if c.plan.num_stages >= 2 and c.plan.schedule != "compact":
             by_model.setdefault((tuple(st.devices for st in c.plan.stages), c.plan.microbatch_size), c.plan)
     by_form: dict[tuple, Plan] = {}
-    for cfg in ranked:
+    for cfg in _by_layout(ranked):
         key = (cfg.layout.slots, cfg.n)
         if len(cfg.layout.slots) >= 2 and key not in by_form:
             by_form[key] = by_model.get(key) or build_plan(
