@@ -442,6 +442,9 @@ def reference_search(cluster: Cluster, model: ModelProfile, batch: int, *, budge
         ref.chains += 1
         local: list = []
         for slots in ref.layouts(order):
+            if ref.over():  # one chain can hold thousands of layouts
+                ref.exhausted = False
+                break
             for n in sizes:
                 if n < max(len(s) for s in slots):
                     continue
