@@ -10,8 +10,8 @@ and between islands 100 Mbit/s - 1 Gbit/s with 5-50 ms latency.
 Baseline measured in the same run: grouping alone (:func:`group_devices`), which every plan
 needs, so the table shows what the search itself adds.
 
-Both wall time and process CPU time are reported: the project machine has 2 cores shared
-with other work, so wall time can exceed CPU time by a lot.
+Both wall time and process CPU time are reported, and the targets are checked on CPU time: the
+project machine has 2 cores shared with other work, so wall time can exceed CPU time by a lot.
 
 Run: ``python benchmarks/planning_time.py [--out reports/planning_time.json] [--quick]``
 """
@@ -84,17 +84,18 @@ def run_case(name: str, cluster: Cluster, model_name: str, global_batch: int, ta
     grouping, g_wall, g_cpu = _time(lambda: group_devices(cluster))
     result, wall, cpu = _time(lambda: plan_training(cluster, model, global_batch))
     est = result.plan.estimate
-    cmp_wall = None
+    cmp_wall = cmp_cpu = None
     if compare_target_s is not None:
-        _, cmp_wall, _ = _time(lambda: compare(cluster, model, global_batch))
+        _, cmp_wall, cmp_cpu = _time(lambda: compare(cluster, model, global_batch))
     return {
         "case": name, "devices": len(cluster.devices), "islands": len(grouping.islands),
         "groups": len(grouping.groups), "model": model_name, "global_batch": global_batch,
         "grouping_wall_s": g_wall, "grouping_cpu_s": g_cpu, "planning_wall_s": wall, "planning_cpu_s": cpu,
         "candidates_evaluated": result.candidates_evaluated, "stages": result.plan.num_stages,
         "devices_used": len(result.plan.devices), "iteration_s": est.iteration_s if est else None,
-        "target_s": target_s, "compare_wall_s": cmp_wall, "compare_target_s": compare_target_s,
-        "within_target": wall < target_s and (cmp_wall is None or cmp_wall < compare_target_s),
+        "target_s": target_s, "compare_wall_s": cmp_wall, "compare_cpu_s": cmp_cpu,
+        "compare_target_s": compare_target_s,
+        "within_target": cpu < target_s and (cmp_cpu is None or cmp_cpu < compare_target_s),
     }
 
 
@@ -112,15 +113,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="reports/planning_time.json")
     ap.add_argument("--quick", action="store_true", help="only the testbed and the 16-device case")
     args = ap.parse_args(argv)
-    rows = [run_case("cee-testbed", load_scenario("cee-testbed"), "gpt2", 64, 1.0)]
+    rows = [run_case("cee-testbed", load_scenario("cee-testbed"), "gpt2", 64, 1.0, 30.0)]
     for name, n, k, model, batch, target, cmp_target in CASES[:1] if args.quick else CASES:
         rows.append(run_case(name, synthetic_cluster(n, k, seed=n), model, batch, target, cmp_target))
-        print(f"  {name}: planned in {rows[-1]['planning_wall_s']:.1f} s", flush=True)
+        print(f"  {name}: planned in {rows[-1]['planning_wall_s']:.1f} s ({rows[-1]['planning_cpu_s']:.1f} CPU s)"
+              + ("" if rows[-1]["compare_cpu_s"] is None else f", compared in {rows[-1]['compare_cpu_s']:.1f} CPU s"),
+              flush=True)
     head = (f"{'case':<16}{'devices':>8}{'islands':>8}{'model':>10}{'batch':>7}{'group s':>9}{'plan s':>9}"
-            f"{'cpu s':>8}{'target':>8}{'compare s':>10}{'ok':>4}{'cands':>7}{'stages':>7}{'used':>6}{'iter s':>10}")
+            f"{'cpu s':>8}{'target':>8}{'cmp cpu s':>10}{'ok':>4}{'cands':>7}{'stages':>7}{'used':>6}{'iter s':>10}")
     print(head)
     for r in rows:
-        cmp = "-" if r["compare_wall_s"] is None else f"{r['compare_wall_s']:.1f}"
+        cmp = "-" if r["compare_cpu_s"] is None else f"{r['compare_cpu_s']:.1f}"
         print(f"{r['case']:<16}{r['devices']:>8}{r['islands']:>8}{r['model']:>10}{r['global_batch']:>7}"
               f"{r['grouping_wall_s']:>9.3f}{r['planning_wall_s']:>9.3f}{r['planning_cpu_s']:>8.3f}"
               f"{r['target_s']:>8.0f}{cmp:>10}{'yes' if r['within_target'] else 'NO':>4}{r['candidates_evaluated']:>7}"

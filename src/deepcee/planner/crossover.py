@@ -106,14 +106,35 @@ class SweepPlanner(Protocol):
                  use_all_devices: bool = False) -> Plan | None: ...
 
 
+class _Memo:
+    """A :class:`SweepPlanner` that plans each distinct (devices, links, batch, exclusion) once: the
+    bandwidth sweep's plan on the kept devices is the same at every bandwidth when the swept
+    links touch only left-out islands and nodes (:meth:`Cluster.subset` drops their entries)."""
+
+    def __init__(self, planner: SweepPlanner) -> None:
+        self.planner = planner
+        self.plans: dict[tuple, Plan | None] = {}
+
+    def __call__(self, cluster: Cluster, model: ModelProfile, global_batch: int, *,
+                 use_all_devices: bool = False) -> Plan | None:
+        key = (cluster.device_names, cluster.islands, cluster.nodes, cluster.links, model.name, global_batch,
+               use_all_devices)
+        if key not in self.plans:
+            self.plans[key] = self.planner(cluster, model, global_batch, use_all_devices=use_all_devices)
+        return self.plans[key]
+
+
 def with_without(cluster: Cluster, model: ModelProfile, batch: int, kept: Sequence[str], *,
                  planner: SweepPlanner) -> tuple[float, float]:
     """(best samples/s using a left-out device, best samples/s on the kept devices only)."""
     kept_set = set(kept)
     without: list[float] = []
     with_: list[float] = []
-    for plan in (planner(cluster.subset(kept), model, batch), planner(cluster, model, batch),
-                 planner(cluster, model, batch, use_all_devices=True)):
+    free = planner(cluster, model, batch)
+    # when the free plan already uses every device, it is the all-devices search's answer too
+    every = free if free is not None and len(free.devices) == len(cluster.device_names) else \
+        planner(cluster, model, batch, use_all_devices=True)
+    for plan in (planner(cluster.subset(kept), model, batch), free, every):
         if plan is not None:
             (without if set(plan.devices) <= kept_set else with_).append(plan.estimate.samples_per_s)
     for b in build_baselines(cluster, model, batch):
@@ -196,6 +217,7 @@ def crossover_study(cluster: Cluster, model: ModelProfile, global_batch: int, ke
     if not left_out:
         raise DeepceeError("crossover needs left-out devices; every device is kept")
     _, links = slow_link_entries(cluster, kept, 1.0)
+    planner = _Memo(planner)
 
     def at_bandwidth(bw: float) -> tuple[float, float]:
         entries, _ = slow_link_entries(cluster, kept, bw)

@@ -6,10 +6,11 @@ costs, the bottleneck by both models, how the island chains were searched, and t
 counterfactuals.
 
 [Note: counterfactuals]
-Every alternative the explanation prints ("adding island X", "leaving out island Y", "with K
-stages") is a plan found by the same search under that one constraint and scored by the
-simulator, like the chosen plan, and the percentage compares the two simulated iteration
-times. The plans are kept in :attr:`~deepcee.planner.search.PlanResult.counterfactuals` (a test
+Every alternative the explanation prints ("adding island X (N devices)", "leaving out island Y
+(N devices used)", "using K pipeline stages instead of S") says what was changed and what the best
+plan found under that change uses and gives. Each is a plan found by the same search under that
+one constraint and scored by the simulator, like the chosen plan, and the percentage compares
+the two simulated iteration times. The plans are kept in :attr:`~deepcee.planner.search.PlanResult.counterfactuals` (a test
 re-simulates them). The constrained search: the chosen chain of islands with the island added
 at every position (or removed), every layout and microbatch size of those chains by the
 closed form, the best configurations through the in-flight-aware split and the cost model,
@@ -25,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from deepcee.plan import Plan
-from deepcee.planner.cost_model import AnalyticCostModel, SimulatorCostModel
+from deepcee.planner.cost_model import AnalyticCostModel
 from deepcee.planner.grouping import distance_s
 from deepcee.planner.space import Chain, chain_layouts
 from deepcee.planner.steps import Candidate, SearchState, rank_key
@@ -42,18 +43,28 @@ class Counterfactual:
     """One alternative the explanation prints: a plan found under one constraint, simulated."""
 
     label: str
-    """What differs from the chosen plan (``adding island b``, ``with 3 stages``)."""
+    """What was changed from the chosen plan, in words (``adding island b (2 devices)``,
+    ``using 3 pipeline stages instead of 2``)."""
     plan: Plan
     """The plan, its estimate from the simulator."""
     change: float
     """Simulated iteration time over the chosen plan's, minus 1."""
+    stages: int | None = None
+    """For a stage-count counterfactual, the stage count it was constrained to (else ``None``)."""
 
     def line(self) -> str:
+        """``<what was changed>: <what the best plan found then gives>``, both in plain words."""
         est = self.plan.estimate
         assert est is not None
-        return (f"{self.label}: best plan found {est.iteration_s:.4g} s per iteration "
-                f"({est.samples_per_s:.4g} samples/s, {self.plan.num_stages} stage(s) on {len(self.plan.devices)} "
-                f"device(s); simulated, {100 * self.change:+.1f}% vs the chosen plan)")
+        verdict = "slower" if self.change > 5e-4 else "faster" if self.change < -5e-4 else "about the same"
+        return (f"{self.label}: the best plan found then uses {_count(len(self.plan.devices), 'device')} in "
+                f"{_count(self.plan.num_stages, 'stage')} and takes {est.iteration_s:.4g} s per iteration "
+                f"({est.samples_per_s:.4g} samples/s, simulated): {100 * self.change:+.1f}% time per iteration, "
+                f"{verdict} than the chosen plan")
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 def chosen_chain(search: SearchState, plan: Plan) -> Chain:
@@ -78,13 +89,12 @@ class _Counterfactuals:
 
     def __init__(self, search: SearchState, best: Candidate) -> None:
         self.search, self.best = search, best
-        self.scorer = search.options.confirm_model or SimulatorCostModel()
         self.work_left = search.options.confirm_max_work
         self.skipped = 0
         base = best.simulated or best.estimate
         self.base_s = base.iteration_s
 
-    def simulate(self, label: str, cand: Candidate | None) -> Counterfactual | None:
+    def simulate(self, label: str, cand: Candidate | None, stages: int | None = None) -> Counterfactual | None:
         if cand is None:
             return None
         work = 6 * len(cand.plan.devices) * cand.plan.num_microbatches
@@ -92,11 +102,11 @@ class _Counterfactuals:
             self.skipped += 1
             return None
         self.work_left -= work
-        est = self.scorer.estimate(cand.plan, self.search.cluster, self.search.model)
-        self.search.evaluated += 1
+        est = self.search.confirm(cand.plan)
         if any(b > self.search.cluster.memory_bytes(d) for d, b in est.peak_memory_bytes.items()):
             return None
-        return Counterfactual(label=label, plan=cand.plan.replace(estimate=est), change=est.iteration_s / self.base_s - 1)
+        return Counterfactual(label=label, plan=cand.plan.replace(estimate=est), change=est.iteration_s / self.base_s - 1,
+                              stages=stages)
 
     def best_on_chains(self, chains: list[Chain], wanted: Callable[[frozenset[str]], bool]) -> Candidate | None:
         """The constrained search: lay out ``chains`` (unpruned), sweep and score the best
@@ -144,7 +154,8 @@ def _island_counterfactuals(cf: _Counterfactuals, plan: Plan) -> list[Counterfac
         full = (i, len(isl.groups))
         chains = [rest[:k] + (full,) + rest[k:] for k in range(len(rest) + 1)] if whole else \
             [tuple(full if x[0] == i else x for x in chain)]
-        label = f"adding island {isl.name}" if whole else f"adding the {len(missing)} slower device(s) of {isl.name}"
+        label = (f"adding island {isl.name} ({_count(len(missing), 'device')})" if whole else
+                 f"adding the {_count(len(missing), 'slower device')} of island {isl.name} left out")
         got = cf.simulate(label, cf.best_on_chains(chains, lambda devs, m=missing: bool(devs & m)))
         if got is not None:
             out.append(got)
@@ -156,7 +167,7 @@ def _island_counterfactuals(cf: _Counterfactuals, plan: Plan) -> list[Counterfac
             i = chain[k][0]
             isl = g.islands[i]
             devs = frozenset(isl.devices)
-            got = cf.simulate(f"leaving out island {isl.name}",
+            got = cf.simulate(f"leaving out island {isl.name} ({_count(len(devs & used), 'device')} used)",
                               cf.best_on_chains([chain[:k] + chain[k + 1:]], lambda d, x=devs: not (d & x)))
             if got is not None:
                 out.append(got)
@@ -170,7 +181,8 @@ def _stage_counterfactuals(cf: _Counterfactuals, plan: Plan, cands: list[Candida
     fewer = [k for k in by_stages if k < plan.num_stages]
     more = [k for k in by_stages if k > plan.num_stages]
     near = ([max(fewer)] if fewer else []) + ([min(more)] if more else [])
-    return [x for k in near if (x := cf.simulate(f"with {k} stage(s)", by_stages[k])) is not None]
+    return [x for k in near if (x := cf.simulate(
+        f"using {_count(k, 'pipeline stage')} instead of {plan.num_stages}", by_stages[k], stages=k)) is not None]
 
 
 def explain(search: SearchState, best: Candidate, cands: list[Candidate]) -> tuple[list[str], list[Counterfactual]]:

@@ -48,6 +48,9 @@ class PlannerOptions:
     """Configurations scored by the cost model for every schedule and sync (step 3)."""
     refine_top: int = 4
     compact_top: int = 6
+    refine_best_guides: int = 6
+    """Neighbour splits of the best compact plan that get a (screened) compact schedule per step
+    of its refinement, built whatever ``compact_budget`` (0: three, within the budget)."""
     confirm_top: int = 5
     """Plans confirmed with the simulator; 0 picks by the cost model alone."""
     confirm_max_work: int = 150_000
@@ -90,7 +93,7 @@ class PlannerOptions:
         if self.max_stages is not None and self.max_stages < 1:
             raise PlanError(f"max_stages must be >= 1, got {self.max_stages!r}", field="max_stages")
         for name in ("sweep_top", "model_top", "refine_top", "compact_top", "confirm_top", "exhaustive_islands",
-                     "chain_budget"):
+                     "chain_budget", "refine_best_guides"):
             if getattr(self, name) < 0:
                 raise PlanError(f"must be >= 0, got {getattr(self, name)!r}", field=name)
         if self.exhaustive_islands < 1:

@@ -20,6 +20,15 @@ lines. :func:`range_time_s` therefore builds each range's time from ``time_s`` i
 
 Both agree with ``time_s`` over any range up to rounding (tested on measured profiles with
 call overheads, fused backward and first-stage lines).
+
+[Note: planner memory = simulator memory]
+The split DP's memory test (:meth:`RangeCosts.memory_excess`, :meth:`RangeCosts.in_flight_caps`)
+counts every term of :func:`deepcee.simulator.memory.device_memory`, which the cost model and
+the simulator check plans against: the plan terms and the runtime's (communication buffers,
+``(2 M - 1) x n x (in + out)`` when receives are posted at the step start; the all-reduce's flat
+gradient buffer on a stage of several devices; fragmentation and fixed overhead per device
+kind). With the plan terms alone the DP chose splits that the cost model then dropped as out
+of memory: on large models with many microbatches every split, so nothing was returned.
 """
 
 from __future__ import annotations
@@ -33,6 +42,7 @@ from deepcee.cluster import Cluster, DeviceKind
 from deepcee.comm import allreduce_s
 from deepcee.profile import ModelProfile
 from deepcee.simulator.engine import optimizer_step_s
+from deepcee.simulator.runtime_model import DEFAULT_RUNTIME, RuntimeModel
 
 
 def range_time_s(model: ModelProfile, kind: DeviceKind, passes: str, samples: float,
@@ -136,40 +146,61 @@ class RangeCosts:
         """``F+I+W`` per microbatch, plus one more ``F`` when recomputing ([Note: recompute timing])."""
         return self.compute_s + self.forward_s if recompute else self.compute_s
 
-    def memory_excess(self, in_flight: int, recompute: bool = False) -> np.ndarray:
-        """Worst device's ``need - memory`` (bytes) per range with ``in_flight`` microbatches held
-        (:func:`deepcee.simulator.memory.device_memory_bytes`; recomputing: one live microbatch)."""
-        key = in_flight if not recompute else -in_flight
+    def _memory_terms(self, kind: str, share: int, m: int, recompute: bool) -> tuple[np.ndarray, np.ndarray, float, float]:
+        """One device's peak per range as ``(1 + fragmentation) x (base + k x per) + fixed`` for ``k``
+        microbatches held (``k >= 1``): :func:`deepcee.simulator.memory.device_memory`'s plan and
+        runtime terms ([Note: planner memory = simulator memory]). Returns (base, per, fragmentation, fixed)."""
+        t = self._tables
+        rt = t.runtime
+        base = t.state + share * t.buffers + (share * t.acts if recompute else 0.0)
+        per = share * (t.inputs if recompute else t.acts)
+        moved = share * t.moved
+        if rt.receives == "at-step-start":  # every receive and send buffer of the step held at once
+            base = base + max(0, 2 * m - 1) * moved
+        else:  # (k - 1) more pairs
+            base, per = base - moved, per + moved
+        if len(self.devices) > 1:  # the all-reduce's flat gradient buffer
+            base = base + t.grads
+        over = t.model.memory_overhead(kind)
+        if over is not None and over.host_memory and rt.holds_whole_model:
+            base = base + (t.grads_total - t.grads)
+        frac, fixed = (over.fragmentation_fraction, over.fixed_bytes) if over is not None else (0.0, 0.0)
+        return base, per, frac, fixed
+
+    def memory_excess(self, in_flight: int, recompute: bool, m: int) -> np.ndarray:
+        """Worst device's ``need - memory`` (bytes) per range with ``in_flight`` microbatches held of
+        ``m`` per iteration (:func:`deepcee.simulator.memory.device_memory`, plan and runtime terms;
+        recomputing: one live microbatch)."""
+        key = (max(1, in_flight), recompute, m)
         got = self._memory.get(key)
         if got is None:
-            t = self._tables
-            got = np.full_like(t.params, -np.inf)
-            for _, _, share, mem in self._profiles:
-                held = t.acts if not recompute else t.inputs
-                extra = share * t.acts if recompute and in_flight > 0 else 0.0
-                got = np.maximum(got, t.state + in_flight * share * held + extra + share * t.buffers - mem)
+            got = np.full_like(self._tables.params, -np.inf)
+            for kind, _, share, mem in self._profiles:
+                base, per, frac, fixed = self._memory_terms(kind, share, m, recompute)
+                got = np.maximum(got, (1 + frac) * (base + key[0] * per) + fixed - mem)
             self._memory[key] = got
         return got
 
-    def in_flight_caps(self, cap: int, recompute: bool = False) -> np.ndarray:
-        """Per range, the most microbatches (<= ``cap``) every device can hold; 0 where not one."""
-        key = (cap, recompute)
+    def in_flight_caps(self, m: int, recompute: bool = False) -> np.ndarray:
+        """Per range, the most microbatches (<= ``m``, the microbatches per iteration) every device
+        can hold; 0 where not one."""
+        key = (m, recompute)
         got = self._caps.get(key)
         if got is None:
-            t = self._tables
-            got = np.full_like(t.params, float(cap))
-            for _, _, share, mem in self._profiles:
-                room = mem - t.state - share * t.buffers - (share * t.acts if recompute else 0.0)
-                per = share * (t.inputs if recompute else t.acts)
+            got = np.full_like(self._tables.params, float(m))
+            for kind, _, share, mem in self._profiles:
+                base, per, frac, fixed = self._memory_terms(kind, share, m, recompute)
+                room = (mem - fixed) / (1 + frac) - base
                 with np.errstate(divide="ignore", invalid="ignore"):
-                    k = np.where(per > 0, np.floor(room / np.where(per > 0, per, 1.0) * (1 + 1e-12)), cap)
-                got = np.minimum(got, np.where(room < 0, 0.0, k))
-            got = self._caps[key] = np.clip(got, 0.0, cap)
+                    k = np.where(per > 0, np.floor(room / np.where(per > 0, per, 1.0) * (1 + 1e-12)), m)
+                got = np.minimum(got, np.where(room < per, 0.0, k))
+            got = self._caps[key] = np.clip(got, 0.0, m)
         return got
 
-    def max_in_flight(self, start: int, stop: int, cap: int, recompute: bool = False) -> int:
-        """Most microbatches (<= ``cap``) the stage can hold on layers ``[start, stop)``; 0 if not one."""
-        return int(self.in_flight_caps(cap, recompute)[start, stop])
+    def max_in_flight(self, start: int, stop: int, m: int, recompute: bool = False) -> int:
+        """Most microbatches (<= ``m``, the microbatches per iteration) the stage can hold on layers
+        ``[start, stop)``; 0 if not one."""
+        return int(self.in_flight_caps(m, recompute)[start, stop])
 
 
 class RangeTables:
@@ -183,8 +214,10 @@ class RangeTables:
     """
 
     def __init__(self, cluster: Cluster, model: ModelProfile, syncs: Sequence[str] = ("allreduce-ring",),
-                 grid_points: int = 4) -> None:
+                 grid_points: int = 4, runtime: RuntimeModel = DEFAULT_RUNTIME) -> None:
         self.cluster, self.model, self.syncs, self.grid_points = cluster, model, tuple(syncs), grid_points
+        self.runtime = runtime
+        """How the plans are run: its communication buffers count in memory."""
         n = model.num_layers
         params = np.concatenate([[0.0], np.cumsum([la.parameter_count for la in model.layers])])
         self.params = params[None, :] - params[:, None]
@@ -195,6 +228,13 @@ class RangeTables:
         self.buffers = self.boundary_bytes[:, None] + self.boundary_bytes[None, :]
         self.inputs = np.broadcast_to(self.boundary_bytes[:, None], self.buffers.shape)
         """What a recomputing stage keeps per sample in flight: its input (row ``a``)."""
+        ends = self.boundary_bytes.copy()
+        ends[0] = ends[-1] = 0.0
+        self.moved = ends[:, None] + ends[None, :]
+        """Bytes per sample a stage on ``[a, b)`` receives and sends (none at the pipeline's ends)."""
+        grads = np.concatenate([[0.0], np.cumsum([model.gradient_bytes(i, i + 1) for i in range(n)])])
+        self.grads = grads[None, :] - grads[:, None]
+        self.grads_total = float(grads[-1])
         self._compute: dict[tuple, np.ndarray] = {}
         self._allreduce: dict[tuple[str, ...], np.ndarray] = {}
         self._slope: dict[tuple[str, float], float] = {}

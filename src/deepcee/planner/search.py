@@ -69,7 +69,7 @@ from deepcee.planner.chains import (
     merged_units,
     search_chains,
 )
-from deepcee.planner.cost_model import AnalyticCostModel, SimulatorCostModel
+from deepcee.planner.cost_model import AnalyticCostModel
 from deepcee.planner.explain import Counterfactual, explain
 from deepcee.planner.grouping import Grouping, group_devices
 from deepcee.planner.options import SYNC_CHOICES, PlannerOptions
@@ -90,6 +90,7 @@ from deepcee.planner.space import (
 from deepcee.planner.split import split_layers
 from deepcee.planner.steps import Candidate, Config, SearchState, final_rank_key, rank_key
 from deepcee.profile import ModelProfile
+from deepcee.simulator.runtime_model import DEFAULT_RUNTIME, RuntimeModel
 from deepcee.units import GIB
 
 __all__ = [
@@ -135,19 +136,26 @@ def _search_chains(search: SearchState, dist: np.ndarray) -> None:
     units = island_units(g, opts) if exact else merged_units(g, dist, opts.exhaustive_islands)
 
     def evaluate(chain: Chain) -> float:
-        # after the first chains: microbatch sizes within 4x of the best so far's and the two
-        # granularities next to its (the closed form is smooth in both); the best chains are
-        # laid out again in full below
+        # after the first chains: microbatch sizes within 4x of the best so far's and the
+        # granularities nearest its (the closed form is smooth in both), nearest first until two
+        # have given a plan (a granularity whose stages cannot hold the model says nothing about
+        # finer ones: testbed/gpt2-xl/128's cloud-only chain); the best chains are laid out again
+        # in full below
         layouts = chain_layouts(g, chain, search.max_stages)
         sizes = None
-        if len(seen) >= 8:
-            sizes = search.sizes_near(4)
-            near = search.granularity_near()
-            if near is not None:
-                layouts = sorted(layouts, key=lambda lay: (abs(math.log2(max(lay.granularity, 1) / near)),
-                                                           lay.granularity))[:1]
+        near = search.granularity_near() if len(seen) >= 8 else None
         seen.append(chain)
-        return min((search.evaluate_layout(lay, sizes)[0] for lay in layouts), default=_INF)
+        if near is None:
+            return min((search.evaluate_layout(lay)[0] for lay in layouts), default=_INF)
+        sizes = search.sizes_near(4)
+        layouts = sorted(layouts, key=lambda lay: (abs(math.log2(max(lay.granularity, 1) / near)), lay.granularity))
+        best, found = _INF, 0
+        for lay in layouts:
+            value = search.evaluate_layout(lay, sizes)[0]
+            best, found = min(best, value), found + math.isfinite(value)
+            if found >= 2:
+                break
+        return best
 
     seen: list[Chain] = []
 
@@ -184,8 +192,8 @@ def plan_training(cluster: Cluster, model: ModelProfile, global_batch: int, *,
     grouping = group_devices(cluster, island_threshold_s=options.island_threshold_s, speed_ratio=options.speed_ratio)
     max_stages = min(model.num_layers, options.max_stages or model.num_layers)
     search = SearchState(cluster=cluster, model=model, global_batch=global_batch, options=options, grouping=grouping,
-                     tables=RangeTables(cluster, model, options.syncs), cost_model=options.cost_model
-                     or AnalyticCostModel(), sizes=microbatch_sizes(global_batch, options), max_stages=max_stages)
+                     tables=RangeTables(cluster, model, options.syncs, runtime=_runtime_of(options)),
+                     cost_model=options.cost_model or AnalyticCostModel(), sizes=microbatch_sizes(global_batch, options), max_stages=max_stages)
     search.min_boundary_bytes = min((model.boundary_bytes(b) for b in range(1, model.num_layers)), default=0.0)
     dist = island_distances(cluster, grouping)
     _search_chains(search, dist)
@@ -232,12 +240,32 @@ def plan_training(cluster: Cluster, model: ModelProfile, global_batch: int, *,
                       scored=tuple(sorted(_dedupe(c for c in search.scored.values() if c is not None), key=rank_key)))
 
 
+def _runtime_of(options: PlannerOptions) -> RuntimeModel:
+    """The runtime the cost model scores with (its buffers count in the DP's memory)."""
+    return getattr(options.cost_model, "runtime", None) or DEFAULT_RUNTIME
+
+
 def _dedupe(cands: Iterable[Candidate]) -> list[Candidate]:
     seen: dict[tuple, Candidate] = {}
     for c in cands:
         p = c.plan
         seen.setdefault((p.stages, p.schedule, p.sync, p.actions, p.microbatch_size), c)
     return list(seen.values())
+
+
+def _by_layout(ranked: list[Config]) -> list[Config]:
+    """``ranked`` (closed form, best first) in rounds over layouts: the best configuration of every
+    layout, then the second best of every layout, and so on (each round in closed-form order).
+    The closed form ignores the schedule, so one layout's microbatch sizes and splits could take
+    every compact base (local-small/resnet-tiny/64: the two-stage layout whose compact schedule
+    is best came after six variants of others)."""
+    rounds: dict[tuple, int] = {}
+    keyed = []
+    for k, cfg in enumerate(ranked):
+        r = rounds.get(cfg.layout.slots, 0)
+        rounds[cfg.layout.slots] = r + 1
+        keyed.append((r, k, cfg))
+    return [cfg for _, _, cfg in sorted(keyed, key=lambda x: x[:2])]
 
 
 def _coverage(ranked: list[Config]) -> list[Config]:
@@ -255,7 +283,8 @@ def _compacts(search: SearchState, cands: list[Candidate], ranked: list[Config])
     """Compact schedules for the best distinct pipelines (stage devices, microbatch size), taken in
     turn from the cost-model ranking of fixed schedules and from the closed-form ranking (which
     ignores the schedule, as a compact schedule nearly does), up to ``compact_top``; then the best
-    are refined. All within ``compact_budget`` stages x microbatches, the builder's cost."""
+    are refined. All within ``compact_budget`` stages x microbatches, the builder's cost, half of
+    it kept for the refinement."""
     opts = search.options
     if "compact" not in opts.schedules:
         return []
@@ -264,7 +293,7 @@ def _compacts(search: SearchState, cands: list[Candidate], ranked: list[Config])
         if c.plan.num_stages >= 2 and c.plan.schedule != "compact":
             by_model.setdefault((tuple(st.devices for st in c.plan.stages), c.plan.microbatch_size), c.plan)
     by_form: dict[tuple, Plan] = {}
-    for cfg in ranked:
+    for cfg in _by_layout(ranked):
         key = (cfg.layout.slots, cfg.n)
         if len(cfg.layout.slots) >= 2 and key not in by_form:
             by_form[key] = by_model.get(key) or build_plan(
@@ -278,12 +307,14 @@ def _compacts(search: SearchState, cands: list[Candidate], ranked: list[Config])
             bases.setdefault(key, plan)
     out = []
     for plan in list(bases.values())[: opts.compact_top]:
+        if out and search.compact_used > opts.compact_budget / 2:
+            break  # the other half is the refinement's: its screened builds find the better splits
         built = search.compact(plan)
         got = search.score(built) if built is not None else None
         if got is not None:
             out.append(got)
     out.sort(key=rank_key)
-    out += [search.refine(c) for c in out]  # all of them, as far as the budget lasts
+    out += [search.refine(c, first=k == 0) for k, c in enumerate(out)]  # all of them, as far as the budget lasts
     if bases and not search.compact_used:
         search.notes.append(f"no compact schedule built: the best pipelines exceed compact_max_actions "
                             f"{opts.compact_max_actions} (stages x microbatches)")
@@ -294,16 +325,13 @@ def _confirm(search: SearchState, cands: list[Candidate]) -> list[Candidate]:
     k = search.options.confirm_top
     if k == 0:
         return cands[:1]
-    scorer = search.options.confirm_model or SimulatorCostModel()
     out, work = [], 0
     for c in cands[:k]:
         w = 6 * len(c.plan.devices) * c.plan.num_microbatches
         if work + w > search.options.confirm_max_work:
             break
         work += w
-        search.evaluated += 1
-        out.append(Candidate(plan=c.plan, estimate=c.estimate,
-                             simulated=scorer.estimate(c.plan, search.cluster, search.model)))
+        out.append(Candidate(plan=c.plan, estimate=c.estimate, simulated=search.confirm(c.plan)))
     if len(out) < min(k, len(cands)):
         search.notes.append(f"confirmed {len(out)} of the best {min(k, len(cands))} plans with the "
                             f"simulator (confirm_max_work {search.options.confirm_max_work} device-actions); "
@@ -321,7 +349,7 @@ def _infeasible(search: SearchState) -> InfeasiblePlanError:
     slots = tuple((d,) for d in sorted(devs, key=pos.__getitem__))
     layout = StageLayout(slots=slots, islands=(), label="one device per stage")
     tab = search.dp_inputs(layout, n)
-    excess = [np.where(np.tril(np.ones_like(rc.compute_s, dtype=bool)), _INF, rc.memory_excess(1))
+    excess = [np.where(np.tril(np.ones_like(rc.compute_s, dtype=bool)), _INF, rc.memory_excess(1, False, tab.m))
               for rc in tab.costs]
     got = split_layers(excess, [np.full(excess[0].shape[0], -_INF)] * len(excess))
     assert got is not None  # every range of a one-layer-or-more split has a finite excess

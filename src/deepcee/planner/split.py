@@ -98,7 +98,7 @@ class SplitTables:
     def fits_with(self, s: int, k: int | None, recompute: bool) -> np.ndarray:
         """Per range: stage ``s`` fits memory holding ``k`` microbatches (``None``: at least one)."""
         rc = self.costs[s]
-        return rc.memory_excess(1 if k is None else k, recompute) <= 0
+        return rc.memory_excess(1 if k is None else k, recompute, self.m) <= 0
 
     def loads(self, in_flight: Sequence[int] | None) -> list[np.ndarray]:
         """Per stage the iteration load of every range, ``inf`` where empty or out of memory; a
@@ -156,7 +156,7 @@ class SplitTables:
                 mem_ok = k >= 1
             else:
                 k = np.full((size, size), float(min(in_flight[s], self.m)))
-                mem_ok = rc.memory_excess(in_flight[s], flag) <= 0
+                mem_ok = rc.memory_excess(in_flight[s], flag, self.m) <= 0
             load = self.m * rc.compute_with(flag) + rc.allreduce_s + rc.optimizer_s
             got = self._little[key] = (load, np.maximum(k, 1.0) / self.m, valid & mem_ok, rc.compute_with(flag),
                                        rc.round_trip_s(fused, flag))

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from deepcee.cluster import Cluster
 from deepcee.plan import SCHEDULES, Estimate, Plan, StagePlan
 from deepcee.planner.chains import ChainResult
-from deepcee.planner.cost_model import CostModel, stage_costs
+from deepcee.planner.cost_model import CostModel, SimulatorCostModel, stage_costs
 from deepcee.planner.grouping import Grouping
 from deepcee.planner.options import PlannerOptions
 from deepcee.planner.ranges import RangeTables, largest_remainder_shares
@@ -108,6 +108,19 @@ class SearchState:
     """What the chain search did (see [Note: chain search])."""
     chain_moves: int = 0
     """Chains evaluated by the local search (clusters of more than ``exhaustive_islands`` islands)."""
+    confirmed: dict[tuple, Estimate] = field(default_factory=dict)
+    """The confirming model's estimates so far, by plan (a plan confirmed, then explained, or
+    explained twice, is simulated once)."""
+
+    def confirm(self, plan: Plan) -> Estimate:
+        """The confirming model's estimate of ``plan`` (the simulator by default), computed once."""
+        key = (plan.stages, plan.schedule, plan.sync, plan.actions, plan.microbatch_size)
+        got = self.confirmed.get(key)
+        if got is None:
+            scorer = self.options.confirm_model or SimulatorCostModel()
+            got = self.confirmed[key] = scorer.estimate(plan, self.cluster, self.model)
+            self.evaluated += 1
+        return got
 
     # -- step 1 ---------------------------------------------------------------------------
     def shares(self, devs: tuple[str, ...], n: int) -> tuple[int, ...]:
@@ -334,49 +347,68 @@ class SearchState:
                 out.append(cand)
         return out
 
-    def refine(self, cand: Candidate) -> Candidate:
+    def refine(self, cand: Candidate, *, first: bool = False) -> Candidate:
         """Hill-climb: move stage boundaries by one layer while the cost model improves.
 
         A compact plan's neighbours are *guided* by proxies: its action order on the moved split
-        (any order is valid for any split) and a compact schedule built with the screening
-        rules; the climb follows them, and only plans of the plan space are returned: a
-        compact schedule built in full for the split it ends on, or a neighbour as zb-h2.
+        (any order is valid for any split) or zb-h2, and a compact schedule built with the
+        screening rules for the most promising; only plans of the plan space are returned: a
+        compact schedule built in full for each split a climb ends on, or a neighbour as zb-h2.
         (A compact plan's actions are always the builder's for its own split and costs, so an
-        exhaustive search that builds them per split covers every plan returned here.)"""
+        exhaustive search that builds them per split covers every plan returned here.)
+
+        A compact plan climbs twice: once following the built schedules only (the plan space's
+        own values: a moved order can beat what the builder makes of its split, and a climb on
+        such values stopped one boundary short of splits whose own schedules are faster,
+        testbed/resnet101/128), once following every guide (which reaches other splits,
+        random3/analytic); the better end wins. ``first`` (the best compact plan): ``refine_best_guides``
+        neighbours get a built schedule per step (else three), whatever the compact budget (the
+        steps are bounded), so its climb never stops for want of budget."""
+        if cand.plan.schedule != "compact":
+            return self._climb(cand, first=first, built_only=True)
+        return min((self._climb(cand, first=first, built_only=b) for b in (True, False)), key=rank_key)
+
+    def _climb(self, cand: Candidate, *, first: bool, built_only: bool) -> Candidate:
+        """One climb of :meth:`refine`: the best plan of the space it found."""
         best, cursor = cand, cand
         compact = cand.plan.schedule == "compact"
         for _ in range(max(2, 96 // max(1, 6 * (cand.plan.num_stages - 1))) if cand.plan.num_stages <= 8 else 2):
             plan = cursor.plan
             trial, guide = self._neighbours(plan)
-            # the most promising neighbours of a compact plan get a (screened) compact schedule as a guide
-            for _, _, stages in sorted(guide)[:3] if compact else ():
-                built = self.compact(plan.replace(stages=stages, schedule="zb-h1", actions=()), screen=True)
+            built_guides = []
+            forced = first and self.options.refine_best_guides > 0
+            for _, _, stages, _ in sorted(guide)[: self.options.refine_best_guides if forced else 3] if compact else ():
+                built = self.compact(plan.replace(stages=stages, schedule="zb-h1", actions=()), screen=True,
+                                     force=forced)
                 got1 = self.score(built) if built is not None else None
-                if got1 is not None:
-                    guide.append((got1.estimate.iteration_s, len(guide), stages))
+                if got1 is not None:  # the next step moves this order (fitted to the split), not the old one
+                    built_guides.append((got1.estimate.iteration_s, len(guide) + len(built_guides), stages,
+                                         got1.plan.actions))
+            guide = (built_guides or guide) if built_only else guide + built_guides
             real = min((c for c in trial if c.plan.schedule != "compact"), key=rank_key, default=None)
             if real is not None and rank_key(real) < rank_key(best):
                 best = real
             if compact:
                 if not guide:
                     break
-                value, _, stages = min(guide)
+                value, _, stages, actions = min(guide)
                 if value >= cursor.estimate.iteration_s * (1 - 1e-12):
                     break
-                cursor = Candidate(plan=plan.replace(stages=stages),
+                cursor = Candidate(plan=plan.replace(stages=stages, actions=actions),
                                    estimate=Estimate(iteration_s=value, samples_per_s=0.0))
             elif real is None or rank_key(real) >= rank_key(cursor):
                 break
             else:
                 cursor = real
         if compact and cursor is not cand:
-            rebuilt = self.compact(cursor.plan.replace(schedule="zb-h1", actions=()))
+            # always built (budget or not): the climb's result is only a plan of the space built in full
+            rebuilt = self.compact(cursor.plan.replace(schedule="zb-h1", actions=()), force=True)
             got = self.score(rebuilt) if rebuilt is not None else None
             if got is not None and rank_key(got) < rank_key(best):
                 best = got
         return best
 
-    def _neighbours(self, plan: Plan) -> tuple[list[Candidate], list[tuple[float, int, tuple[StagePlan, ...]]]]:
+    def _neighbours(self, plan: Plan) -> tuple[list[Candidate], list[tuple[float, int, tuple[StagePlan, ...], tuple]]]:
         """Scored neighbours of ``plan`` (one boundary moved by one or two layers, or a run of two
         or three adjacent ones by one; long pipelines: one boundary by one layer), within the
         refine budget; for a compact plan, also (time, order, stages) guides of its order moved."""
@@ -385,7 +417,7 @@ class SearchState:
         runs = [((k, k + r), step) for r in ((1, 2, 3) if wide else (1,)) for k in range(1, len(splits) - r)
                 for step in ((-2, -1, 1, 2) if r == 1 and wide else (-1, 1))]
         trial: list[Candidate] = []
-        guide: list[tuple[float, int, tuple[StagePlan, ...]]] = []
+        guide: list[tuple[float, int, tuple[StagePlan, ...], tuple]] = []
         for (lo, hi), step in runs:
             new = list(splits)
             for k in range(lo, hi):
@@ -404,7 +436,8 @@ class SearchState:
             got = [self.score(x) for x in moved]
             trial += [g for g in got if g is not None]
             if plan.schedule == "compact" and got[0] is not None:
-                guide.append((got[0].estimate.iteration_s, len(guide), stages))
+                # its order moved to the split: the guide ranks neighbours by it
+                guide.append((got[0].estimate.iteration_s, len(guide), stages, plan.actions))
         return trial, guide
 
     def compact(self, plan: Plan, *, screen: bool = False, force: bool = False) -> Plan | None:
