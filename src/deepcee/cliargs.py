@@ -124,23 +124,31 @@ def name_pair(text: str) -> tuple[str, str]:
     return a, b
 
 
-def link_down_flag(text: str, nodes: Sequence[str]) -> Any:
-    """One ``--link-down NODE_A:NODE_B@START[:STOP]`` (:mod:`deepcee.cluster.outages`): both nodes
-    of the cluster, the times in the trace-time range; errors name the flag and the value."""
-    from deepcee.cluster.outages import LinkOutage
+def _window_flag(text: str, flag: str, make: Callable[[], Any], check: Callable[[Any], None] = lambda r: None) -> Any:
+    """A record parsed from a flag's text with a ``start_s`` / ``stop_s`` window in the trace-time
+    range (and ``check``'s own test); errors name the flag and the value."""
     from deepcee.errors import SpecError
     from deepcee.inputs.limits import TRACE_TIME
 
     try:
-        o = LinkOutage.parse(text, nodes)
-        TRACE_TIME.check(o.start_s)
-        if o.stop_s != float("inf"):
-            TRACE_TIME.check(o.stop_s)
+        r = make()
+        check(r)
+        TRACE_TIME.check(r.start_s)
+        if r.stop_s != float("inf"):
+            TRACE_TIME.check(r.stop_s)
     except (SpecError, ValueError) as exc:
         field = getattr(exc, "field", None)
         msg = str(exc).removeprefix(f"{field}: ") if field else str(exc)
-        raise SpecError(f"{text!r}: {msg}"[:300], field="--link-down") from None
-    return o
+        raise SpecError(f"{text!r}: {msg}"[:300], field=flag) from None
+    return r
+
+
+def link_down_flag(text: str, nodes: Sequence[str]) -> Any:
+    """One ``--link-down NODE_A:NODE_B@START[:STOP]`` (:mod:`deepcee.cluster.outages`): both nodes
+    of the cluster, the times in the trace-time range; errors name the flag and the value."""
+    from deepcee.cluster.outages import LinkOutage
+
+    return _window_flag(text, "--link-down", lambda: LinkOutage.parse(text, nodes))
 
 
 def straggler_flag(text: str, devices: Sequence[str], parse: Callable[[str, Sequence[str]], Any] | None = None) -> Any:
@@ -148,24 +156,13 @@ def straggler_flag(text: str, devices: Sequence[str], parse: Callable[[str, Sequ
     the slowdown range, the window in the trace-time range; errors name the flag and the value.
     ``parse`` makes the record (default :meth:`deepcee.cluster.stragglers.Straggler.parse`; the
     runtime passes its own). Not an argparse ``type``: the devices are known once the cluster is loaded."""
-    from deepcee.errors import SpecError
-    from deepcee.inputs.limits import SLOWDOWN, TRACE_TIME
+    from deepcee.inputs.limits import SLOWDOWN
 
     if parse is None:
         from deepcee.cluster.stragglers import Straggler
 
         parse = Straggler.parse
-    try:
-        s = parse(text, devices)
-        SLOWDOWN.check(s.factor)
-        TRACE_TIME.check(s.start_s)
-        if s.stop_s != float("inf"):
-            TRACE_TIME.check(s.stop_s)
-    except (SpecError, ValueError) as exc:
-        field = getattr(exc, "field", None)
-        msg = str(exc).removeprefix(f"{field}: ") if field else str(exc)
-        raise SpecError(f"{text!r}: {msg}"[:300], field="--straggler") from None
-    return s
+    return _window_flag(text, "--straggler", lambda: parse(text, devices), lambda s: SLOWDOWN.check(s.factor))
 
 
 class OneLineParser(argparse.ArgumentParser):

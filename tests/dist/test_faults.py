@@ -68,8 +68,8 @@ def _inject(run_dir: Path, *, after_steps: int, device: str, sig: int, also=None
     return th
 
 
-def _check_reference(result, run_dir: Path, steps: int) -> None:
-    losses, _, params = reference("gpt-tiny", PLAN, steps, ADAM)
+def _check_reference(result, run_dir: Path, steps: int, plan=PLAN, **reference_kw) -> None:
+    losses, _, params = reference("gpt-tiny", plan, steps, ADAM, **reference_kw)
     assert [m.step for m in result.metrics] == list(range(steps))  # one record per step: no restart
     for got, want in zip(result.losses, losses, strict=True):
         assert got == pytest.approx(want, rel=RTOL)
@@ -208,14 +208,7 @@ def test_a_peer_stopping_inside_a_checkpoint_save_is_detected_by_heartbeat_not_t
     (result,) = launch_jobs([job], deadline_s=DEADLINE_S, elastic=Elastic(finish_grace_s=5.0))
     wall_s = time.monotonic() - t0
     assert wall_s < cfg.timeout_s  # the survivors never waited out the timeout
-    losses, _, params = reference("gpt-tiny", PLAN, steps, ADAM, clip_grad_norm=clip)
-    assert [m.step for m in result.metrics] == list(range(steps))
-    for got, want in zip(result.losses, losses, strict=True):
-        assert got == pytest.approx(want, rel=RTOL)
-    for rank, cap in load_captures(tmp_path).items():
-        for key, p in cap["params"].items():
-            torch.testing.assert_close(p, params[key], rtol=RTOL, atol=ATOL,
-                                       msg=lambda m, k=key, r=rank: f"rank {r} param {k}: {m}")
+    _check_reference(result, tmp_path, steps, PLAN, clip_grad_norm=clip)
     (lost,) = _events(tmp_path)
     assert [x["device"] for x in lost["lost"]] == [C1] and "no heartbeat" in lost["reason"]
     assert lost["steps_applied"] == at and lost["steps_redone"] == 0  # its stage peer held every layer
@@ -247,14 +240,7 @@ def test_a_lost_device_of_one_replica_the_others_go_on(tmp_path):
     t0 = time.monotonic()
     (result,) = launch_jobs([job], deadline_s=DEADLINE_S, elastic=Elastic(finish_grace_s=5.0))
     assert time.monotonic() - t0 < DEADLINE_S
-    losses, _, params = reference("gpt-tiny", plan, steps, ADAM)
-    assert [m.step for m in result.metrics] == list(range(steps))
-    for got, want in zip(result.losses, losses, strict=True):
-        assert got == pytest.approx(want, rel=RTOL)
-    for rank, cap in load_captures(tmp_path).items():
-        for key, p in cap["params"].items():
-            torch.testing.assert_close(p, params[key], rtol=RTOL, atol=ATOL,
-                                       msg=lambda m, k=key, r=rank: f"rank {r} param {k}: {m}")
+    _check_reference(result, tmp_path, steps, plan)
     (lost,) = _events(tmp_path)
     assert [(x["device"], x["rank"]) for x in lost["lost"]] == [(e1, 3)]
     assert lost["steps_redone"] == 0 and lost["restored_from"] is None
