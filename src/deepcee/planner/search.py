@@ -283,8 +283,8 @@ def _compacts(search: SearchState, cands: list[Candidate], ranked: list[Config])
     """Compact schedules for the best distinct pipelines (stage devices, microbatch size), taken in
     turn from the cost-model ranking of fixed schedules and from the closed-form ranking (which
     ignores the schedule, as a compact schedule nearly does), up to ``compact_top``; then the best
-    are refined. All within ``compact_budget`` stages x microbatches, the builder's cost, half of
-    it kept for the refinement."""
+    are refined. All within ``compact_budget`` stages x microbatches, the builder's cost (the best
+    one's refinement builds its guides regardless, ``refine_best_guides``)."""
     opts = search.options
     if "compact" not in opts.schedules:
         return []
@@ -307,8 +307,6 @@ def _compacts(search: SearchState, cands: list[Candidate], ranked: list[Config])
             bases.setdefault(key, plan)
     out = []
     for plan in list(bases.values())[: opts.compact_top]:
-        if out and search.compact_used > opts.compact_budget / 2:
-            break  # the other half is the refinement's: its screened builds find the better splits
         built = search.compact(plan)
         got = search.score(built) if built is not None else None
         if got is not None:
