@@ -137,10 +137,10 @@ def _search_chains(search: SearchState, dist: np.ndarray) -> None:
 
     def evaluate(chain: Chain) -> float:
         # after the first chains: microbatch sizes within 4x of the best so far's and the
-        # granularities nearest its (the closed form is smooth in both), nearest first until two
-        # have given a plan (a granularity whose stages cannot hold the model says nothing about
-        # finer ones: testbed/gpt2-xl/128's cloud-only chain); the best chains are laid out again
-        # in full below
+        # granularities nearest its (the closed form is smooth in both), nearest first until one
+        # gives a plan (a granularity whose stages cannot hold the model says nothing about finer
+        # ones: testbed/gpt2-xl/128's cloud-only chain was written off); the best chains are laid
+        # out again in full below
         layouts = chain_layouts(g, chain, search.max_stages)
         sizes = None
         near = search.granularity_near() if len(seen) >= 8 else None
@@ -153,7 +153,7 @@ def _search_chains(search: SearchState, dist: np.ndarray) -> None:
         for lay in layouts:
             value = search.evaluate_layout(lay, sizes)[0]
             best, found = min(best, value), found + math.isfinite(value)
-            if found >= 2:
+            if found >= 1:
                 break
         return best
 
