@@ -38,7 +38,8 @@ def start_clock(t: Trainer, epoch: float) -> None:
                               clock=t.clock, outages=outages_by_devices(
                                   t.cfg.link_outages, {d.name: d.node for d in t.cluster.devices}))
     t.messenger = Messenger(rank=t.w.rank, topo=t.topo, cluster=t.cluster, torch_device=t.w.device,
-                            timeout_s=t.cfg.timeout_s, shaper=t.shaper, clock=t.clock)
+                            timeout_s=t.cfg.timeout_s, shaper=t.shaper, clock=t.clock,
+                            pace=t.cfg.mode == "realnet", dilation=t.dilation, epoch=t.epoch)
     if t.relay is not None and t.w.rank == 0:
         # the relay's traces count from the same instant as emulated time (CLOCK_MONOTONIC
         # is one clock for every namespace of this machine)

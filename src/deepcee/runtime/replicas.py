@@ -42,6 +42,7 @@ from torch import nn
 from deepcee.cluster import Cluster
 from deepcee.errors import RuntimeSetupError
 from deepcee.runtime.emulation import Clock, LinkShaper
+from deepcee.runtime.paced import ChunkedWork, Pacer, chunk_bounds
 from deepcee.runtime.partition import Segment, Topology
 
 HEADER_BYTES = 16
@@ -66,7 +67,13 @@ class Messenger:
     shaper: LinkShaper | None = None
     clock: Clock = field(default_factory=Clock)
     bytes_sent: dict[str, int] = field(default_factory=dict)
+    pace: bool = False
+    """Pace messages to peers on other nodes at the link's rate ([Note: paced messages over
+    slow links] in :mod:`deepcee.runtime.paced`; mode ``realnet``)."""
+    dilation: float = 1.0
+    epoch: float | None = None
     _sends: list[Any] = field(default_factory=list)
+    _pacer: Pacer | None = None
 
     @property
     def device(self) -> str:
@@ -82,7 +89,15 @@ class Messenger:
             deliver = self.shaper.deliver_at(self.cluster.link(self.device, peer), payload.numel(), now)
         header = torch.tensor([deliver, now], dtype=torch.float64).view(torch.uint8)
         buf = torch.cat([payload.cpu(), header]).to(self.torch_device)
-        self._sends.append((dist.isend(buf, dst=dst, tag=tag), dst, buf))
+        link = self._paced_link(self.device, peer)
+        if link is None:
+            work = dist.isend(buf, dst=dst, tag=tag)
+        else:
+            if self._pacer is None:
+                self._pacer = Pacer(wall=self.clock.wall, dilation=self.dilation, epoch=self.epoch,
+                                    timeout_s=self.timeout_s)
+            work = self._pacer.schedule(buf, dst, tag, link)
+        self._sends.append((work, dst, buf))
         key = f"{self.device}->{peer}"
         self.bytes_sent[key] = self.bytes_sent.get(key, 0) + payload.numel()
 
@@ -96,7 +111,15 @@ class Messenger:
         background); :meth:`wait` or :meth:`arrived` it later, in posting order per ``src`` and ``tag``."""
         nbytes = like.numel() * like.element_size()
         buf = torch.empty(nbytes + HEADER_BYTES, dtype=torch.uint8, device=self.torch_device)
-        return PendingRecv(work=dist.irecv(buf, src=src, tag=tag), buf=buf, like=like, src=src)
+        bounds = chunk_bounds(buf.numel(), self._paced_link(self.topo.device_of(src), self.device))
+        works = [dist.irecv(buf[lo:hi], src=src, tag=tag) for lo, hi in bounds]
+        return PendingRecv(work=works[0] if len(works) == 1 else ChunkedWork(works), buf=buf, like=like, src=src)
+
+    def _paced_link(self, src: str, dst: str) -> Any:
+        """The link a message from device ``src`` to ``dst`` is paced on; ``None``: not paced."""
+        if not self.pace or src == dst or self.cluster.device(src).node == self.cluster.device(dst).node:
+            return None
+        return self.cluster.link(src, dst)
 
     def arrived(self, pending: PendingRecv) -> bool:
         """Whether ``pending`` is here: received, and on an emulated link its delivery time passed."""
