@@ -60,7 +60,13 @@ from deepcee.runtime.ps import (
 )
 from deepcee.runtime.records import RankMetrics, StepMetrics, step_metrics
 from deepcee.runtime.replica_records import ReplicaGroup, ServerPush, StrategyRun
-from deepcee.runtime.replicas import SegmentParams, allreduce_gradients, mean_in_order, star_mean
+from deepcee.runtime.replicas import (
+    Messenger,
+    SegmentParams,
+    allreduce_gradients,
+    mean_in_order,
+    star_mean,
+)
 from deepcee.runtime.target import reached
 
 if TYPE_CHECKING:
@@ -375,6 +381,35 @@ def check_relaxed(t: Trainer) -> None:
         raise SpecError(f"evaluations and a target loss need every replica to hold the same model at some step; "
                         f"under {kind!r} they never do at one step (supported: model-averaging, after its "
                         "averages)", field="eval_every")
+
+
+def warm_up_averaging(t: Trainer) -> float:
+    """Before the run's clock starts: one averaging of zeros over the pairs and sizes the real
+    averages use, in mode ``realnet``, so that the run's first average finds its TCP
+    connections past slow start, as every later average does. Returns the wall seconds spent.
+
+    [Note: warm connections before the clock]
+    A fresh TCP connection starts from an initial window of 10 segments; over a 20-40 ms
+    link one ~1 MB model copy then needs six to seven round trips of slow start, and the
+    first average of a run took 1.2-1.3 emulated s against 0.3 s for the later ones (gpt-tiny,
+    local-small, realnet, paced: [Note: paced messages over slow links] in
+    :mod:`deepcee.runtime.paced`). The connections are long-lived and the namespaces keep
+    their window across idle time, so only the first use pays it; in a run of a few averages
+    that one-off set-up cost would dominate the measured time to target, where the simulator
+    (and a long run) has none. Exchanged before the shared epoch, like the process group's own
+    set-up, and reported (not hidden) in the rank's log. Mode ``real`` and ``emulated`` skip it
+    (emulated links have no window; real networks are left as they are). Only model averaging
+    (blocking or overlapped) warms up: its pairs are fixed; the partial strategy's groups and
+    the parameter servers' pushes vary by step."""
+    if t.cfg.mode != "realnet" or t.plan.strategy.kind != "model-averaging" or not t.active:
+        return 0.0
+    m = Messenger(rank=t.w.rank, topo=t.topo, cluster=t.cluster, torch_device=t.w.device,
+                  timeout_s=t.cfg.timeout_s, pace=True, dilation=t.dilation)
+    t0 = t.clock.wall()
+    everyone = tuple(range(t.plan.num_replicas))
+    for _, seg in t.my_segments:
+        star_mean(m, seg.segment, everyone, torch.zeros_like(seg.flat_values()))
+    return t.clock.wall() - t0
 
 
 def run_relaxed(t: Trainer) -> RelaxedRun:

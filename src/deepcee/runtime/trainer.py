@@ -221,6 +221,10 @@ class Trainer:
         resumes = self.active or self.is_server or self.hooks.gathers_over_world()
         self.start_step = self.first_step = self._resume() if resumes else 0
         self.hooks.prepare(self)
+        warm_s = rstrat.warm_up_averaging(self)
+        if warm_s:
+            log.info("%s: averaging connections warmed up in %.2f s (wall, before the clock starts)",
+                     self.topo.describe(self.w.rank), warm_s)
         # emulated time (and every bandwidth trace and straggler) starts when all ranks are ready to train
         self._barrier()
         self.start_clock(self._epoch())
