@@ -283,8 +283,9 @@ def format_report(doc: Mapping[str, Any]) -> str:
                  "evaluate right after an average): " + ", ".join(
                      f"{r['system']} {r['final_eval_loss']:.4f}" for r in doc["systems"]
                      if r["final_eval_loss"] is not None))
-    lines.append(f"evaluation loss at {doc['common_samples']} samples (every run got there): " + ", ".join(
-        f"{r['system']} {r['eval_loss_at_common_samples']:.4f}" for r in doc["systems"]
+    lines.append(f"evaluation loss at {doc['common_samples']} samples (every run got there; loss@N: its last "
+                 "evaluation was at N samples, a relaxed run evaluates only after an average): " + ", ".join(
+        f"{r['system']} {ttt.eval_at_common_text(r, doc['common_samples'])}" for r in doc["systems"]
         if r["eval_loss_at_common_samples"] is not None))
     lines.append(f"planner's own choice (deepcee plan --sync relaxed): {doc['planner_choice']}")
     lines.append(f"links: {doc['links']['mode']}: {doc['links']['why']}")

@@ -228,10 +228,12 @@ def train_all(cands: Mapping[str, Candidate], cluster: Cluster, cfg: TttConfig,
     return {name: got[unique[name]] for name in cands}
 
 
-def eval_at_samples(curve: Any, samples: int) -> float | None:
-    """The last evaluation loss at or before ``samples`` samples (``None``: none yet)."""
+def eval_at_samples(curve: Any, samples: int) -> tuple[int, float] | None:
+    """The last evaluation at or before ``samples`` samples: its samples and loss (``None``:
+    none yet). A relaxed run evaluates only after an average, so its last evaluation can come
+    well before ``samples``: reports name where it was taken."""
     pts = [p for p in curve if p.samples <= samples]
-    return pts[-1].eval_loss if pts else None
+    return (pts[-1].samples, pts[-1].eval_loss) if pts else None
 
 
 def host_load() -> dict[str, float]:
@@ -268,6 +270,8 @@ def report(cands: Mapping[str, Candidate], results: Mapping[str, Any], cfg: TttC
         res = results[name]
         tgt = res.target
         pred = c.predicted_s(reference_samples)
+        # a capped run stopped short of the common samples has no figure there
+        at_common = eval_at_samples(tgt.curve, common) if tgt.curve and tgt.curve[-1].samples >= common else None
         meas = tgt.reached_at.time_s if tgt.reached_at else None
         rows.append({
             "system": name, "semantics": c.plan.semantics, "strategy": c.plan.strategy.describe(),
@@ -280,8 +284,9 @@ def report(cands: Mapping[str, Candidate], results: Mapping[str, Any], cfg: TttC
             "measured_time_to_target_s": meas, "reached": tgt.reached,
             "samples_to_target": tgt.reached_at.samples if tgt.reached_at else None,
             "steps_to_target": tgt.reached_at.steps if tgt.reached_at else None,
-            "final_eval_loss": tgt.final_eval_loss, "eval_loss_at_common_samples": eval_at_samples(tgt.curve, common)
-            if tgt.curve and tgt.curve[-1].samples >= common else None,  # a capped run stopped short of it
+            "final_eval_loss": tgt.final_eval_loss,
+            "eval_loss_at_common_samples": None if at_common is None else at_common[1],
+            "eval_samples_at_common": None if at_common is None else at_common[0],
             "predicted_vs_measured": None if pred is None or meas is None else pred / meas - 1.0,
             "projected_time_to_target_s": _projected(c, res, reference_samples, meas),
             "steps_run": len(res.step_s),
@@ -395,6 +400,14 @@ def run(cluster: Cluster, cfg: TttConfig, *, cluster_ref: str, efficiency_file: 
     return doc
 
 
+def eval_at_common_text(row: Mapping[str, Any], common: int) -> str:
+    """A row's evaluation loss at the common samples; ``loss@N`` where it was taken earlier, at N."""
+    loss, at = row.get("eval_loss_at_common_samples"), row.get("eval_samples_at_common")
+    if loss is None:
+        return "-"
+    return f"{loss:.4f}" if at in (None, common) else f"{loss:.4f}@{at}"
+
+
 def format_table(doc: Mapping[str, Any]) -> str:
     """The report as a table (times in the report's clock)."""
     def f(v: Any, fmt: str) -> str:
@@ -403,12 +416,12 @@ def format_table(doc: Mapping[str, Any]) -> str:
     lines = [f"{doc['model']}: target evaluation loss {doc['target_loss']:g}; times in {doc['clock']}; "
              f"multipliers: {doc['efficiency']}",
              f"{'system':16s} {'sync':8s} {'isl':>3s} {'pred s':>8s} {'meas s':>8s} {'pred err':>8s} "
-             f"{'samples':>7s} {'final eval':>10s} {'eval@' + str(doc['common_samples']):>10s} {'meas sps':>8s}"]
+             f"{'samples':>7s} {'final eval':>10s} {'eval@' + str(doc['common_samples']):>12s} {'meas sps':>8s}"]
     for r in doc["systems"]:
         lines.append(f"{r['system']:16s} {r['semantics']:8s} {r['islands']:3d} "
                      f"{f(r['predicted_time_to_target_s'], '8.2f')} {f(r['measured_time_to_target_s'], '8.2f')} "
                      f"{f(r['predicted_vs_measured'], '+8.0%')} {f(r['samples_to_target'], '7d')} "
-                     f"{f(r['final_eval_loss'], '10.4f')} {f(r['eval_loss_at_common_samples'], '10.4f')} "
+                     f"{f(r['final_eval_loss'], '10.4f')} {eval_at_common_text(r, doc['common_samples']):>12s} "
                      f"{r['measured_samples_per_s']:8.0f}")
         if r["note"]:
             lines.append(f"  note: {r['note']}")

@@ -30,3 +30,15 @@ def test_demo_flags_fail_in_one_line_before_any_work(argv, needle, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and needle in err[0]
+
+
+def test_evaluation_at_the_common_samples_names_where_an_earlier_one_was_taken():
+    from deepcee.runtime.target import EvalPoint
+    from deepcee.ttt import eval_at_common_text, eval_at_samples
+
+    relaxed = [EvalPoint(steps=64 * k, time_s=float(k), samples=2048 * k, eval_loss=2.0 - 0.1 * k) for k in (1, 2, 3, 4)]
+    assert eval_at_samples(relaxed, 9600) == (8192, pytest.approx(1.6))
+    assert eval_at_samples(relaxed, 1000) is None
+    assert eval_at_common_text({"eval_loss_at_common_samples": 1.6, "eval_samples_at_common": 8192}, 9600) == "1.6000@8192"
+    assert eval_at_common_text({"eval_loss_at_common_samples": 0.45, "eval_samples_at_common": 9600}, 9600) == "0.4500"
+    assert eval_at_common_text({"eval_loss_at_common_samples": None}, 9600) == "-"
