@@ -84,15 +84,17 @@ def serve_ps_segment(m: Messenger, seg: SegmentParams, holders: Sequence[int], s
     """A server's side of [Note: ps sync] for one segment: ``holders`` are its own (rank order)."""
     zero = torch.zeros(seg.numel, dtype=seg.params[0].dtype)
     acc = zero.clone()
-    for h in holders:
-        acc.add_(m.recv(zero, src=h, tag=TAG_PUSH)[0])
+    # all receives posted before any is waited for (gloo sends only into a posted receive);
+    # the sum is still taken in holder order
+    for p in [m.post_recv(zero, src=h, tag=TAG_PUSH) for h in holders]:
+        acc.add_(m.wait(p)[0])
     parts = {m.rank: acc}
     for s in servers:
         if s != m.rank:
             m.send(acc, s, TAG_SERVERS)
-    for s in servers:
-        if s != m.rank:
-            parts[s] = m.recv(zero, src=s, tag=TAG_SERVERS)[0]
+    posted = {s: m.post_recv(zero, src=s, tag=TAG_SERVERS) for s in servers if s != m.rank}
+    for s, p in posted.items():
+        parts[s] = m.wait(p)[0]
     total = zero.clone()
     for s in servers:
         total.add_(parts[s])
@@ -127,11 +129,9 @@ def asgd_push_pull(m: Messenger, segs: Sequence[SegmentParams], replica: int, to
             store.set(push_key(job, replica, round_, j), "")
     for _, seg in _indexed(segs, topo):
         flat = seg.flat_values()
-        parts = []
-        for i, s in enumerate(servers):
-            lo, hi = shard_bounds(flat.numel(), len(servers), i)
-            parts.append(m.recv(flat[lo:hi], src=s, tag=TAG_PULL)[0])
-        seg.set_values(torch.cat(parts))
+        posted = [m.post_recv(flat[slice(*shard_bounds(flat.numel(), len(servers), i))], src=s, tag=TAG_PULL)
+                  for i, s in enumerate(servers)]
+        seg.set_values(torch.cat([m.wait(p)[0] for p in posted]))
     m.flush()
 
 

@@ -271,7 +271,10 @@ def star_mean(m: Messenger, segment: Segment, replicas: Sequence[int], mine: tor
     root = holders[0][0]
     delegates = [h[0] for h in holders]
     if m.rank == root:
-        xs = [mine] + [m.recv(mine, src=d, tag=TAG_GATHER)[0] for d in delegates[1:]]
+        # every receive posted before any is waited for: gloo transmits a message only once its
+        # receive is posted, so waiting for one replica's copy first would hold the others back
+        pending = [m.post_recv(mine, src=d, tag=TAG_GATHER) for d in delegates[1:]]
+        xs = [mine] + [m.wait(p)[0] for p in pending]
         out = (combine or mean_in_order)(xs)
         for h in holders:  # one copy per replica crosses the WAN: to its delegate
             for r in (h if h[0] == root else h[:1]):
