@@ -57,6 +57,7 @@ from deepcee.schedule.compact import search_compact
 from deepcee.schedule.ir import format_schedule
 from deepcee.simulator.engine import simulate
 from deepcee.simulator.memory import device_memory
+from deepcee.simulator.runtime_model import runtime_for
 from deepcee.units import GIB
 
 REGIONS = (  # name, latitude, longitude (public cloud region locations)
@@ -281,12 +282,15 @@ class _Reference:
         worst_rc = np.zeros_like(state)
         ends = bnd.copy()
         ends[0] = ends[-1] = 0.0
-        # the runtime's terms (simulator.memory.device_memory): every receive and send buffer of
-        # the step held at once (receives posted at the step start), the flat gradient buffer
+        # the runtime's terms (simulator.memory.device_memory), for the runtime that runs this
+        # cluster (runtime_for: on GPUs receives in order, buffers for the microbatches in
+        # flight, here one; else every receive and send buffer of the step held at once), and
+        # the flat gradient buffer
+        held = 2 * m if runtime_for(self.c, model).receives == "at-step-start" else 1
         flat = t["params"] * model.gradient_bytes_per_parameter if len(devs) > 1 else 0.0
         for d, sh in zip(devs, shares, strict=True):
             mem = self.c.memory_bytes(d)
-            buffers = sh * (bnd[:, None] + bnd[None, :]) + (2 * m - 1) * sh * (ends[:, None] + ends[None, :]) + flat
+            buffers = sh * (bnd[:, None] + bnd[None, :]) + (held - 1) * sh * (ends[:, None] + ends[None, :]) + flat
             plain &= state + sh * t["acts"] + buffers <= mem
             again &= state + sh * bnd[:, None] + sh * t["acts"] + buffers <= mem
             fiw, f = self._time(d, sh)
@@ -411,7 +415,8 @@ def _compact(plan: Plan, cluster: Cluster, model: ModelProfile) -> Plan | None:
                         else model.activation_bytes(st.layer_start, st.layer_stop))
             one = device_memory(model, st.layer_start, st.layer_stop, share=sh, in_flight=1,
                                 num_microbatches=plan.num_microbatches, kind=cluster.device(d).kind,
-                                stage_devices=len(st.devices), recompute=st.recompute).total_bytes
+                                stage_devices=len(st.devices), recompute=st.recompute,
+                                runtime=runtime_for(cluster, model)).total_bytes
             room = cluster.memory_bytes(d) - (one - per)
             got = plan.num_microbatches if per <= 0 else int(room // per)
             k = got if k == 0 else min(k, got)
@@ -505,10 +510,40 @@ def run_instance(seed: int, budget_s: float = 120.0, tau: bool = False) -> dict:
         "reference_regions": (len({cluster.device(d).island for d in ref["plan"].devices})
                               if ref["plan"] is not None else None),
         "planner_stages": planned.num_stages if planned else None, "planning_s": plan_time,
+        "planner_shape": _shape(planned, cluster), "reference_shape": _shape(ref["plan"], cluster),
+        "runtime": runtime_for(cluster, model).name,
         "planning_cpu_s": plan_cpu, "kendall_tau_top20": tau_value,
         "reference_seconds": ref["seconds"], "reference_chains": ref["chains"],
         "reference_simulated": ref["simulated"], "reference_exhausted": ref["exhausted"], "chain_search": gap_note,
     }
+
+
+def _shape(plan: Plan | None, cluster: Cluster) -> str | None:
+    """A plan in one line: stages, devices, regions, schedule, microbatch size (to read a miss)."""
+    if plan is None:
+        return None
+    regions = len({cluster.device(d).island for d in plan.devices})
+    recomputes = sum(st.recompute for st in plan.stages)
+    return (f"{plan.num_stages} stages on {len(plan.devices)} devices in {regions} regions, {plan.schedule}, "
+            f"{plan.num_microbatches} x {plan.microbatch_size}" + (f", {recomputes} recomputing" if recomputes else ""))
+
+
+def _note(r: dict) -> str:
+    """Why an instance is not a plain pass (printed beside it)."""
+    if r["gap"] is not None and r["gap"] > 0.02:
+        ref = "searched every chain under its bound" if r["reference_exhausted"] else "stopped by its budget"
+        return (f"MISS: deepcee {100 * r['gap']:+.2f}%: deepcee {r['planner_shape']}; reference ({ref}, "
+                f"{r['reference_chains']} chains) {r['reference_shape']}")
+    if r["gap"] is not None and r["gap"] < -0.005:
+        return (f"reference failure: deepcee's plan is {-100 * r['gap']:.2f}% faster (the reference misses part of "
+                f"the space{'' if r['reference_exhausted'] else ', stopped by its budget'}): deepcee "
+                f"{r['planner_shape']}; reference {r['reference_shape']}")
+    if (r["planner_s"] is None) != (r["reference_s"] is None):
+        return "feasibility differs: " + ("only deepcee found a plan" if r["reference_s"] is None
+                                          else "only the reference found a plan")
+    if r["planner_s"] is None:
+        return "no plan in either search"
+    return ""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -533,13 +568,7 @@ def main(argv: list[str] | None = None) -> int:
         for r in pool.map(run_instance, seeds, itertools.repeat(budget), taus):
             rows.append(r)
             fmt = lambda v, f: f"{'-':>{f.split('.')[0]}}" if v is None else format(v, f)  # noqa: E731
-            note = ""
-            if r["gap"] is not None and r["gap"] > 0.02:
-                note = "MISS: deepcee more than 2% slower"
-            elif r["gap"] is not None and r["gap"] < -0.005:
-                note = "reference failure: deepcee's plan is better (the reference misses part of the space)"
-            elif (r["planner_s"] is None) != (r["reference_s"] is None):
-                note = "feasibility differs"
+            note = _note(r)
             print(f"{r['seed']:>5}{r['devices']:>5}{r['regions']:>4}{r['params_b']:>6.1f}B{r['global_batch']:>6}"
                   f"{fmt(r['planner_s'], '11.4g')}{fmt(r['reference_s'], '11.4g')}"
                   f"{fmt(None if r['gap'] is None else 100 * r['gap'], '8.2f')}{r['planning_s']:>8.1f}"
@@ -558,11 +587,17 @@ def main(argv: list[str] | None = None) -> int:
         "median_planning_cpu_s": float(np.median([r["planning_cpu_s"] for r in rows])) if rows else None,
         "kendall_tau_top20": [r["kendall_tau_top20"] for r in rows if r["kendall_tau_top20"] is not None],
         "max_planning_s": max((r["planning_s"] for r in rows), default=None),
+        "max_planning_cpu_s": max((r["planning_cpu_s"] for r in rows), default=None),
+        "no_plan_in_either": [r["seed"] for r in rows if r["planner_s"] is None and r["reference_s"] is None],
+        "feasibility_differs": [r["seed"] for r in rows if (r["planner_s"] is None) != (r["reference_s"] is None)],
         "total_s": time.perf_counter() - t0,
     }
     print(f"\n{summary['within_2pct']} of {len(both)} comparable instances within 2% of the reference; misses: "
           f"{summary['misses'] or 'none'}; reference failures (deepcee better): {summary['reference_failures'] or 'none'}; "
-          f"median planning {summary['median_planning_s']:.1f} s, max {summary['max_planning_s']:.1f} s; "
+          f"no plan in either: {len(summary['no_plan_in_either'])}; feasibility differs: "
+          f"{summary['feasibility_differs'] or 'none'}; median planning {summary['median_planning_s']:.1f} s "
+          f"(CPU {summary['median_planning_cpu_s']:.1f} s), max {summary['max_planning_s']:.1f} s "
+          f"(CPU {summary['max_planning_cpu_s']:.1f} s); "
           f"total {summary['total_s']:.0f} s")
     save_json_atomic(Path(args.out), {"schema_version": 1, "format": "deepcee.bench.planner_at_scale",
                                       "summary": summary, "instances": rows})

@@ -33,8 +33,8 @@ The model, per plan (``S`` stages, ``M`` microbatches):
    is how 1F1B's early-finishing last stages hide theirs. Then the optimizer step
    (:func:`deepcee.simulator.engine.optimizer_step_s`) and the runtime's per-step
    bookkeeping. The iteration ends when the last stage's optimizer step ends. This is the
-   simulator's order of events, with the simulator's default runtime
-   (:data:`deepcee.simulator.runtime_model.DEFAULT_RUNTIME`: its receive handshake enters
+   simulator's order of events, with the simulator's runtime for the cluster
+   (:func:`deepcee.simulator.runtime_model.runtime_for`: on CPU its receive handshake enters
    the pipeline's tables).
 5. **Memory.** Per device :func:`deepcee.simulator.engine.peak_memory` (the simulator's own:
    :func:`deepcee.simulator.memory.device_memory`, plan and runtime terms, with recomputation
@@ -76,7 +76,7 @@ from deepcee.simulator.engine import (
     simulate,
     to_estimate,
 )
-from deepcee.simulator.runtime_model import DEFAULT_RUNTIME, RuntimeModel
+from deepcee.simulator.runtime_model import RuntimeModel, runtime_for
 from deepcee.units import GIB, fmt_rate
 
 
@@ -269,11 +269,10 @@ class AnalyticCostModel:
     timing (what the benchmarks' rank correlation measures)."""
 
     name = "cost-model"
-    runtime: RuntimeModel = DEFAULT_RUNTIME
-    """How the plan is run (the simulator's default; see :mod:`deepcee.simulator.runtime_model`)."""
-
-    def __init__(self, *, exact_work: int = EXACT_WORK) -> None:
+    def __init__(self, *, exact_work: int = EXACT_WORK, runtime: RuntimeModel | None = None) -> None:
         self.exact_work = exact_work
+        self.runtime = runtime
+        """How the plan is run; ``None``: the cluster's (:func:`~deepcee.simulator.runtime_model.runtime_for`)."""
 
     def estimate(self, plan: Plan, cluster: Cluster, model: ModelProfile) -> Estimate:
         if (len(plan.devices) * plan.num_microbatches <= self.exact_work
@@ -296,7 +295,7 @@ class AnalyticCostModel:
         bounds = tuple(boundary_cost(cluster, a, b, model.boundary_bytes(a.layer_stop))
                        for a, b in zip(plan.stages, plan.stages[1:], strict=False))
         lowered, in_flight = lowered_schedule(plan), stage_in_flight(plan)
-        rt = self.runtime
+        rt = self.runtime or runtime_for(cluster, model)
         timing = pipeline_timing(lowered, f, i, w, [b.forward for b in bounds], [b.backward for b in bounds], b_,
                                  num_microbatches=plan.num_microbatches, runtime=rt)
         ar, opt, ends = [], [], []

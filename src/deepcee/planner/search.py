@@ -90,7 +90,7 @@ from deepcee.planner.space import (
 from deepcee.planner.split import split_layers
 from deepcee.planner.steps import Candidate, Config, SearchState, final_rank_key, rank_key
 from deepcee.profile import ModelProfile
-from deepcee.simulator.runtime_model import DEFAULT_RUNTIME, RuntimeModel
+from deepcee.simulator.runtime_model import RuntimeModel, runtime_for
 from deepcee.units import GIB
 
 __all__ = [
@@ -192,7 +192,7 @@ def plan_training(cluster: Cluster, model: ModelProfile, global_batch: int, *,
     grouping = group_devices(cluster, island_threshold_s=options.island_threshold_s, speed_ratio=options.speed_ratio)
     max_stages = min(model.num_layers, options.max_stages or model.num_layers)
     search = SearchState(cluster=cluster, model=model, global_batch=global_batch, options=options, grouping=grouping,
-                     tables=RangeTables(cluster, model, options.syncs, runtime=_runtime_of(options)),
+                     tables=RangeTables(cluster, model, options.syncs, runtime=_runtime_of(options, cluster, model)),
                      cost_model=options.cost_model or AnalyticCostModel(), sizes=microbatch_sizes(global_batch, options), max_stages=max_stages)
     search.min_boundary_bytes = min((model.boundary_bytes(b) for b in range(1, model.num_layers)), default=0.0)
     dist = island_distances(cluster, grouping)
@@ -240,9 +240,10 @@ def plan_training(cluster: Cluster, model: ModelProfile, global_batch: int, *,
                       scored=tuple(sorted(_dedupe(c for c in search.scored.values() if c is not None), key=rank_key)))
 
 
-def _runtime_of(options: PlannerOptions) -> RuntimeModel:
-    """The runtime the cost model scores with (its buffers count in the DP's memory)."""
-    return getattr(options.cost_model, "runtime", None) or DEFAULT_RUNTIME
+def _runtime_of(options: PlannerOptions, cluster: Cluster, model: ModelProfile) -> RuntimeModel:
+    """The runtime the cost model scores with (its buffers count in the DP's memory): the
+    cluster's unless the cost model names one ([Note: which runtime plans a cluster])."""
+    return getattr(options.cost_model, "runtime", None) or runtime_for(cluster, model)
 
 
 def _dedupe(cands: Iterable[Candidate]) -> list[Candidate]:

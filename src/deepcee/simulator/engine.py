@@ -27,7 +27,7 @@ times are on the same clock, keep advancing across iterations):
   ends.
 
 How the runtime runs the plan is a :class:`~deepcee.simulator.runtime_model.RuntimeModel`
-(``runtime=``; default :data:`~deepcee.simulator.runtime_model.DEFAULT_RUNTIME`, deepcee's
+(``runtime=``; default the cluster's, :func:`~deepcee.simulator.runtime_model.runtime_for`: deepcee's
 own): blocking sends hold the sending device until delivery; a receive handshake delays a
 piece until the receiver's ready notice crossed the link (receives posted at the step start);
 global-norm gradient clipping adds one scalar all-reduce over one device per stage before any
@@ -67,7 +67,7 @@ from deepcee.profile import ModelProfile
 from deepcee.schedule.interpreter import TRANSFER, Execution, Tables
 from deepcee.schedule.program import lowered_schedule, stage_in_flight
 from deepcee.simulator.memory import device_memory, recomputed_live
-from deepcee.simulator.runtime_model import DEFAULT_RUNTIME, RuntimeModel
+from deepcee.simulator.runtime_model import RuntimeModel, runtime_for
 
 log = logging.getLogger(__name__)
 
@@ -387,7 +387,7 @@ def peak_memory(plan: Plan, cluster: Cluster, model: ModelProfile,
     """Peak bytes per device of ``plan`` as ``runtime`` runs it
     (:func:`deepcee.simulator.memory.device_memory`, plan and runtime terms, with its schedule's
     in-flight counts and, where a stage recomputes, its live counts)."""
-    runtime = runtime or DEFAULT_RUNTIME
+    runtime = runtime or runtime_for(cluster, model)
     in_flight = stage_in_flight(plan)
     live = recomputed_live(lowered_schedule(plan)) if any(st.recompute for st in plan.stages) else ()
     out = {}
@@ -403,7 +403,7 @@ def peak_memory(plan: Plan, cluster: Cluster, model: ModelProfile,
 def simulate(plan: Plan, cluster: Cluster, model: ModelProfile, *, start_s: float = 0.0,
              iterations: int = 1, record: bool = True, runtime: RuntimeModel | None = None) -> SimResult:
     """Simulate ``iterations`` training iterations of ``plan`` as ``runtime`` runs it (default
-    :data:`~deepcee.simulator.runtime_model.DEFAULT_RUNTIME`). See the module docstring.
+    the cluster's, :func:`~deepcee.simulator.runtime_model.runtime_for`). See the module docstring.
 
     ``record=False`` skips building the event list (the planner's fast path); the critical
     path and all statistics are computed either way. Raises :class:`ScheduleError` when the
@@ -411,7 +411,7 @@ def simulate(plan: Plan, cluster: Cluster, model: ModelProfile, *, start_s: floa
     """
     if not isinstance(iterations, int) or iterations < 1:
         raise ValueError(f"iterations must be an integer >= 1, got {iterations!r}")
-    runtime = runtime or DEFAULT_RUNTIME
+    runtime = runtime or runtime_for(cluster, model)
     sim = _Simulation(plan, cluster, model, runtime)
     sim.run(start_s, iterations)
     starts = [start_s, *sim.ends[:-1]]

@@ -13,6 +13,10 @@ Declared runtimes (:func:`runtime_model`):
   (:func:`deepcee_runtime`; its [Note: deepcee's runtime behaviour] says which runtime code
   each property describes). The default of the simulator is mode ``realnet``: deepcee over
   real TCP with step records out of band, the behaviour a WAN deployment sees.
+- ``deepcee-cuda``: deepcee's runtime on CUDA devices (NCCL), per launch mode
+  (:func:`deepcee_runtime` with ``device="cuda"``): receives posted in order, send buffers
+  freed as their sends complete, NCCL's ring all-reduce. The planner and the simulator take it
+  for clusters whose devices are GPUs (:func:`runtime_for`, [Note: which runtime plans a cluster]).
 - ``deepspeed``: a DeepSpeed-style pipeline runtime (blocking, in-stream sends and receives;
   NCCL-style ring all-reduce without a per-step handshake; global-norm gradient clipping over
   the whole pipeline; a collective at the end of every step), so a plan can be compared as
@@ -50,16 +54,46 @@ where it acts on it, and ``tests/unit/test_runtime_model.py`` holds the two toge
 - memory: every rank builds every layer of the net, then trains its stage's
   (``holds_whole_model``), and holds every receive buffer of a step from its start.
 
-On CUDA (NCCL) the runtime posts receives as the schedule reaches them instead; the runs
-validated here are CPU/gloo ones.
+On CUDA (NCCL), and on CPU/gloo with :attr:`deepcee.runtime.job.TrainConfig.receives` set to
+``in-order``, the runtime posts each receive when the schedule reaches it and frees each send
+buffer once its send completed ([Note: in-order receives] in :mod:`deepcee.runtime.p2p`):
+
+- receives: ``in-order``, with no receive handshake to model (a piece's transfer starts
+  when both the sender's ``isend`` and the receiver's ``irecv`` are posted; the receiver
+  posts when it needs the piece, so the handshake's latency is not hidden as with receives
+  posted at the step start, and the simulator's in-order receive already makes the receiver wait);
+- memory: communication buffers only for the microbatches in flight (``in_flight``, not
+  ``2 x num_microbatches``: :func:`deepcee.simulator.memory.runtime_buffer_bytes`); the other
+  layers' parameters stay on the host (``holds_whole_model`` counts only where a device's
+  memory is the host's, never on a GPU);
+- gradient all-reduce: NCCL's ring (:func:`deepcee.comm.allreduce_s`, no per-step handshake);
+- sends, the end of a step and the per-step costs: as on CPU in the same launch mode.
+
+The CUDA declaration states what the code does; no CUDA run was timed against it on this
+project's machines (they have no GPU): the CPU/gloo in-order path is tested for exactness
+(``tests/dist/test_runtime_inorder.py``), not for time.
+
+[Note: which runtime plans a cluster]
+:func:`runtime_for` decides, for the planner (:func:`deepcee.planner.search.plan_training`,
+:class:`deepcee.planner.cost_model.AnalyticCostModel`) and for the simulator when no runtime
+is given (:func:`deepcee.simulator.engine.simulate`): a cluster whose devices are GPUs is run by
+``deepcee-cuda``, any other by :data:`DEFAULT_RUNTIME`. A cluster's devices are GPUs unless the
+cluster says it is emulated (:attr:`deepcee.cluster.Cluster.emulation`: CPU worker processes)
+or the model profile measured one of its device kinds in host memory
+(:attr:`deepcee.profile.DeviceMemory.host_memory`: a CPU device). Fidelity checks against
+emulated runs name their runtime explicitly (:mod:`deepcee.profiler.fidelity`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Literal, get_args
+from typing import TYPE_CHECKING, Literal, get_args
 
 from deepcee.errors import SpecError
+
+if TYPE_CHECKING:
+    from deepcee.cluster import Cluster
+    from deepcee.profile import ModelProfile
 
 SendMode = Literal["async", "blocking"]
 """``async``: a send takes no device time (the transfer runs beside compute); ``blocking``:
@@ -69,10 +103,12 @@ RecvPosting = Literal["at-step-start", "in-order"]
 AllreduceMode = Literal["ring", "modelled"]
 """``ring``: the transport's own ring all-reduce (:func:`deepcee.comm.allreduce_s` plus the
 handshakes); ``modelled``: the runtime waits for :func:`deepcee.comm.allreduce_s` itself."""
-RuntimeName = Literal["deepcee", "deepspeed"]
+RuntimeName = Literal["deepcee", "deepcee-cuda", "deepspeed"]
 RUNTIME_NAMES: tuple[RuntimeName, ...] = get_args(RuntimeName)
 LaunchMode = Literal["emulated", "realnet", "real"]
 LAUNCH_MODES: tuple[LaunchMode, ...] = get_args(LaunchMode)
+DeviceType = Literal["cpu", "cuda"]
+DEVICE_TYPES: tuple[DeviceType, ...] = get_args(DeviceType)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -130,7 +166,8 @@ class RuntimeModel:
         return replace(self, step_overhead_s=step_overhead_s)
 
 
-def deepcee_runtime(mode: LaunchMode = "realnet", *, step_overhead_s: float = 0.0) -> RuntimeModel:
+def deepcee_runtime(mode: LaunchMode = "realnet", *, step_overhead_s: float = 0.0,
+                    device: DeviceType = "cpu") -> RuntimeModel:
     """deepcee's own runtime in launch ``mode`` (see [Note: deepcee's runtime behaviour]).
 
     - ``emulated``: no transport handshake (loopback), the all-reduce waits for the model,
@@ -140,10 +177,23 @@ def deepcee_runtime(mode: LaunchMode = "realnet", *, step_overhead_s: float = 0.
     - ``real``: as ``realnet``, but the records are gathered with gloo over the network (an
       all-gather of sizes then a gather: about four one-way latencies, all devices in step).
 
-    ``step_overhead_s``: the records' bookkeeping per step (emulated seconds).
+    ``step_overhead_s``: the records' bookkeeping per step (emulated seconds). ``device``:
+    ``cuda`` gives the CUDA runtime of that mode (see [Note: deepcee's runtime behaviour]).
     """
     if mode not in LAUNCH_MODES:
         raise SpecError(f"must be one of {', '.join(LAUNCH_MODES)}, got {mode!r}", field="mode")
+    if device not in DEVICE_TYPES:
+        raise SpecError(f"must be one of {', '.join(DEVICE_TYPES)}, got {device!r}", field="device")
+    on_cpu = _deepcee_cpu(mode, step_overhead_s)
+    if device == "cpu":
+        return on_cpu
+    return replace(on_cpu, name=f"deepcee on CUDA (mode {mode})", receives="in-order", receive_handshake=False,
+                   allreduce="modelled" if mode == "emulated" else "ring", allreduce_handshake_latencies=0.0,
+                   description="async sends freed as they complete, receives posted in order, NCCL ring "
+                               "all-reduce, buffers for the microbatches in flight only")
+
+
+def _deepcee_cpu(mode: LaunchMode, step_overhead_s: float) -> RuntimeModel:
     if mode == "emulated":
         return RuntimeModel(name="deepcee (mode emulated)", receive_handshake=False, allreduce="modelled",
                             allreduce_handshake_latencies=0.0, step_barrier=True, step_overhead_s=step_overhead_s,
@@ -173,9 +223,11 @@ from the last stage after every batch (one collective: two one-way latencies).""
 
 
 def runtime_model(name: str, *, mode: LaunchMode = "realnet", step_overhead_s: float = 0.0) -> RuntimeModel:
-    """A declared runtime by name (``deepcee``, in ``mode``; ``deepspeed``)."""
+    """A declared runtime by name (``deepcee`` and ``deepcee-cuda``, in ``mode``; ``deepspeed``)."""
     if name == "deepcee":
         return deepcee_runtime(mode, step_overhead_s=step_overhead_s)
+    if name == "deepcee-cuda":
+        return deepcee_runtime(mode, step_overhead_s=step_overhead_s, device="cuda")
     if name == "deepspeed":
         return DEEPSPEED.with_overhead(step_overhead_s)
     raise SpecError(f"unknown runtime {name!r} (known: {', '.join(RUNTIME_NAMES)})", field="--runtime")
@@ -183,3 +235,24 @@ def runtime_model(name: str, *, mode: LaunchMode = "realnet", step_overhead_s: f
 
 DEFAULT_RUNTIME = deepcee_runtime("realnet")
 """What :func:`deepcee.simulator.engine.simulate` assumes unless told otherwise."""
+
+CUDA_RUNTIME = deepcee_runtime("realnet", device="cuda")
+"""deepcee's runtime on GPUs, as :func:`runtime_for` gives it for a cluster of GPUs."""
+
+
+def on_gpus(cluster: Cluster, model: ModelProfile | None = None) -> bool:
+    """Whether ``cluster``'s devices are GPUs ([Note: which runtime plans a cluster])."""
+    if cluster.emulation:
+        return False
+    if model is None:
+        return True
+    for kind in cluster.kinds:
+        over = model.memory_overhead(kind)
+        if over is not None and over.host_memory:
+            return False
+    return True
+
+
+def runtime_for(cluster: Cluster, model: ModelProfile | None = None) -> RuntimeModel:
+    """The runtime that runs plans on ``cluster`` ([Note: which runtime plans a cluster])."""
+    return CUDA_RUNTIME if on_gpus(cluster, model) else DEFAULT_RUNTIME
