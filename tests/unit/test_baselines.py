@@ -25,6 +25,7 @@ from deepcee.scenarios import load_scenario
 from deepcee.schedule.builders import build_schedule
 from deepcee.schedule.passes import in_flight_per_stage
 from deepcee.simulator.memory import device_memory
+from deepcee.simulator.runtime_model import runtime_for
 
 
 def check_result(results, cluster, model, batch) -> None:
@@ -44,7 +45,7 @@ def check_result(results, cluster, model, batch) -> None:
             for d, share in zip(st.devices, st.shares, strict=True):
                 need = device_memory(model, st.layer_start, st.layer_stop, share=share, in_flight=in_flight[s],
                                      num_microbatches=p.num_microbatches, kind=cluster.device(d).kind, sync=p.sync,
-                                     stage_devices=len(st.devices)).total_bytes
+                                     stage_devices=len(st.devices), runtime=runtime_for(cluster, model)).total_bytes
                 assert need <= cluster.memory_bytes(d), (r.name, d)
                 assert p.estimate.peak_memory_bytes[d] == pytest.approx(need)
 

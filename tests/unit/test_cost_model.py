@@ -56,8 +56,9 @@ def _chain_cluster(num: int, *, wan_bytes_per_s: float = 12.5e6, per_node: int =
         for j in range(i + 1, num):
             links.append(LinkEntry(a=f"i{i}", b=f"i{j}",
                                    spec=LinkSpec(latency_s=0.01, bandwidth_bytes_per_s=wan_bytes_per_s)))
+    # timed as deepcee's CPU/gloo runtime runs it (these tests name its handshakes and buffers)
     return Cluster(name="chain", kinds=kinds, islands=tuple(islands), nodes=tuple(nodes), devices=tuple(devices),
-                   links=tuple(links))
+                   links=tuple(links), emulation="CPU worker processes (the CPU/gloo runtime)")
 
 
 def _uniform_model(layers: int, *, flops: float = 1e9, params: int = 1000, act: float = 1e6,

@@ -41,9 +41,14 @@ UNIT_KIND = DeviceKind(name="unit", peak_flops_per_s=1e12, memory_bytes=1e12, ac
 FAST = 1e30  # bytes/s: transfers take no time
 
 
+CPU_EMULATION = "CPU worker processes (deepcee's CPU/gloo runtime)"
+
+
 def unit_cluster(node_sizes: Sequence[int], *, latency_s: float = 0.0, bandwidth_bytes_per_s: float = FAST,
                  trace: BandwidthTrace | None = None, memory_bytes: float = 1e12) -> Cluster:
-    """One island; node ``k`` holds devices ``n{k}:0 ..``; every link (intra and inter node) alike."""
+    """One island; node ``k`` holds devices ``n{k}:0 ..``; every link (intra and inter node) alike.
+    Emulated CPU devices: simulated with deepcee's CPU runtime unless a test names another
+    ([Note: which runtime plans a cluster])."""
     kind = UNIT_KIND if memory_bytes == 1e12 else DeviceKind(
         name="unit", peak_flops_per_s=1e12, memory_bytes=memory_bytes, achievable_fraction=1.0,
         per_layer_overhead_s=0.0)
@@ -52,7 +57,7 @@ def unit_cluster(node_sizes: Sequence[int], *, latency_s: float = 0.0, bandwidth
                        intra=spec) for k, c in enumerate(node_sizes))
     devices = tuple(Device(name=d, kind="unit", node=n.name, island="i") for n in nodes for d in n.devices)
     return Cluster(name="unit", kinds={"unit": kind}, islands=(Island(name="i", intra=spec),), nodes=nodes,
-                   devices=devices)
+                   devices=devices, emulation=CPU_EMULATION)
 
 
 def unit_model(num_layers: int, *, activation_bytes: float = 0.0, output_bytes: float = 0.0,

@@ -50,7 +50,7 @@ def cluster(sizes: Sequence[int], *, latency_s: float = 0.5, bandwidth_bytes_per
     wan = LinkSpec(latency_s=latency_s, bandwidth_bytes_per_s=bandwidth_bytes_per_s, trace=trace)
     links = tuple(LinkEntry(a=x, b=y, spec=wan) for i, x in enumerate(names) for y in names[i + 1:])
     return Cluster(name="unit", kinds={"unit": KIND}, islands=tuple(Island(name=x, intra=FAST) for x in names),
-                   nodes=nodes, devices=devices, links=links)
+                   nodes=nodes, devices=devices, links=links, emulation="CPU worker processes (the CPU/gloo runtime)")
 
 
 def model(layers: int = 1, *, params: int = 0) -> ModelProfile:

@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from deepcee.cluster import Cluster
 from deepcee.comm import ring_order, serialise_end_s
 from deepcee.simulator.engine import allreduce_time_s
-from deepcee.simulator.runtime_model import DEFAULT_RUNTIME
+from deepcee.simulator.runtime_model import DEFAULT_RUNTIME, RuntimeModel
 
 
 class Loop:
@@ -90,8 +90,8 @@ class NetEvent:
 class Network:
     """Link queues, collective occupancy and server queues shared by all replicas (see the module docstring)."""
 
-    def __init__(self, cluster: Cluster, *, record: bool = False) -> None:
-        self.cluster, self.record = cluster, record
+    def __init__(self, cluster: Cluster, *, record: bool = False, runtime: RuntimeModel = DEFAULT_RUNTIME) -> None:
+        self.cluster, self.record, self.runtime = cluster, record, runtime
         self.free: dict[str, float] = defaultdict(float)
         """Link resource -> when its queue is empty."""
         self.work_free: dict[str, float] = defaultdict(float)
@@ -124,8 +124,8 @@ class Network:
         edges = [(ring[i], ring[(i + 1) % len(ring)]) for i in range(len(ring))]
         resources = {self.cluster.link(a, b).resource for a, b in edges}
         begin = max([at_s, *(self.free[r] for r in resources)])
-        # with gloo's handshakes, as the engine's stage all-reduce (deepcee's runtime)
-        end = begin + allreduce_time_s(self.cluster, devices, nbytes, sync, DEFAULT_RUNTIME, at_s=begin)
+        # as the engine's stage all-reduce (deepcee's runtime for the cluster: gloo's handshakes on CPU)
+        end = begin + allreduce_time_s(self.cluster, devices, nbytes, sync, self.runtime, at_s=begin)
         for r in resources:
             self.free[r] = end
         for island, b in collective_egress(self.cluster, devices, nbytes, sync).items():

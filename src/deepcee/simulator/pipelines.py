@@ -40,7 +40,7 @@ from deepcee.schedule.program import stage_in_flight
 from deepcee.simulator.engine import Event, _Simulation, allreduce_time_s, optimizer_step_s
 from deepcee.simulator.memory import device_memory_bytes
 from deepcee.simulator.network import collective_egress
-from deepcee.simulator.runtime_model import DEFAULT_RUNTIME
+from deepcee.simulator.runtime_model import runtime_for
 
 ALLREDUCE_SYNCS = ("allreduce-ring", "allreduce-hier", "zero2")
 
@@ -116,9 +116,10 @@ class ReplicaPipeline:
                  stragglers: Sequence[Straggler] = (), record: bool = False) -> None:
         self.plan, self.r, self.cluster, self.model, self.record = plan, r, cluster, model, record
         self.rep = plan.replicas[r]
-        # the pipeline's pieces and the stage all-reduces as deepcee's runtime runs them
-        # (receive handshake, gloo's all-reduce handshakes), as the engine
-        self.sim = _Simulation(replica_plan(plan, r), cluster, model, DEFAULT_RUNTIME)
+        # the pipeline's pieces and the stage all-reduces as deepcee's runtime for the cluster
+        # runs them (on CPU: receive handshake, gloo's all-reduce handshakes), as the engine
+        self.runtime = runtime_for(cluster, model)
+        self.sim = _Simulation(replica_plan(plan, r), cluster, model, self.runtime)
         self.devices: list[str] = list(self.sim.devices)
         self.stage_of: list[int] = list(self.sim.stage_of)
         self.stragglers = tuple(s for s in stragglers if s.device in self.devices)
@@ -237,7 +238,7 @@ class ReplicaPipeline:
             members = [d for d in range(len(self.devices)) if self.stage_of[d] == s]
             begin = max(end[d] for d in members)
             nbytes = self.model.gradient_bytes(st.layer_start, st.layer_stop)
-            dur = allreduce_time_s(self.cluster, st.devices, nbytes, stage_sync(self.plan, self.r, s), DEFAULT_RUNTIME,
+            dur = allreduce_time_s(self.cluster, st.devices, nbytes, stage_sync(self.plan, self.r, s), self.runtime,
                                    at_s=begin)  # with gloo's handshakes, as the engine
             for d in members:
                 self.sync_s[d] += dur

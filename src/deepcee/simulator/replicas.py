@@ -51,6 +51,7 @@ from deepcee.simulator.engine import Event, simulate
 from deepcee.simulator.network import Loop, NetEvent, Network
 from deepcee.simulator.overlap import run_overlapped_averaging
 from deepcee.simulator.pipelines import ReplicaPipeline, layer_segments, segment_sync
+from deepcee.simulator.runtime_model import runtime_for
 from deepcee.simulator.strategies import (
     GroupRecord,
     PushRecord,
@@ -140,7 +141,7 @@ class Run:
         self.stragglers = tuple(stragglers)
         self.loop = Loop()
         self.loop.now = start_s
-        self.net = Network(cluster, record=record)
+        self.net = Network(cluster, record=record, runtime=runtime_for(cluster, model))
         self.pipes = [ReplicaPipeline(plan, r, cluster, model, stragglers=stragglers, record=record)
                       for r in range(plan.num_replicas)]
         self.segments = layer_segments(plan)
