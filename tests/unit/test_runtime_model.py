@@ -12,10 +12,12 @@ from deepcee.errors import SpecError
 from deepcee.profile import LinkCurve
 from deepcee.simulator.engine import simulate, wire_bytes
 from deepcee.simulator.runtime_model import (
+    CUDA_RUNTIME,
     DEEPSPEED,
     DEFAULT_RUNTIME,
     RuntimeModel,
     deepcee_runtime,
+    runtime_for,
     runtime_model,
 )
 
@@ -107,19 +109,85 @@ def test_declared_runtimes() -> None:
         RuntimeModel(name="x", step_overhead_s=-1.0)
     with pytest.raises(SpecError, match="handshake"):
         RuntimeModel(name="x", receives="in-order")
+    # deepcee on CUDA: in order, no receive handshake, NCCL's ring; the rest as on CPU per mode
+    for mode, cpu in (("emulated", emulated), ("realnet", realnet), ("real", real)):
+        cuda = runtime_model("deepcee-cuda", mode=mode)
+        assert cuda == deepcee_runtime(mode, device="cuda") and "CUDA" in cuda.name
+        assert cuda.receives == "in-order" and not cuda.receive_handshake and cuda.allreduce_handshake_latencies == 0
+        assert (cuda.sends, cuda.step_barrier, cuda.barrier_latencies, cuda.first_waits_for_all,
+                cuda.holds_whole_model) == (cpu.sends, cpu.step_barrier, cpu.barrier_latencies,
+                                            cpu.first_waits_for_all, cpu.holds_whole_model)
+    assert CUDA_RUNTIME == runtime_model("deepcee-cuda")
+    with pytest.raises(SpecError, match="device"):
+        deepcee_runtime("realnet", device="tpu")
+
+
+def test_runtime_for_a_cluster_of_gpus_is_the_cuda_runtime() -> None:
+    import dataclasses
+
+    from conftest import measured_model
+
+    from deepcee.profile import DeviceMemory
+    from deepcee.scenarios import load_scenario
+
+    testbed, local = load_scenario("cee-testbed"), load_scenario("local-small")
+    assert runtime_for(testbed) == CUDA_RUNTIME  # RTX 3090s
+    assert runtime_for(local) == DEFAULT_RUNTIME  # says it is emulated by CPU worker processes
+    assert runtime_for(unit_cluster([1, 1])) == DEFAULT_RUNTIME  # these tests' clusters say so too
+    # a profile that measured a device kind in host memory: CPU devices, whatever the cluster says
+    plain = dataclasses.replace(unit_cluster([1, 1]), emulation="")
+    model = measured_model("unit", layers=2)
+    assert runtime_for(plain) == runtime_for(plain, unit_model(2)) == CUDA_RUNTIME
+    on_host = dataclasses.replace(model, measured_memory={"unit": DeviceMemory(
+        fixed_bytes=1.0, fragmentation_fraction=0.0, method="resident set", host_memory=True)})
+    assert runtime_for(plain, on_host) == DEFAULT_RUNTIME
+
+
+def test_cuda_runtime_holds_buffers_for_the_microbatches_in_flight_and_has_no_receive_handshake() -> None:
+    import dataclasses
+
+    from test_simulator import chain
+
+    cluster, devs = chain(4)
+    gpus = dataclasses.replace(cluster, emulation="")
+    act, out, m = 100.0, 1.0, 6
+    model = unit_model(4, activation_bytes=act, output_bytes=out)
+    p = make_plan(devs, m, schedule="1f1b")
+    on_gpus = simulate(p, gpus, model)  # the cluster's runtime: deepcee on CUDA
+    assert on_gpus.peak_memory_bytes == simulate(p, cluster, model, runtime=CUDA_RUNTIME).peak_memory_bytes
+    on_cpu = simulate(p, cluster, model)
+    for s in range(4):
+        k, moved = min(4 - s, m), out * ((s > 0) + (s < 3))
+        # stashed activations + one input/output pair + the other in-flight microbatches' buffers
+        assert on_gpus.peak_memory_bytes[devs[s][0]] == pytest.approx(k * act + 2 * out + (k - 1) * moved)
+        assert on_cpu.peak_memory_bytes[devs[s][0]] == pytest.approx(k * act + 2 * out + (2 * m - 1) * moved)
+    # one microbatch over two stages: no ready notice to wait for (the handshake costs CPU 2 L)
+    assert _run(CUDA_RUNTIME, 1).iteration_s == pytest.approx(_run(PLAIN, 1).iteration_s)
+    assert _run(DEFAULT_RUNTIME, 1).iteration_s > _run(CUDA_RUNTIME, 1).iteration_s
 
 
 def test_deepcee_runtime_does_what_it_declares() -> None:
     """The runtime code behind each declared property (read, not run: the dist tests run it)."""
     import inspect
 
+    import torch
+
     from deepcee.runtime import outputs, p2p, pacing, trainer
 
     realnet = deepcee_runtime("realnet")
-    # receives posted when the step starts, on gloo (CPU)
+    # receives posted when the step starts, on gloo (CPU), unless the launch asks for in order
     assert realnet.receives == "at-step-start"
-    assert "prepost=self.w.device.type != \"cuda\"" in inspect.getsource(trainer.Trainer.make_p2p)
+    assert "prepost=prepost_receives(self.cfg.receives, self.w.device)" in inspect.getsource(trainer.Trainer.make_p2p)
+    assert p2p.prepost_receives("auto", torch.device("cpu"))
+    assert not p2p.prepost_receives("in-order", torch.device("cpu"))
     assert "self._post(a.kind, a.microbatch)" in inspect.getsource(p2p.P2P.begin_step)
+    # on CUDA in order, and every send's buffer dropped once it completed
+    cuda = deepcee_runtime("realnet", device="cuda")
+    assert cuda.receives == "in-order" and not cuda.receive_handshake
+    assert not p2p.prepost_receives("auto", torch.device("cuda"))
+    assert "self._reap()" in inspect.getsource(p2p.P2P._send)
+    assert "self._reap()" in inspect.getsource(p2p.P2P._receive)
+    assert "is_completed()" in inspect.getsource(p2p.P2P._reap)
     # sends are isend, waited for at the end of the step
     assert realnet.sends == "async" and "dist.isend" in inspect.getsource(p2p.P2P._send)
     # mode emulated waits for the comm model's all-reduce; realnet gathers records through the store

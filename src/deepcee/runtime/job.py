@@ -124,6 +124,12 @@ class TrainConfig:
     """Links between two nodes down for a stretch of the run (:mod:`deepcee.cluster.outages`):
     mode ``emulated``: the link shaper holds transfers; ``realnet``: the relay drops every packet
     of the link's pairs."""
+    receives: Literal["auto", "at-step-start", "in-order"] = "auto"
+    """When the transport posts its receives ([Note: in-order receives] in
+    :mod:`deepcee.runtime.p2p`): ``at-step-start`` (every receive of a step when it starts,
+    send buffers held to its end: the CPU/gloo default), ``in-order`` (each receive when the
+    schedule reaches it, send buffers freed as their sends complete: what CUDA/NCCL needs);
+    ``auto``: in order on CUDA, at the step start on CPU."""
     fixed_arrival_order: bool = False
     """``asgd-ga``: servers take pushes from the replicas in turn instead of as they arrive
     (reproducible bit for bit; [Note: asgd-ga] in :mod:`deepcee.runtime.ps`)."""
@@ -149,6 +155,11 @@ class TrainConfig:
         if self.link_outages and self.mode not in ("emulated", "realnet"):
             raise SpecError(f"link outages are injected by the emulated link shaper or the realnet relay; mode "
                             f"{self.mode!r} has neither", field="link-down")
+        if self.receives not in ("auto", "at-step-start", "in-order"):
+            raise SpecError(f"must be auto, at-step-start or in-order, got {self.receives!r}", field="receives")
+        if self.receives == "at-step-start" and self.use_cuda:
+            raise SpecError("NCCL runs a pair's sends and receives in order on one stream: receives posted at the "
+                            "step start would deadlock; use in-order (or auto) with CUDA", field="receives")
         if self.mode in PACED_MODES and self.use_cuda:
             raise SpecError(f"mode {self.mode!r} paces CPU workers as emulated devices; use mode 'real' with CUDA",
                             field="mode")

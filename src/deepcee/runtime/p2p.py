@@ -22,12 +22,34 @@ emulated arrival for emulated links (exact: the shaper's, whatever the receiver 
 for real links it is when the receiver's wait returned, which is late when the receiver was
 busy, and the send start is only comparable on one host (one ``CLOCK_MONOTONIC``).
 
-Receives of a step are posted before the step starts (gloo: a blocking send waits for the
-receiver, PLATFORM.md), tagged ``2m`` (forward) / ``2m+1`` (backward). On NCCL, which has
-no tags and serialises a pair's sends and receives on one stream, receives are posted when
-the schedule reaches them instead. Every wait has a timeout naming the peer rank and device;
+Receives are tagged ``2m`` (forward) / ``2m+1`` (backward). On CPU/gloo they are posted
+when the step starts by default (a gloo send waits for the receiver's ready notice,
+PLATFORM.md) and every send buffer is kept until the step ends; on CUDA/NCCL, which
+serialises a pair's sends and receives on one stream, and on CPU when the launch asks for it
+(:attr:`deepcee.runtime.job.TrainConfig.receives`), each receive is posted when the schedule
+reaches it and each send buffer is dropped once its send completed ([Note: in-order
+receives]). Every wait has a timeout naming the peer rank and device;
 how it waits is the rank's :class:`~deepcee.runtime.dist.Waiter` (an elastic run's watches for
 lost peers). An emulated delivery further away than the timeout is a dead link.
+
+[Note: in-order receives]
+With ``prepost=False`` a rank posts each receive when its action list reaches it and waits
+for it at once; it never waits for a send before :meth:`P2P.end_step`, and at every send and
+receive it drops the sends that completed (:meth:`P2P._reap`: their buffers are freed, an
+error they carry is raised). No rank therefore blocks on anything but a receive its own
+schedule reached, in the schedule's order, and every send it depends on was issued without
+waiting: a schedule the simulator runs without deadlock (async sends) runs here too, the
+zero-bubble ones included. The number of sends kept is deliberately not bounded: waiting
+for the oldest send once a bound is reached would make a rank wait for its peer to reach a
+receive, and a peer's schedule may reach that receive only after this rank's later sends
+(zero-bubble schedules reorder forwards and input gradients per stage), a cycle. What is kept
+is what the peers did not yet receive: a forward send of microbatch ``m`` completes no later
+than the next stage's receive of ``m``, which comes before that stage's backward of ``m``,
+which this stage needs before ``m`` leaves flight here, so at most the stage's in-flight count
+of forward sends is kept; a backward send completes at the previous stage's receive of it,
+which that stage posts in its own backward of ``m``. The memory model counts communication
+buffers for the microbatches in flight (:func:`deepcee.simulator.memory.runtime_buffer_bytes`,
+runtime ``deepcee-cuda``).
 """
 
 from __future__ import annotations
@@ -151,6 +173,14 @@ class _Pending:
     what: str
 
 
+def prepost_receives(receives: str, device: torch.device) -> bool:
+    """Whether to post a step's receives when it starts (``receives``: the launch's
+    :attr:`~deepcee.runtime.job.TrainConfig.receives`; ``auto``: on CPU only)."""
+    if receives == "auto":
+        return device.type != "cuda"
+    return receives == "at-step-start"
+
+
 def _aligned(n: int) -> int:
     return -(-n // ALIGN_BYTES) * ALIGN_BYTES
 
@@ -232,7 +262,20 @@ class P2P:
         self.waiter.wait(pending.work, timeout_s=self.timeout_s, what=self._what(pending, verb),
                          peer=pending.piece.peer_device)
 
+    def _reap(self) -> None:
+        """In order: drop the sends that completed (their buffers go; [Note: in-order receives])."""
+        if self.prepost or not self._sends:
+            return
+        kept = []
+        for p in self._sends:
+            if p.work is not None and p.work.is_completed():
+                self._wait(p, "sending")  # returns at once; raises what the send failed with
+            else:
+                kept.append(p)
+        self._sends = kept
+
     def _receive(self, kind: ActionKind, m: int) -> Any:
+        self._reap()
         pending = self._recvs.pop((kind, m), None) or self._post(kind, m)
         wire = self._wire(kind)
         t0 = self.clock.wall()
@@ -307,6 +350,7 @@ class P2P:
             what = "activation" if kind == K.SEND_F else "gradient"
             self._sends.append(_Pending(work=work, buf=buf, piece=p, what=f"{what} of microbatch {m}"))
             self.stats.bytes_sent[f"{self.me.device}->{p.peer_device}"] += n
+        self._reap()
 
     def send_forward(self, m: int, value: Any) -> None:
         self._send(K.SEND_F, m, value)

@@ -69,7 +69,7 @@ from deepcee.runtime.executor import Feeds, StepRecord, run_step
 from deepcee.runtime.hooks import FixedPlan, TrainerHooks
 from deepcee.runtime.job import Job, plan_digest
 from deepcee.runtime.optstep import OptimizerStep, StepOutcome, norm_owned
-from deepcee.runtime.p2p import P2P, Meta, TensorMeta, exchange_metadata
+from deepcee.runtime.p2p import P2P, Meta, TensorMeta, exchange_metadata, prepost_receives
 from deepcee.runtime.partition import replica_plan
 from deepcee.runtime.progress import RunLog, gather_rank_infos
 from deepcee.runtime.records import (
@@ -304,7 +304,7 @@ class Trainer:
         in_meta, out_meta = self.metas
         return P2P(topology=self.topo, rank=self.w.rank, device=self.w.device, timeout_s=self.cfg.timeout_s,
                    in_meta=in_meta, out_meta=out_meta, cluster=self.cluster, shaper=self.shaper, clock=self.clock,
-                   prepost=self.w.device.type != "cuda", waiter=self.w.waiter)
+                   prepost=prepost_receives(self.cfg.receives, self.w.device), waiter=self.w.waiter)
 
     def _dry_run(self, in_meta: TensorMeta | BoundaryMeta | None) -> TensorMeta | BoundaryMeta | None:
         """Per-sample output meta of this stage (``None`` on the last), from a forward of two
