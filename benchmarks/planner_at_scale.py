@@ -20,8 +20,8 @@ the bound reaches the best simulated time. For each chain it tries stages per re
 (``ceil(devices / g)`` balanced chunks for ``g`` in 1, 2, 4, 8, 16 chosen per region
 independently: every combination up to 3,125, else the same ``g`` everywhere plus one region
 changed at a time), every microbatch size, and the layer split by its own dynamic program
-over a bottleneck-plus-fill bound (memory, plan and runtime terms, with one microbatch in flight; recomputation where
-a stage does not fit). The best configurations are simulated with every schedule (compact:
+over a bottleneck-plus-fill bound (memory, plan and runtime terms, with 1F1B's microbatches in flight; recomputation
+where a stage does not fit). The best configurations are simulated with every schedule (compact:
 the builder's own schedule for the split, as the planner builds it) and their splits refined
 by moving one boundary at a time, scored by the simulator.
 
@@ -217,14 +217,15 @@ class _Reference:
 
     # -- the split ------------------------------------------------------------------------
     def split(self, slots: list[tuple[str, ...]], n: int) -> tuple[float, list[int], list[bool]] | None:
-        """Bottleneck DP (memory with one microbatch in flight; recompute where needed), then the
-        bound ``bottleneck + one microbatch through everything else``."""
+        """Bottleneck DP (memory with 1F1B's microbatches in flight, ``min(S - s, M)`` on stage
+        ``s`` of ``S``; recompute where needed), then the bound ``bottleneck + one microbatch
+        through everything else``."""
         m, L = self.batch // n, self.L
         size = L + 1
         invalid = np.tril(np.ones((size, size), dtype=bool))
         loads, per_mb, flags = [], [], []
-        for devs in slots:
-            comp, rc = self._stage(devs, _shares(self.c, devs, n), m)
+        for s, devs in enumerate(slots):
+            comp, rc = self._stage(devs, _shares(self.c, devs, n), m, min(len(slots) - s, m))
             loads.append(np.where(invalid, np.inf, comp))
             per_mb.append(comp / m)
             flags.append(rc)
@@ -270,9 +271,11 @@ class _Reference:
             t["time"][key] = (self._prefix([a + b + c for a, b, c in zip(*per, strict=True)]), self._prefix(per[0]))
         return t["time"][key]
 
-    def _stage(self, devs: tuple[str, ...], shares: tuple[int, ...], m: int) -> tuple[np.ndarray, np.ndarray]:
+    def _stage(self, devs: tuple[str, ...], shares: tuple[int, ...], m: int,
+               k: int = 1) -> tuple[np.ndarray, np.ndarray]:
         """Per range: iteration load (inf where memory does not fit even recomputing) and whether
-        the stage recomputes (only where it must); memory as the simulator's model."""
+        the stage recomputes (only where it must); memory as the simulator's model with ``k``
+        microbatches in flight."""
         t, model = self._tables(), self.m
         state = t["params"] * model.state_bytes_per_parameter
         bnd = t["bnd"]
@@ -283,16 +286,16 @@ class _Reference:
         ends = bnd.copy()
         ends[0] = ends[-1] = 0.0
         # the runtime's terms (simulator.memory.device_memory), for the runtime that runs this
-        # cluster (runtime_for: on GPUs receives in order, buffers for the microbatches in
-        # flight, here one; else every receive and send buffer of the step held at once), and
-        # the flat gradient buffer
-        held = 2 * m if runtime_for(self.c, model).receives == "at-step-start" else 1
+        # cluster (runtime_for: on GPUs receives in order, buffers for the k microbatches in
+        # flight; else every receive and send buffer of the step held at once), and the flat
+        # gradient buffer
+        held = 2 * m if runtime_for(self.c, model).receives == "at-step-start" else k
         flat = t["params"] * model.gradient_bytes_per_parameter if len(devs) > 1 else 0.0
         for d, sh in zip(devs, shares, strict=True):
             mem = self.c.memory_bytes(d)
             buffers = sh * (bnd[:, None] + bnd[None, :]) + (held - 1) * sh * (ends[:, None] + ends[None, :]) + flat
-            plain &= state + sh * t["acts"] + buffers <= mem
-            again &= state + sh * bnd[:, None] + sh * t["acts"] + buffers <= mem
+            plain &= state + k * sh * t["acts"] + buffers <= mem
+            again &= state + k * sh * bnd[:, None] + sh * t["acts"] + buffers <= mem
             fiw, f = self._time(d, sh)
             worst, worst_rc = np.maximum(worst, fiw), np.maximum(worst_rc, fiw + f)
         grad = t["params"] * model.gradient_bytes_per_parameter
@@ -325,8 +328,8 @@ class _Reference:
                                  shares=_shares(self.c, devs, n), recompute=flags[s]) for s, devs in enumerate(slots))
         base = Plan(system="reference", cluster=self.c.name, model=self.m.name, global_batch=self.batch,
                     microbatch_size=n, num_microbatches=self.batch // n, stages=stages, schedule="zb-h1")
-        # The split DP counts one microbatch in flight; schedules that keep more in flight may only
-        # fit when every stage recomputes, so both variants are simulated.
+        # The split DP counts 1F1B's microbatches in flight; schedules that keep more in flight
+        # (GPipe, ZB-H2) may only fit when every stage recomputes, so both variants are simulated.
         every = base.replace(stages=tuple(dataclasses.replace(st, recompute=True) for st in stages))
         out = [p.replace(schedule=s) for p in (base, every) for s in SCHEDULES]
         if len(stages) > 1:
