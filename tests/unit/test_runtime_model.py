@@ -225,3 +225,19 @@ def test_simulate_cli_labels_its_figures_and_takes_a_runtime(tmp_path, capsys) -
         return float(text.split("simulated: ")[1].split(" ms")[0])
 
     assert ms(theirs) > ms(ours)  # blocking sends through 20-40 ms links cost the stages their overlap
+
+
+def test_simulate_cli_takes_the_clusters_runtime_by_default(tmp_path, capsys) -> None:
+    from deepcee.cli import main
+    from deepcee.models import get_model
+    from deepcee.plan import save_json_atomic
+    from deepcee.profiler.fidelity import default_plans
+    from deepcee.scenarios import load_scenario
+
+    # local-small's device names exist on the testbed (RTX 3090s)
+    plan = default_plans(load_scenario("cee-testbed"), get_model("gpt-tiny"))[0].replace(cluster="cee-testbed")
+    save_json_atomic(tmp_path / "plan.json", plan.to_dict())
+    assert main(["simulate", str(tmp_path / "plan.json")]) == 0
+    assert "runtime: deepcee on CUDA (mode realnet)" in capsys.readouterr().out  # RTX 3090s
+    assert main(["simulate", str(tmp_path / "plan.json"), "--runtime", "deepcee"]) == 0
+    assert "runtime: deepcee (mode realnet)" in capsys.readouterr().out

@@ -240,9 +240,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--straggler", action="append", default=[], metavar="DEVICE:FACTOR[:START[:STOP]]",
                    help="slow DEVICE down FACTOR times from START to STOP (simulated seconds; default the whole "
                         "run); repeatable")
-    p.add_argument("--runtime", choices=("deepcee", "deepspeed"), default="deepcee",
-                   help="simulate the plan as run by deepcee's runtime or a DeepSpeed-style one (blocking in-stream "
-                   "sends, gradient clipping, a collective at every step's end)")
+    p.add_argument("--runtime", choices=("deepcee", "deepcee-cuda", "deepspeed"), default=None,
+                   help="simulate the plan as run by deepcee's runtime on CPU/gloo, on CUDA (receives in order), or "
+                   "a DeepSpeed-style one (blocking in-stream sends, gradient clipping, a collective at every "
+                   "step's end); default: deepcee's on the cluster's devices (CUDA for GPUs)")
     p.add_argument("--mode", choices=("realnet", "emulated", "real"), default="realnet",
                    help="deepcee's launch mode whose behaviour to assume (default realnet: records out of band)")
     p.set_defaults(func=cmd_simulate)

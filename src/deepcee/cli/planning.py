@@ -91,9 +91,11 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         cluster = _apply_trace(cluster, args.link_trace, args.trace_links)
     if plan.num_replicas > 1 or args.straggler:
         return _simulate_replicas(args, plan, cluster, model)
-    from deepcee.simulator.runtime_model import runtime_model
+    from deepcee.simulator.runtime_model import on_gpus, runtime_model
 
-    runtime = runtime_model(args.runtime, mode=args.mode)
+    # default: deepcee's runtime on the cluster's devices, as the planner planned it
+    name = args.runtime or ("deepcee-cuda" if on_gpus(cluster, model) else "deepcee")
+    runtime = runtime_model(name, mode=args.mode)
     result = simulate(plan, cluster, model, iterations=args.iterations, runtime=runtime)
     print(f"plan {args.plan}: {plan.system}, {plan.num_stages} stages, schedule {plan.schedule}, "
           f"{plan.num_microbatches} x {plan.microbatch_size} samples")
