@@ -30,7 +30,9 @@ is the most microbatches between their ``I`` and their ``W`` at once
   (deepcee) every receive of the step is allocated at once and every send buffer is held
   until the step ends, ``(2 M - 1) x n x (in + out)`` more, where ``in`` / ``out`` are the
   boundary bytes the stage receives and sends (none at the pipeline's ends); with receives
-  posted as the schedule reaches them, ``(k - 1) x n x (in + out)`` more; on a stage of
+  posted as the schedule reaches them and send buffers freed as their sends complete
+  (deepcee on CUDA, ``deepcee-cuda``: [Note: in-order receives] in :mod:`deepcee.runtime.p2p`),
+  ``(k - 1) x n x (in + out)`` more, the microbatches in flight only; on a stage of
   several devices the all-reduce's flat gradient buffer, ``parameters x gradient bytes``
   (not with ``zero2``, whose reduce-scatter runs in buckets);
 - the other layers' parameters when the runtime builds every layer on every rank's host
