@@ -244,7 +244,10 @@ def compact_plan(plan: Plan, cluster: Cluster, model: ModelProfile, cost: StageC
         limits.append(k)
     costs = {"num_microbatches": plan.num_microbatches, "forward_s": cost.forward_s,
              "input_grad_s": cost.input_grad_s, "weight_grad_s": cost.weight_grad_s,
-             "comm_forward": [b.forward for b in cost.boundaries],
-             "comm_backward": [b.backward for b in cost.boundaries], "memory_limit": limits}
+             # the builder takes latencies >= 0: a shared pipe's earlier first delivery
+             # ([Note: shared pipe delivery]) is the cost model's, not the builder's
+             "comm_forward": [(max(0.0, b.forward[0]), b.forward[1]) for b in cost.boundaries],
+             "comm_backward": [(max(0.0, b.backward[0]), b.backward[1]) for b in cost.boundaries],
+             "memory_limit": limits}
     sched = build_compact(**costs) if rules is None else search_compact(**costs, rules=rules).schedule
     return plan.replace(schedule="compact", actions=format_schedule(sched))

@@ -49,16 +49,19 @@ def boundary_arrays(cluster: Cluster, tables: RangeTables, src: tuple[str, ...],
     for i, j, lo, hi in share_pairs(src_shares, dst_shares):
         for d, a, b in ((0, src[i], dst[j]), (1, dst[j], src[i])):
             link = cluster.link(a, b)
-            r = per[d].setdefault(link.resource, [0.0, 0.0, link.bandwidth_bytes_per_s])
+            r = per[d].setdefault(link.resource, [0.0, 0.0, link.bandwidth_bytes_per_s, 0])
             r[0] += hi - lo
             r[1] = max(r[1], link.latency_s)
+            r[3] += 1
     bnd = tables.boundary_bytes
     out = []
     for d in range(2):
-        sers = np.outer([samples / bw for samples, _, bw in per[d].values()], bnd)
-        lats = np.array([lat for _, lat, _ in per[d].values()])[:, None]
+        sers = np.outer([samples / bw for samples, _, bw, _ in per[d].values()], bnd)
+        firsts = np.outer([samples / bw / k for samples, _, bw, k in per[d].values()], bnd)
+        lats = np.array([lat for _, lat, _, _ in per[d].values()])[:, None]
         ser = sers.max(axis=0)
-        out += [(sers + lats).max(axis=0) - ser, ser]
+        # delivery of one piece on a shared pipe ([Note: shared pipe delivery] in cost_model)
+        out += [(firsts + lats).max(axis=0) - ser, ser]
     return BoundaryArrays(*out)
 
 
