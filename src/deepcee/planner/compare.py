@@ -23,7 +23,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from deepcee.cluster import Cluster
 from deepcee.errors import DeepceeError, InfeasiblePlanError
@@ -48,11 +48,15 @@ from deepcee.planner.efficiency import (
     time_to_target,
 )
 from deepcee.planner.options import PlannerOptions
+from deepcee.planner.sweep_pool import PoolPlanner
 from deepcee.profile import ModelProfile
 from deepcee.schedule.ir import ActionKind
 from deepcee.schedule.program import lowered_schedule
 from deepcee.simulator.engine import simulate, to_estimate
 from deepcee.units import GIB
+
+if TYPE_CHECKING:
+    from deepcee.planner.search import PlanResult
 
 log = logging.getLogger(__name__)
 
@@ -232,9 +236,10 @@ SWEEP_SEARCH = {"sweep_top": 4, "model_top": 3, "refine_top": 1, "compact_top": 
 
 
 def _deepcee(cluster: Cluster, model: ModelProfile, global_batch: int, *, use_all_devices: bool = False,
-             light: bool = False) -> tuple[Plan, float, tuple[float, float]]:
-    """deepcee's plan, re-simulated, the planning time, and (best simulated samples/s of a
-    counterfactual that uses a device the plan leaves out, of one that does not).
+             light: bool = False) -> tuple[Plan, float, tuple[float, float], PlanResult]:
+    """deepcee's plan, re-simulated, the planning time, (best simulated samples/s of a
+    counterfactual that uses a device the plan leaves out, of one that does not), and the
+    search's result.
 
     ``use_all_devices`` forbids leaving any device out; ``light`` uses :data:`SWEEP_SEARCH`.
     """
@@ -247,7 +252,8 @@ def _deepcee(cluster: Cluster, model: ModelProfile, global_batch: int, *, use_al
     used = set(plan.devices)
     with_ = [c.plan.estimate.samples_per_s for c in result.counterfactuals if set(c.plan.devices) - used]
     without = [c.plan.estimate.samples_per_s for c in result.counterfactuals if set(c.plan.devices) <= used]
-    return plan, time.perf_counter() - t0, (max(with_, default=0.0), max([plan.estimate.samples_per_s, *without]))
+    return (plan, time.perf_counter() - t0, (max(with_, default=0.0), max([plan.estimate.samples_per_s, *without])),
+            result)
 
 
 def _planned(cluster: Cluster, model: ModelProfile, batch: int, *, use_all_devices: bool = False) -> Plan | None:
@@ -293,10 +299,12 @@ def compare(cluster: Cluster, model: ModelProfile, global_batch: int, *, crossov
     t0 = time.perf_counter()
     check_planning(cluster, model, global_batch)  # before the baselines, which plan too
     planned: tuple[float, float] | None = None
+    result = None
     try:
         got = _deepcee(cluster, model, global_batch)
         plan, planning_s = got[0], got[1]
         planned = got[2] if len(got) > 2 else None
+        result = got[3] if len(got) > 3 else None
         reason = ""
     except InfeasiblePlanError as exc:
         # reported as a row without a plan, like a baseline that does not fit
@@ -323,7 +331,12 @@ def compare(cluster: Cluster, model: ModelProfile, global_batch: int, *, crossov
     if line and crossover:
         if planned is not None and set(kept) != set(plan.devices):
             planned = None  # a baseline's kept devices: the plan's counterfactuals do not apply
-        study = crossover_study(cluster, model, global_batch, kept, planner=_planned, planned=planned)
+        if result is not None:  # the sweeps re-score this search's candidates and the baselines' plans
+            pool = PoolPlanner([plan, *(c.plan for c in result.counterfactuals),
+                                *(b.plan for b in baselines if b.plan is not None)], [c.plan for c in result.scored])
+            study = crossover_study(cluster, model, global_batch, kept, planner=pool, planned=planned, baselines=False)
+        else:
+            study = crossover_study(cluster, model, global_batch, kept, planner=_planned, planned=planned)
     return CompareReport(
         cluster=cluster.name, model=model.name, global_batch=global_batch, source=figure_source(cluster, model),
         bound=bound, rows=tuple(rows), fraction_of_bound=sps / bound.samples_per_s, leave_out=line,

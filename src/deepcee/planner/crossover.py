@@ -14,10 +14,13 @@ left-out device: deepcee planning on the whole cluster with exclusion forbidden 
 device used), deepcee's free plan when it uses one, and the baselines that use one.
 The bandwidth sweep sets every inter-island link that touches a left-out device's island
 (and, inside an island, every link between a kept node and a left-out node) to the swept
-bandwidth, latency unchanged; the batch sweep keeps the links as they are. The sweeps plan
-with a lighter search (:data:`deepcee.planner.compare.SWEEP_SEARCH`: fewer candidates refined and confirmed by the
-simulator) to keep ~60 plans affordable, so their figures can sit slightly below a full
-search's. The crossover is the first sweep value where "with" beats "without" after a
+bandwidth, latency unchanged; the batch sweep keeps the links as they are. ``compare``'s
+sweeps re-score the full search's candidates and the baselines' plans at every point
+(:class:`deepcee.planner.sweep_pool.PoolPlanner`, [Note: sweep pool]) instead of searching
+and building the baselines again (469 CPU s at 512 devices); a caller's own planner (or
+:func:`deepcee.planner.compare._planned`, a lighter search per point) with ``baselines=True``
+builds the baselines at every point. Either way the figures can sit slightly below a full
+search's at that point. The crossover is the first sweep value where "with" beats "without" after a
 value where it did not, interpolated on log scales.
 """
 
@@ -125,7 +128,7 @@ class _Memo:
 
 
 def with_without(cluster: Cluster, model: ModelProfile, batch: int, kept: Sequence[str], *,
-                 planner: SweepPlanner) -> tuple[float, float]:
+                 planner: SweepPlanner, baselines: bool = True) -> tuple[float, float]:
     """(best samples/s using a left-out device, best samples/s on the kept devices only)."""
     kept_set = set(kept)
     without: list[float] = []
@@ -137,7 +140,7 @@ def with_without(cluster: Cluster, model: ModelProfile, batch: int, kept: Sequen
     for plan in (planner(cluster.subset(kept), model, batch), free, every):
         if plan is not None:
             (without if set(plan.devices) <= kept_set else with_).append(plan.estimate.samples_per_s)
-    for b in build_baselines(cluster, model, batch):
+    for b in build_baselines(cluster, model, batch) if baselines else ():
         if b.plan is not None:
             (without if set(b.plan.devices) <= kept_set else with_).append(b.samples_per_s)
     return max(with_, default=0.0), max(without, default=0.0)
@@ -206,13 +209,14 @@ def _sweep(parameter: str, values: Sequence[float], evaluate: Callable[[float], 
 def crossover_study(cluster: Cluster, model: ModelProfile, global_batch: int, kept: Sequence[str], *,
                     planner: SweepPlanner, batches: Sequence[int] = SWEEP_BATCHES,
                     bandwidths_bytes_per_s: Sequence[float] = SWEEP_BANDWIDTHS_BYTES_PER_S,
-                    planned: tuple[float, float] | None = None) -> Crossover:
+                    planned: tuple[float, float] | None = None, baselines: bool = True) -> Crossover:
     """Sweep the global batch and the kept-to-left-out bandwidth. See [Note: crossover].
 
     ``planned``: (best samples/s with a left-out device, best without) at the planned point
     from the full search (the plan itself and its counterfactuals, all simulated); the batch
     sweep includes ``global_batch`` and takes the better of those and its own figures there, so
-    the curves pass through the plan's own numbers."""
+    the curves pass through the plan's own numbers. ``baselines=False``: the baselines are not
+    built again at every point (the planner holds their plans, [Note: sweep pool])."""
     left_out = tuple(d for d in cluster.device_names if d not in set(kept))
     if not left_out:
         raise DeepceeError("crossover needs left-out devices; every device is kept")
@@ -221,10 +225,11 @@ def crossover_study(cluster: Cluster, model: ModelProfile, global_batch: int, ke
 
     def at_bandwidth(bw: float) -> tuple[float, float]:
         entries, _ = slow_link_entries(cluster, kept, bw)
-        return with_without(cluster.with_links(entries), model, global_batch, kept, planner=planner)
+        return with_without(cluster.with_links(entries), model, global_batch, kept, planner=planner,
+                            baselines=baselines)
 
     def at_batch(b: float) -> tuple[float, float]:
-        w, wo = with_without(cluster, model, int(b), kept, planner=planner)
+        w, wo = with_without(cluster, model, int(b), kept, planner=planner, baselines=baselines)
         if planned is not None and int(b) == global_batch:
             w, wo = max(w, planned[0]), max(wo, planned[1])
         return w, wo
