@@ -191,8 +191,10 @@ def share_pairs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, 
 
 
 def boundary_cost(cluster: Cluster, src: StagePlan, dst: StagePlan, bytes_per_sample: float,
-                  at_s: float = 0.0) -> BoundaryCost:
-    """Per-microbatch transfer cost between two adjacent stages (see the module docstring, 2)."""
+                  at_s: float = 0.0, *, first_delivery: bool = True) -> BoundaryCost:
+    """Per-microbatch transfer cost between two adjacent stages (see the module docstring, 2).
+    ``first_delivery=False``: the boundary is delivered when its busiest pipe is done (what the
+    compact builder plans with, see :func:`stage_costs`)."""
     per: list[dict[str, list[float]]] = [defaultdict(lambda: [0.0, 0.0, 0.0]), defaultdict(lambda: [0.0, 0.0, 0.0])]
     # per direction, receiver and resource: (serialisation of its pieces there, latency)
     own: list[dict[tuple[str, str], list[float]]] = [defaultdict(lambda: [0.0, 0.0]), defaultdict(lambda: [0.0, 0.0])]
@@ -211,7 +213,8 @@ def boundary_cost(cluster: Cluster, src: StagePlan, dst: StagePlan, bytes_per_sa
     pairs = []
     for d in range(2):
         ser = max((r[0] for r in per[d].values()), default=0.0)
-        pairs.append((_first_delivery_s(own[d]) - ser, ser))
+        done = _first_delivery_s(own[d]) if first_delivery else max((r[0] + r[1] for r in per[d].values()), default=0.0)
+        pairs.append((done - ser, ser))
     worst = max(per[0].items(), key=lambda kv: (kv[1][0] + kv[1][1], kv[0]))
     busiest = max(per[0].values(), key=lambda r: r[0])
     return BoundaryCost(forward=pairs[0], backward=pairs[1],
@@ -257,7 +260,9 @@ class StageCosts:
 def stage_costs(plan: Plan, cluster: Cluster, model: ModelProfile) -> StageCosts:
     """:class:`StageCosts` of ``plan``."""
     fiw = [stage_pass_s(model, cluster, st, "FIW") for st in plan.stages]
-    bounds = tuple(boundary_cost(cluster, a, b, model.boundary_bytes(a.layer_stop))
+    # the builder's own timing keeps a boundary whole (its latencies are >= 0, and the schedules
+    # it builds were tuned on it); the cost model times what it builds per [Note: shared pipe delivery]
+    bounds = tuple(boundary_cost(cluster, a, b, model.boundary_bytes(a.layer_stop), first_delivery=False)
                    for a, b in zip(plan.stages, plan.stages[1:], strict=False))
     return StageCosts(forward_s=tuple(x[0] for x in fiw), input_grad_s=tuple(x[1] for x in fiw),
                       weight_grad_s=tuple(x[2] for x in fiw), boundaries=bounds)
