@@ -10,8 +10,8 @@ distinct (stage devices, layer split, sync, schedule) of the plan, its counterfa
 baselines' plans, and of the best plans the full search's cost model scored (at most
 ``per_device_set`` per set of devices, ``pool`` entries in all), rebuilds each at the point (its own
 microbatch size where it divides the batch, else the nearest sizes that do, within 4x; a
-schedule as it is (a compact one where the microbatch count is its own) and as ZB-H2 and
-1F1B), scores them with the cost model, drops those that do not fit memory, and
+schedule as it is (a compact one where the microbatch count is its own), a compact one
+also as ZB-H2 and a GPipe one also as 1F1B), scores them with the cost model, drops those that do not fit memory, and
 simulates the best ``confirm`` of them. So every figure of the sweeps is a plan of the full
 search's (or a baseline's) layouts, scored by the simulator; what the sweeps do not do is look
 for new chains or layouts at the point, or build the baselines again there (a batch far from
@@ -30,10 +30,16 @@ from deepcee.planner.space import StageLayout, build_plan
 from deepcee.profile import ModelProfile
 from deepcee.simulator.engine import simulate, to_estimate
 
-STANDINS = ("zb-h2", "1f1b")
-"""Fixed schedules every entry is also rebuilt with: a compact schedule is built for one
-microbatch count (ZB-H2 is the fixed schedule nearest it), and GPipe's in-flight count grows
-with the batch (1F1B holds at most the stage count)."""
+STANDINS = {"compact": "zb-h2", "gpipe": "1f1b"}
+"""The fixed schedule an entry is rebuilt with besides (or, for a compact schedule at another
+microbatch count, instead of) its own: a compact schedule is built for one microbatch count
+(ZB-H2 is the fixed schedule nearest it), and GPipe's in-flight count grows with the batch
+(1F1B holds at most the stage count)."""
+
+
+def _schedules(schedule: str, same_count: bool) -> tuple[str, ...]:
+    own = (schedule,) if schedule != "compact" or same_count else ()
+    return own + ((STANDINS[schedule],) if schedule in STANDINS else ())
 
 
 def _entry(plan: Plan) -> tuple:
@@ -57,7 +63,7 @@ class PoolPlanner:
     [Note: sweep pool]."""
 
     def __init__(self, plans: Iterable[Plan], scored: Iterable[Plan] = (), *, per_device_set: int = 3,
-                 pool: int = 40, confirm: int = 1) -> None:
+                 pool: int = 24, confirm: int = 1) -> None:
         entries = dict.fromkeys(_entry(p) for p in plans)
         per_set: dict[frozenset[str], int] = {}
         for p in scored:  # best first: at most ``per_device_set`` of each set of devices used
@@ -88,8 +94,7 @@ class PoolPlanner:
             for size in _sizes(global_batch, n):
                 # a compact action list is kept where the microbatch count is its own
                 same = actions and size * m == global_batch
-                own = (schedule,) if schedule != "compact" or same else ()
-                for sched in own + tuple(x for x in STANDINS if x != schedule):
+                for sched in _schedules(schedule, bool(same)):
                     key = (slots, split, sync, recompute, size, sched)
                     if key in scored:
                         found += [scored[key]] if scored[key] is not None else []
