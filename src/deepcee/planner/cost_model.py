@@ -158,8 +158,12 @@ class PlanCost:
 def stage_pass_s(model: ModelProfile, cluster: Cluster, stage: StagePlan, passes: str = "FIWB") -> tuple[float, ...]:
     """Each of ``passes`` for one microbatch on the stage: the slowest device with its share."""
     best = [0.0] * len(passes)
+    seen: set[tuple] = set()  # devices of one kind, slowdown and share take the same time
     for dev, share in zip(stage.devices, stage.shares, strict=True):
         kind, slow = cluster.kind_of(dev), cluster.device(dev).slowdown
+        if (kind.name, slow, share) in seen:
+            continue
+        seen.add((kind.name, slow, share))
         f = model.time_s(stage.layer_start, stage.layer_stop, "F", share, kind, slow) if stage.recompute else 0.0
         for k, p in enumerate(passes):
             # a recomputing stage runs its forward again before I and B ([Note: recompute timing])

@@ -211,6 +211,7 @@ class _Simulation:
         self.devices = list(plan.devices)
         self.stage_of = [plan.stage_of(d) for d in self.devices]
         self.resources: list[str] = []
+        self._same: dict[tuple, tuple[float, float, float, float]] = {}
         pieces, expected = self._link_tables()
         self.tables = Tables(
             rows=self.lowered, stage_of=tuple(self.stage_of), durations=tuple(self._durations(d) for d in self.devices),
@@ -243,13 +244,17 @@ class _Simulation:
 
     def _durations(self, device: str) -> tuple[float, float, float, float]:
         """``F``, ``I``, ``W``, ``B`` of one microbatch on ``device`` with its share."""
-        st = self.plan.stages[self.plan.stage_of(device)]
+        s = self.plan.stage_of(device)
+        st = self.plan.stages[s]
         share = st.shares[st.devices.index(device)]
         kind, slowdown = self.cluster.kind_of(device), self.cluster.device(device).slowdown
-        f, i, w, b = (self.model.time_s(st.layer_start, st.layer_stop, p, share, kind, slowdown) for p in "FIWB")
-        if st.recompute:  # the forward runs again just before the backward (see [Note: recompute timing])
-            i, b = i + f, b + f
-        return f, i, w, b
+        key = (s, kind.name, slowdown, share)  # a stage's devices of one kind and share take the same
+        if key not in self._same:
+            f, i, w, b = (self.model.time_s(st.layer_start, st.layer_stop, p, share, kind, slowdown) for p in "FIWB")
+            if st.recompute:  # the forward runs again just before the backward (see [Note: recompute timing])
+                i, b = i + f, b + f
+            self._same[key] = (f, i, w, b)
+        return self._same[key]
 
     def run(self, start_s: float, iterations: int) -> None:
         self.exe = Execution(self.tables, start_s=start_s, record=True)
@@ -392,11 +397,15 @@ def peak_memory(plan: Plan, cluster: Cluster, model: ModelProfile,
     live = recomputed_live(lowered_schedule(plan)) if any(st.recompute for st in plan.stages) else ()
     out = {}
     for s, st in enumerate(plan.stages):
+        same: dict[tuple[int, str], float] = {}  # a stage's devices of one kind and share need the same
         for d, share in zip(st.devices, st.shares, strict=True):
-            out[d] = device_memory(model, st.layer_start, st.layer_stop, share=share, in_flight=in_flight[s],
-                                   num_microbatches=plan.num_microbatches, kind=cluster.device(d).kind,
-                                   sync=plan.sync, stage_devices=len(st.devices), runtime=runtime,
-                                   recompute=st.recompute, recompute_live=live[s] if live else 1).total_bytes
+            kind = cluster.device(d).kind
+            if (share, kind) not in same:
+                same[share, kind] = device_memory(
+                    model, st.layer_start, st.layer_stop, share=share, in_flight=in_flight[s],
+                    num_microbatches=plan.num_microbatches, kind=kind, sync=plan.sync, stage_devices=len(st.devices),
+                    runtime=runtime, recompute=st.recompute, recompute_live=live[s] if live else 1).total_bytes
+            out[d] = same[share, kind]
     return out
 
 
