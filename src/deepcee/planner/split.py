@@ -46,28 +46,19 @@ def boundary_arrays(cluster: Cluster, tables: RangeTables, src: tuple[str, ...],
                     dst: tuple[str, ...], dst_shares: tuple[int, ...]) -> BoundaryArrays:
     """One boundary between device sets ``src`` and ``dst`` for every boundary layer (see the module docstring)."""
     per: list[dict[str, list[float]]] = [{}, {}]
-    own: list[dict[tuple[str, str], list[float]]] = [{}, {}]
     for i, j, lo, hi in share_pairs(src_shares, dst_shares):
         for d, a, b in ((0, src[i], dst[j]), (1, dst[j], src[i])):
             link = cluster.link(a, b)
             r = per[d].setdefault(link.resource, [0.0, 0.0, link.bandwidth_bytes_per_s])
             r[0] += hi - lo
             r[1] = max(r[1], link.latency_s)
-            o = own[d].setdefault((b, link.resource), [0.0, 0.0])
-            o[0] += (hi - lo) / link.bandwidth_bytes_per_s
-            o[1] = max(o[1], link.latency_s)
     bnd = tables.boundary_bytes
     out = []
     for d in range(2):
         sers = np.outer([samples / bw for samples, _, bw in per[d].values()], bnd)
+        lats = np.array([lat for _, lat, _ in per[d].values()])[:, None]
         ser = sers.max(axis=0)
-        # delivery: the latest receiver's own pieces ([Note: shared pipe delivery] in cost_model)
-        done: dict[str, np.ndarray] = {}
-        for (dev, _), (per_byte, lat) in own[d].items():
-            t = per_byte * bnd + lat
-            done[dev] = np.maximum(done[dev], t) if dev in done else t
-        first = np.max(list(done.values()), axis=0) if done else np.zeros_like(ser)
-        out += [first - ser, ser]
+        out += [(sers + lats).max(axis=0) - ser, ser]
     return BoundaryArrays(*out)
 
 
