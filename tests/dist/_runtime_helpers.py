@@ -25,6 +25,13 @@ from deepcee.runtime.job import OptimizerConfig
 from deepcee.runtime.p2p import P2P, TensorMeta
 from deepcee.runtime.partition import Topology
 
+RTOL, ATOL = 1e-10, 1e-12
+"""Float64 closeness of a distributed run to its single-process reference."""
+SGD = OptimizerConfig(name="sgd", lr=0.05, momentum=0.9)
+ADAM = OptimizerConfig(name="adamw", lr=1e-2, weight_decay=0.01)
+C0, C1, E0, E1, N0 = "cloud0:0", "cloud0:1", "edge0:0", "edge0:1", "end0:0"
+"""The devices of the local-small scenario."""
+
 
 def make_plan(model: str, stages: list[tuple[int, int, tuple[str, ...], tuple[int, ...]]], num_microbatches: int,
               schedule: str, actions: tuple[tuple[str, ...], ...] = ()) -> Plan:

@@ -11,7 +11,7 @@ import time
 
 import pytest
 import torch
-from _runtime_helpers import load_captures, make_plan, reference
+from _runtime_helpers import ATOL, ADAM, C0, C1, E0, E1, N0, RTOL, SGD, load_captures, make_plan, reference
 
 from deepcee.errors import SpecError
 from deepcee.runtime.job import Job, OptimizerConfig, TrainConfig
@@ -21,11 +21,7 @@ from deepcee.scenarios import load_scenario
 pytestmark = pytest.mark.dist
 
 DEADLINE_S = 150
-RTOL, ATOL = 1e-10, 1e-12
 STEPS = 3
-SGD = OptimizerConfig(name="sgd", lr=0.05, momentum=0.9)
-ADAM = OptimizerConfig(name="adamw", lr=1e-2, weight_decay=0.01)
-C0, C1, E0, E1, N0 = "cloud0:0", "cloud0:1", "edge0:0", "edge0:1", "end0:0"
 
 CASES = {
     # 3 stages, the first on two devices with uneven shares, 6 microbatches

@@ -25,6 +25,15 @@ from pathlib import Path
 import pytest
 import torch
 from _runtime_helpers import (
+    ADAM,
+    ATOL,
+    C0,
+    C1,
+    E0,
+    E1,
+    N0,
+    RTOL,
+    SGD,
     RegressionData,
     hf_gpt2_blocks,
     lm_loss,
@@ -46,12 +55,8 @@ from deepcee.scenarios import load_scenario
 pytestmark = pytest.mark.dist
 
 DEADLINE_S = 240
-RTOL, ATOL = 1e-10, 1e-12
 STEPS = 3
-SGD = OptimizerConfig(name="sgd", lr=0.05, momentum=0.9)
-ADAM = OptimizerConfig(name="adamw", lr=1e-2, weight_decay=0.01)
 ADAM_ISSUE = OptimizerConfig(name="adamw", lr=3e-3)  # the issue's two-device case
-C0, C1, E0, E1, N0 = "cloud0:0", "cloud0:1", "edge0:0", "edge0:1", "end0:0"
 MSE = nn.functional.mse_loss
 TEXT = ByteTextDataset(seq_len=16)
 HAVE_HF = importlib.util.find_spec("transformers") is not None
