@@ -68,7 +68,7 @@ def chunk_bounds(nbytes: int, link: Link | None) -> list[tuple[int, int]]:
     if link is None:
         return [(0, nbytes)]
     chunk = max(MIN_CHUNK_BYTES, int(link.bandwidth_bytes_per_s * CHUNK_S))
-    return [(lo, min(lo + chunk, nbytes)) for lo in range(0, max(nbytes, 1), chunk)] or [(0, nbytes)]
+    return [(lo, min(lo + chunk, nbytes)) for lo in range(0, max(nbytes, 1), chunk)]
 
 
 class ChunkedWork:
@@ -122,7 +122,6 @@ class _Lane:
     def __init__(self, dst: int, wall: Callable[[], float], timeout_s: float) -> None:
         self.dst, self.wall, self.timeout_s = dst, wall, timeout_s
         self.queue: deque[_Chunk] = deque()
-        self.busy = False
         self.cv = threading.Condition()
         threading.Thread(target=self._run, name=f"deepcee-pacer-{dst}", daemon=True).start()
 
@@ -131,16 +130,12 @@ class _Lane:
             self.queue.extend(chunks)
             self.cv.notify_all()
 
-    def idle(self) -> bool:
-        return not self.queue and not self.busy
-
     def _run(self) -> None:
         next_at = 0.0
         while True:
             with self.cv:
                 self.cv.wait_for(lambda: bool(self.queue))
                 c = self.queue.popleft()
-                self.busy = True
             delay = next_at - self.wall()
             if delay > 0:
                 time.sleep(delay)
@@ -150,12 +145,9 @@ class _Lane:
             except BaseException as exc:  # the message fails; its sender sees it in flush
                 c.message.error = exc
             next_at = self.wall() + c.wire_s
-            with self.cv:
-                c.message.left -= 1
-                if c.message.left == 0 or c.message.error is not None:
-                    c.message.done.set()
-                self.busy = False
-                self.cv.notify_all()
+            c.message.left -= 1  # a message's chunks are all in this lane: only this thread counts them
+            if c.message.left == 0 or c.message.error is not None:
+                c.message.done.set()
 
 
 class Pacer:
@@ -173,8 +165,9 @@ class Pacer:
         rate = link.bandwidth_at(at_s) * WIRE_EFFICIENCY / self.dilation  # wall bytes per second
         bounds = chunk_bounds(buf.numel(), link)
         message = PacedSend(len(bounds))
-        lane = self._lanes.get(dst) or self._lanes.setdefault(dst, _Lane(dst, self.wall, self.timeout_s))
-        lane.put([_Chunk(data=buf[lo:hi], tag=tag, wire_s=(hi - lo) / rate, message=message) for lo, hi in bounds])
+        if dst not in self._lanes:
+            self._lanes[dst] = _Lane(dst, self.wall, self.timeout_s)
+        self._lanes[dst].put([_Chunk(data=buf[lo:hi], tag=tag, wire_s=(hi - lo) / rate, message=message) for lo, hi in bounds])
         return message
 
 
