@@ -92,7 +92,11 @@ def save(t: Trainer, step: int) -> None:
     root = t.ckpt_root()
     folder = ckpt.step_dir(root, step)
     if t.w.rank == 0:
-        ckpt.clear_for_write(folder)  # before the save's first collective, so no rank has written yet
+        ckpt.clear_for_write(folder)
+    # every rank waits for the clear: DCP's save makes the folder on each rank before its first
+    # collective, so a rank running ahead could make it while rank 0 removes it (seen in CI:
+    # FileExistsError from pathlib's mkdir on a folder removed between its mkdir and is_dir)
+    t.w.waiter.call(lambda: dist.barrier(group=t.job_group), what=f"clearing checkpoint step {step}")
     state: dict[str, torch.Tensor] = {}
     if _writes(t):
         start, stop = _stage_span(t)
