@@ -57,7 +57,8 @@ FIELDS: dict[str, dict[str, Field]] = {
                     "min_lr_ratio": _f("min_lr_ratio"), "decay_steps": _f("decay_steps")},
     "checkpoint": {"every": _f("checkpoint_every"), "keep": _f("keep_checkpoints"), "resume": _f("resume"),
                    "dir": _f("checkpoint_dir", "output"), "init_from": _f("init_from", "input")},
-    "eval": {"every": _f("eval_every"), "batches": _f("eval_batches"), "target_loss": _f("target_loss")},
+    "eval": {"every": _f("eval_every"), "batches": _f("eval_batches"), "target_loss": _f("target_loss"),
+             "probes": _f("probes")},
     "logging": {"every": _f("log_every"), "tensorboard": _f("tensorboard"), "trace": _f("trace")},
     "run": {"dir": _f("run_dir", "output"), "cluster_node": _f("cluster_node")},
     "faults": {"elastic": _f("elastic"), "restart_after_s": _f("restart_after"), "link_down": _f("link_down")},
@@ -85,7 +86,7 @@ def _flag(action: argparse.Action) -> str:
 
 def _convert(value: Any, action: argparse.Action) -> Any:
     """``value`` from the file checked and converted as the flag would be; raises ValueError."""
-    if isinstance(action, argparse._StoreTrueAction | argparse._StoreFalseAction):
+    if isinstance(action, argparse._StoreTrueAction | argparse._StoreFalseAction | argparse.BooleanOptionalAction):
         if not isinstance(value, bool):
             raise ValueError(f"must be true or false, got {value!r}")
         return value

@@ -115,6 +115,10 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target-loss", type=number(TARGET_LOSS), default=None,
                    help="stop at the first evaluation whose loss is <= this and report the time to it "
                         "(needs --eval-every; --steps stays the cap)")
+    p.add_argument("--probes", action=argparse.BooleanOptionalAction, default=None,
+                   help="model averaging: also evaluate the replicas' average (off the clock, training untouched) "
+                        "at multiples of --eval-every between averages, as probe_loss (default: on with "
+                        "--eval-every for blocking model averaging)")
     p.add_argument("--log-every", type=number(EVERY), default=10, help="a progress line every N steps (0: none)")
     p.add_argument("--tensorboard", action="store_true", help="TensorBoard scalars in <run-dir>/tensorboard")
     p.add_argument("--timeout", type=number(TIMEOUT), default=120.0, help="seconds any receive or collective may wait")
@@ -322,7 +326,7 @@ def _config(args: argparse.Namespace, cluster: Cluster | None = None) -> TrainCo
         clip_grad_norm=args.clip_grad_norm, autocast=args.autocast,
         timeout_s=args.timeout, checkpoint_every=args.checkpoint_every, keep_checkpoints=args.keep_checkpoints,
         resume=args.resume, init_from=args.init_from, eval_every=args.eval_every, eval_batches=args.eval_batches,
-        target_loss=args.target_loss,
+        target_loss=args.target_loss, probes=args.probes,
         log_every=args.log_every, tensorboard=args.tensorboard, trace=args.trace, use_cuda=args.cuda,
     )
 

@@ -108,6 +108,13 @@ class TrainConfig:
     """Evaluation loss on the dataset's held-out batches every this many steps (0: never)."""
     eval_batches: int = 4
     """Held-out global batches per evaluation (at most)."""
+    probes: bool | None = None
+    """Model averaging: at every multiple of ``eval_every`` that is not right after an average,
+    evaluate the model the replicas would hold if they averaged then, training left untouched
+    ([Note: probe evaluations] in :mod:`deepcee.runtime.strategies`); recorded as
+    ``probe_loss``, never as ``eval_loss``, and never judged against the target. ``None``: on
+    for blocking model averaging with ``eval_every``, off otherwise (overlapped averaging
+    refuses them); other strategies ignore it."""
     target_loss: float | None = None
     """Stop at the first evaluation whose loss is at or below this (needs ``eval_every``;
     :mod:`deepcee.runtime.target`); ``None``: run every step."""
@@ -171,6 +178,11 @@ class TrainConfig:
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise SpecError(f"must be an integer >= 0, got {v!r}", field=name)
         check_target_loss(self.target_loss)
+        if self.probes is not None and not isinstance(self.probes, bool):
+            raise SpecError(f"must be true, false or unset, got {self.probes!r}", field="probes")
+        if self.probes and not self.eval_every:
+            raise SpecError("probes are taken at multiples of eval_every: set eval_every (--eval-every) too",
+                            field="probes")
         if self.target_loss is not None and not self.eval_every:
             raise SpecError("a target loss is checked at evaluations: set eval_every (--eval-every) too",
                             field="target_loss")

@@ -227,6 +227,9 @@ class StepMetrics:
     """Global gradient norm before clipping (every stage, device and replica; measured when clipping)."""
     eval_loss: float | None = None
     """Mean loss on the held-out batches after this step, when evaluated."""
+    probe_loss: float | None = None
+    """Model averaging between averages: the held-out loss of the average the replicas would
+    take after this step (a probe; [Note: probe evaluations] in :mod:`deepcee.runtime.strategies`)."""
     semantics: Semantics = "exact"
     strategy: str = EXACT.describe()
     """The run's update rule (:meth:`deepcee.plan.Strategy.describe`); lines written before it
@@ -254,7 +257,7 @@ class StepMetrics:
             "stages": [s.to_dict() for s in self.stages], "link_bytes": dict(self.link_bytes),
             "cpu_s": dict(self.cpu_s), "semantics": self.semantics, "strategy": self.strategy,
         }
-        out.update({k: getattr(self, k) for k in ("lr", "grad_norm", "eval_loss") if getattr(self, k) is not None})
+        out.update({k: getattr(self, k) for k in ("lr", "grad_norm", "eval_loss", "probe_loss") if getattr(self, k) is not None})
         if self.change is not None:
             out.update(self.change.to_dict())
         if self.boundary is not None:
@@ -278,7 +281,7 @@ class StepMetrics:
                                                for dev, acts in trace.items()},
             change=AppliedChange.from_dict(d), boundary=BoundaryMetrics.from_dict(d),
             lr=_opt_float(d, "lr"), grad_norm=_opt_float(d, "grad_norm"), eval_loss=_opt_float(d, "eval_loss"),
-            semantics=d.get("semantics", "exact"), strategy=d.get("strategy", EXACT.describe()),
+            probe_loss=_opt_float(d, "probe_loss"), semantics=d.get("semantics", "exact"), strategy=d.get("strategy", EXACT.describe()),
             peak_memory_bytes={k: float(v) for k, v in d.get("peak_memory_bytes", {}).items()})
 
 
@@ -290,7 +293,8 @@ def _opt_float(d: Mapping[str, Any], key: str) -> float | None:
 def step_metrics(step: int, ranks: Sequence[RankMetrics], step_wall_s: float, *, global_batch: int,
                  emulation: EmulationInfo, epoch: float | None = None, change: AppliedChange | None = None,
                  boundary: BoundaryMetrics | None = None, lr: float | None = None, grad_norm: float | None = None,
-                 eval_loss: float | None = None, strategy: Strategy = EXACT) -> StepMetrics:
+                 eval_loss: float | None = None, probe_loss: float | None = None,
+                 strategy: Strategy = EXACT) -> StepMetrics:
     """One step's record from the active ranks' records; ``epoch`` (wall) given: keep their traces."""
     d = emulation.dilation
     stages: dict[tuple[int, int], list[float]] = {}
@@ -310,7 +314,7 @@ def step_metrics(step: int, ranks: Sequence[RankMetrics], step_wall_s: float, *,
         stages=tuple(StageMetrics(replica=q, stage=k, compute_s=c, wait_s=w, sync_s=y)
                      for (q, k), (c, w, y) in sorted(stages.items())),
         link_bytes=links, cpu_s={r.device: r.cpu_s for r in ranks}, trace=trace, change=change, boundary=boundary,
-        lr=lr, grad_norm=grad_norm, eval_loss=eval_loss, semantics=strategy.semantics, strategy=strategy.describe(),
+        lr=lr, grad_norm=grad_norm, eval_loss=eval_loss, probe_loss=probe_loss, semantics=strategy.semantics, strategy=strategy.describe(),
         peak_memory_bytes={r.device: r.peak_memory_bytes for r in ranks if r.peak_memory_bytes > 0})
 
 
@@ -450,6 +454,8 @@ class TrainResult:
     adapter: AdapterRun | None = None
     eval_losses: tuple[tuple[int, float], ...] = ()
     """``(steps completed, mean held-out loss)`` of every evaluation."""
+    probe_losses: tuple[tuple[int, float], ...] = ()
+    """``(steps completed, held-out loss)`` of every probe of the average (model averaging)."""
     ranks: tuple[RankInfo, ...] = ()
     """Every rank that trained: device, stage, backend, torch device, host."""
     resumed: ResumeRecord | None = None
@@ -497,6 +503,8 @@ class TrainResult:
             out["adapter"] = self.adapter.to_dict()
         if self.eval_losses:
             out["eval_losses"] = [list(e) for e in self.eval_losses]
+        if self.probe_losses:
+            out["probe_losses"] = [list(e) for e in self.probe_losses]
         if self.ranks:
             out["ranks"] = [r.to_dict() for r in self.ranks]
         if self.resumed is not None:
@@ -519,6 +527,7 @@ class TrainResult:
             run_dir=d["run_dir"], metrics=tuple(metrics),
             adapter=None if adapter is None else AdapterRun.from_dict(adapter, file=file),
             eval_losses=tuple((int(a), float(b)) for a, b in d.get("eval_losses", ())),
+            probe_losses=tuple((int(a), float(b)) for a, b in d.get("probe_losses", ())),
             ranks=tuple(RankInfo.from_dict(r) for r in d.get("ranks", ())),
             resumed=None if d.get("resumed") is None else ResumeRecord.from_dict(d["resumed"]),
             semantics=d.get("semantics", "exact"), strategy=d.get("strategy", EXACT.describe()),
@@ -546,9 +555,11 @@ def train_result(records: Sequence[StepMetrics], *, job: str, plan: Plan, plan_d
                  replicas: StrategyRun | None = None, target_loss: float | None = None) -> TrainResult:
     """The result of a run from its steps' records (rank 0). A relaxed run's samples/s is
     :attr:`StrategyRun.samples_per_s` (its replicas do not keep one pace)."""
-    evaluated = any(r.eval_loss is not None for r in records)
+    evaluated = any(r.eval_loss is not None or r.probe_loss is not None for r in records)
     target = outcome([(r.step, r.step_s, round(r.samples_per_s * r.step_s), r.eval_loss) for r in records],
-                     target_loss=target_loss, clock=clock_of(emulation.mode)) if evaluated or target_loss else None
+                     target_loss=target_loss, clock=clock_of(emulation.mode),
+                     probes={r.step: r.probe_loss for r in records if r.probe_loss is not None},
+                     ) if evaluated or target_loss else None
     steady = [r.step_s for r in records[1:]] or [r.step_s for r in records]
     median = statistics.median(steady) if steady else float("nan")
     rate = plan.global_batch / median if steady else float("nan")
@@ -559,6 +570,7 @@ def train_result(records: Sequence[StepMetrics], *, job: str, plan: Plan, plan_d
         samples_per_s=rate if replicas is None else replicas.samples_per_s, emulation=emulation,
         run_dir=run_dir, metrics=tuple(records), adapter=adapter, ranks=tuple(ranks), resumed=resumed,
         eval_losses=tuple((r.step + 1, r.eval_loss) for r in records if r.eval_loss is not None),
+        probe_losses=tuple((r.step + 1, r.probe_loss) for r in records if r.probe_loss is not None),
         semantics=plan.semantics, strategy=plan.strategy.describe(), replicas=replicas, target=target)
 
 

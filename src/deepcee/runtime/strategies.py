@@ -30,6 +30,22 @@ first), ``delta = mean over replicas (in order) of (anchor - theta_r)``, then SG
 Nesterov momentum as ``torch.optim.SGD(nesterov=True)`` does it: ``buf = delta`` the first
 time, else ``buf = mu * buf + delta``; ``anchor = anchor - lr * (delta + mu * buf)``; every
 holder takes the new anchor as its parameters. The inner optimizers keep their state.
+
+[Note: probe evaluations]
+A model-averaging run evaluates only right after an average (every replica then holds one
+model), so with a long period its first evaluation comes late and the evaluation curve cannot
+be compared with a synchronous run's at the same samples. A *probe* fills the gap: after local
+step ``k`` with ``k + 1`` a multiple of ``eval_every`` but not of the period, every replica
+combines its parameters exactly as the next average would (plain: their mean; outer Nesterov:
+the outer step computed from the current anchor and momentum WITHOUT storing them), evaluates
+that model like an evaluation ([Note: evaluation data]), and puts its own parameters back,
+bit for bit. Nothing the run trains changes (parameters, inner and outer optimizer state, data
+order); the probe's messages and forward passes fall between ``end_wall`` and ``resume_wall``
+like an evaluation's, so they are not counted in any step. The loss is recorded as
+``probe_loss`` (never ``eval_loss``) and never stops the run at the target: only models the
+replicas really hold are judged. Overlapped averaging takes no probes: its rounds in flight use
+the same messages, and "the model the replicas would hold" there depends on a round that has
+not landed (:meth:`OverlappedAveraging.probes`).
 """
 
 from __future__ import annotations
@@ -186,8 +202,10 @@ class LocalStep:
     """Averaging, pushing and pulling after the step (not in ``metrics.sync_s``)."""
     eval_loss: float | None = None
     """The evaluation after this step (``model-averaging`` only, right after an average)."""
+    probe_loss: float | None = None
+    """The probe of the average after this step ([Note: probe evaluations])."""
     resume_wall: float = 0.0
-    """When the next local step could start: ``end_wall`` plus the evaluation (not counted)."""
+    """When the next local step could start: ``end_wall`` plus the evaluation or probe (not counted)."""
 
 
 @dataclass(slots=True)
@@ -228,6 +246,13 @@ class _Runner(ABC):
         """The evaluation loss of the model the replicas agree on (every rank calls it together)."""
         return evaluate(self.t)
 
+    def probes(self, k: int) -> bool:
+        """Whether a probe of the average follows local step ``k`` ([Note: probe evaluations])."""
+        return False
+
+    def probe(self) -> float:
+        raise NotImplementedError(f"{type(self).__name__} takes no probes")
+
     def finish(self, run: RelaxedRun) -> None:
         run.averages = self.averages
 
@@ -251,6 +276,25 @@ class ModelAveraging(_Runner):
         self.averages += 1
         return self.t.clock.wall() - t0
 
+    def probes(self, k: int) -> bool:
+        # every rank computes the same answer from the config, so all take part together
+        every, done = self.t.cfg.eval_every, k + 1
+        on = self.t.cfg.probes is not False and bool(every)
+        return on and done % every == 0 and done % self.t.plan.strategy.period != 0
+
+    def probe(self) -> float:
+        """[Note: probe evaluations]: the loss of the average the replicas would take now."""
+        nesterov = self.t.plan.strategy.outer_optimizer == "nesterov"
+        own = [(seg, seg.flat_values()) for _, seg in self.t.my_segments]
+        try:
+            for j, seg in self.t.my_segments:
+                combine = self._nesterov(j, commit=False) if nesterov else None
+                seg.set_values(star_mean(self.t.messenger, seg.segment, self.all, seg.flat_values(), combine))
+            return evaluate(self.t)
+        finally:
+            for seg, values in own:
+                seg.set_values(values)
+
     def evaluates(self, k: int) -> bool:
         # right after an average (all replicas hold the same model), the first at or after each
         # multiple of eval_every: every rank computes the same answer, so all evaluate together
@@ -258,18 +302,26 @@ class ModelAveraging(_Runner):
         done = k + 1
         return bool(every) and done % period == 0 and done // every > (done - period) // every
 
-    def _nesterov(self, j: int, seg: SegmentParams | None = None) -> Callable[[list[torch.Tensor]], torch.Tensor]:
-        """[Note: outer nesterov] at the segment's root (called there only)."""
+    def _nesterov(self, j: int, seg: SegmentParams | None = None, *,
+                  commit: bool = True) -> Callable[[list[torch.Tensor]], torch.Tensor]:
+        """[Note: outer nesterov] at the segment's root (called there only); ``commit=False``:
+        the step's result only, the outer state left as it is (a probe)."""
         s = self.t.plan.strategy
-        state = self.outer.setdefault(j, {"anchor": self.t.initial_values[j].clone()})
+        state = self.outer.get(j) or {"anchor": self.t.initial_values[j].clone()}
+        if commit:
+            self.outer[j] = state
 
         def combine(thetas: list[torch.Tensor]) -> torch.Tensor:
             delta = mean_in_order([state["anchor"] - th for th in thetas])
             buf = state.get("buf")
-            buf = delta.clone() if buf is None else buf.mul_(s.outer_momentum).add_(delta)
-            state["buf"] = buf
-            state["anchor"] = state["anchor"] - s.outer_lr * (delta + s.outer_momentum * buf)
-            return state["anchor"]
+            if buf is None:
+                buf = delta.clone()
+            else:
+                buf = buf.mul_(s.outer_momentum).add_(delta) if commit else buf * s.outer_momentum + delta
+            anchor = state["anchor"] - s.outer_lr * (delta + s.outer_momentum * buf)
+            if commit:
+                state["buf"], state["anchor"] = buf, anchor
+            return anchor
 
         return combine
 
@@ -296,6 +348,9 @@ class OverlappedAveraging(ModelAveraging):
         else:
             self.rounds.poll()  # a root combines a round whose copies all arrived
         return self.t.clock.wall() - t0
+
+    def probes(self, k: int) -> bool:
+        return False  # refused when asked for (check_relaxed): see [Note: probe evaluations]
 
     def evaluate(self) -> float:
         """``anchor_k``, the model every replica knows at a sync point; the replicas' own copies are put back."""
@@ -381,6 +436,10 @@ def check_relaxed(t: Trainer) -> None:
         raise SpecError(f"evaluations and a target loss need every replica to hold the same model at some step; "
                         f"under {kind!r} they never do at one step (supported: model-averaging, after its "
                         "averages)", field="eval_every")
+    if t.cfg.probes and kind == "model-averaging" and t.plan.strategy.overlap:
+        raise SpecError("probes of the average are not taken under overlapped averaging (its rounds in flight "
+                        "share the messages, and the average it would take depends on a round not yet landed); "
+                        "drop --probes, or average without overlap", field="probes")
 
 
 def warm_up_averaging(t: Trainer) -> float:
@@ -437,12 +496,13 @@ def run_relaxed(t: Trainer) -> RelaxedRun:
         comm_s = runner.after_step(k)
         end = t.clock.wall()
         eval_loss = runner.evaluate() if runner.evaluates(k) else None
+        probe_loss = runner.probe() if eval_loss is None and runner.probes(k) else None
         metrics = t.rank_metrics(rec, sync_s)
         if t.cfg.trace and comm_s > 0:  # the cross-replica exchange, for timelines
             metrics = replace(metrics, trace=(*metrics.trace, (f"SYNC {t.plan.strategy.kind}", end - comm_s, end)))
         run.steps.append(LocalStep(replica=runner.replica, step=k, metrics=metrics,
                                    start_wall=start, end_wall=end, comm_s=comm_s, eval_loss=eval_loss,
-                                   resume_wall=t.clock.wall()))
+                                   probe_loss=probe_loss, resume_wall=t.clock.wall()))
         k += 1
         if reached(eval_loss, t.cfg.target_loss):
             break  # the evaluation loss is all-reduced: every rank stops after the same step
@@ -488,8 +548,10 @@ def relaxed_records(gathered: list[RelaxedRun | None], t: Trainer) -> tuple[list
         batch = sum(plan.replicas[r].batch for r in reps)
         ranks = [replace(x.metrics, sync_s=x.metrics.sync_s + x.comm_s) for x in steps]
         ev = next((x.eval_loss for x in steps if x.eval_loss is not None), None)
+        probe = next((x.probe_loss for x in steps if x.probe_loss is not None), None)
         rec = step_metrics(k, ranks, max(x.end_wall for x in steps) - prev, global_batch=batch, emulation=t.info,
-                           epoch=epoch if t.cfg.trace else None, strategy=plan.strategy, eval_loss=ev)
+                           epoch=epoch if t.cfg.trace else None, strategy=plan.strategy, eval_loss=ev,
+                           probe_loss=probe)
         loss = sum(plan.replicas[x.replica].batch / batch * x.metrics.loss for x in steps)
         records.append(replace(rec, loss=loss))
     return records, _strategy_run(runs, t)
@@ -508,13 +570,13 @@ def _strategy_run(runs: list[RelaxedRun], t: Trainer) -> StrategyRun:
     t_a = max(ends.get((q, 0), float("inf")) for q in range(plan.num_replicas))
     t_b = max(ends.values(), default=float("nan"))
     done = sum(plan.replicas[r].batch for (r, _), end in ends.items() if t_a < end <= t_b)
-    # evaluations (all ranks at once) are not training time: from the last rank's arrival at
-    # one to its end, inside the window (a rank waiting there for a slower one is still counted,
-    # as at an average; an evaluation after the last step adds nothing)
+    # evaluations and probes (all ranks at once) are not training time: from the last rank's
+    # arrival at one to its end, inside the window (a rank waiting there for a slower one is still
+    # counted, as at an average; an evaluation after the last step adds nothing)
     evals: dict[int, list[LocalStep]] = {}
     for run in runs:
         for ls in run.steps:
-            if ls.eval_loss is not None:
+            if ls.eval_loss is not None or ls.probe_loss is not None:
                 evals.setdefault(ls.step, []).append(ls)
     pauses = [max(0.0, min(min(x.resume_wall for x in e), t_b) - max(max(x.end_wall for x in e), t_a))
               for e in evals.values()]

@@ -69,6 +69,9 @@ class TargetOutcome:
     curve: tuple[EvalPoint, ...]
     reached_at: EvalPoint | None
     """The first evaluation at or below the target (``None``: not reached)."""
+    probes: tuple[EvalPoint, ...] = ()
+    """Model averaging between averages: probes of the average ([Note: probe evaluations] in
+    :mod:`deepcee.runtime.strategies`), on the same clock; never judged against the target."""
 
     @property
     def reached(self) -> bool:
@@ -92,6 +95,8 @@ class TargetOutcome:
         out: dict[str, Any] = {"target_loss": self.target_loss, "clock": self.clock, "reached": self.reached,
                                "curve": [p.to_list() for p in self.curve],
                                "curve_columns": ["steps", "time_s", "samples", "eval_loss"]}
+        if self.probes:
+            out["probes"] = [p.to_list() for p in self.probes]
         if self.reached_at is not None:
             out.update(time_to_target_s=self.reached_at.time_s, samples_to_target=self.reached_at.samples,
                        steps_to_target=self.reached_at.steps, eval_loss_at_target=self.reached_at.eval_loss)
@@ -102,7 +107,8 @@ class TargetOutcome:
         curve = tuple(EvalPoint.from_list(v) for v in d.get("curve", ()))
         target = d.get("target_loss")
         return TargetOutcome(target_loss=None if target is None else float(target), clock=str(d["clock"]),
-                             curve=curve, reached_at=first_reaching(curve, target))
+                             curve=curve, reached_at=first_reaching(curve, target),
+                             probes=tuple(EvalPoint.from_list(v) for v in d.get("probes", ())))
 
 
 def first_reaching(curve: Sequence[EvalPoint], target_loss: float | None) -> EvalPoint | None:
@@ -110,16 +116,19 @@ def first_reaching(curve: Sequence[EvalPoint], target_loss: float | None) -> Eva
 
 
 def outcome(points: Sequence[tuple[int, float, int, float | None]], *, target_loss: float | None,
-            clock: str) -> TargetOutcome:
-    """From per-step ``(step index, step_s, samples, eval_loss or None)``, in order."""
-    time_s, samples, curve = 0.0, 0, []
+            clock: str, probes: Mapping[int, float] | None = None) -> TargetOutcome:
+    """From per-step ``(step index, step_s, samples, eval_loss or None)``, in order;
+    ``probes``: step index -> probe loss (kept apart from the evaluations)."""
+    time_s, samples, curve, probed = 0.0, 0, [], []
     for step, step_s, n, ev in points:
         time_s += step_s
         samples += n
         if ev is not None:
             curve.append(EvalPoint(steps=step + 1, time_s=time_s, samples=samples, eval_loss=ev))
+        if probes and step in probes:
+            probed.append(EvalPoint(steps=step + 1, time_s=time_s, samples=samples, eval_loss=probes[step]))
     return TargetOutcome(target_loss=target_loss, clock=clock, curve=tuple(curve),
-                         reached_at=first_reaching(curve, target_loss))
+                         reached_at=first_reaching(curve, target_loss), probes=tuple(probed))
 
 
 def clock_of(mode: str) -> str:
