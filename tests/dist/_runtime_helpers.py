@@ -6,6 +6,7 @@ module by name)."""
 from __future__ import annotations
 
 import copy
+import itertools
 import math
 import time
 from dataclasses import dataclass
@@ -356,10 +357,13 @@ def _mean(xs):
 
 
 def relaxed_reference(model: str, plan: Plan, steps: int, opt: OptimizerConfig, *, seed: int = 0,
-                      dtype: torch.dtype = torch.float64):
+                      dtype: torch.dtype = torch.float64, previews: dict | None = None):
     """Re-enact ``plan``'s relaxed rule in one process, with the runtime's arithmetic (model
     averaging: plain or outer Nesterov; asgd-ga: pushes taken in turn, the fixed arrival
-    order). Returns ``(per replica its losses, per replica name -> final parameter)``."""
+    order). Returns ``(per replica its losses, per replica name -> final parameter)``.
+    ``previews`` (blocking model averaging): filled with local step index -> the model an
+    average after that step would give, for every step not followed by one (what a probe
+    evaluates), the outer state left as it is."""
     blocks, loss_fn = nets.build(model, seed, dtype=dtype)
     dataset = dataset_for(model, seed)
     s = plan.strategy
@@ -380,8 +384,9 @@ def relaxed_reference(model: str, plan: Plan, steps: int, opt: OptimizerConfig, 
     if s.kind == "model-averaging":
         anchor, buf = dict(initial), {}
 
-        def outer(thetas):
-            """The combined model of ``thetas`` (one per replica, in order); updates the Nesterov state."""
+        def outer(thetas, commit=True):
+            """The combined model of ``thetas`` (one per replica, in order); updates the Nesterov
+            state unless ``commit`` is false."""
             new = {}
             for name in thetas[0]:
                 if s.outer_optimizer == "average":
@@ -389,10 +394,10 @@ def relaxed_reference(model: str, plan: Plan, steps: int, opt: OptimizerConfig, 
                     continue
                 delta = _mean([anchor[name] - th[name].detach() for th in thetas])
                 b = buf.get(name)
-                b = delta.clone() if b is None else b.mul_(s.outer_momentum).add_(delta)
-                buf[name] = b
-                anchor[name] = anchor[name] - s.outer_lr * (delta + s.outer_momentum * b)
-                new[name] = anchor[name]
+                b = delta.clone() if b is None else b.mul(s.outer_momentum).add_(delta)
+                new[name] = anchor[name] - s.outer_lr * (delta + s.outer_momentum * b)
+                if commit:
+                    buf[name], anchor[name] = b, new[name]
             return new
 
         snaps = None
@@ -403,6 +408,9 @@ def relaxed_reference(model: str, plan: Plan, steps: int, opt: OptimizerConfig, 
                 reps[r].step()
             at_sync, last = (k + 1) % s.period == 0, k + 1 == steps
             if not s.overlap:
+                if previews is not None and not at_sync:
+                    previews[k] = {n: v.clone() for n, v in outer([rep.delegates() for rep in reps],
+                                                                  commit=False).items()}
                 if at_sync:
                     new = outer([rep.delegates() for rep in reps])
                     for rep in reps:
@@ -439,6 +447,27 @@ def relaxed_reference(model: str, plan: Plan, steps: int, opt: OptimizerConfig, 
     else:
         raise ValueError(f"no re-enactment for {s.kind!r}")
     return losses, [rep.delegates() for rep in reps]
+
+
+def held_out_loss(model: str, values: dict, global_batch: int, *, seed: int = 0, batches: int = 1,
+                  dtype: torch.dtype = torch.float64) -> float:
+    """The mean loss of the whole model with parameters ``values`` (name -> tensor) on the
+    dataset's first ``batches`` held-out global batches, in one process."""
+    blocks, loss_fn = nets.build(model, seed, dtype=dtype)
+    with torch.no_grad():
+        for i, b in enumerate(blocks):
+            for n, p in b.named_parameters():
+                p.copy_(values[f"{i}.{n}"])
+            b.eval()
+        total = 0.0
+        held = list(itertools.islice(dataset_for(model, seed).eval_batches(global_batch), batches))
+        for batch in held:
+            x = batch.inputs.to(dtype) if batch.inputs.is_floating_point() else batch.inputs
+            y = batch.targets.to(dtype) if batch.targets.is_floating_point() else batch.targets
+            for b in blocks:
+                x = b(x)
+            total += float(loss_fn(x, y)) / len(held)
+    return total
 
 
 def _loss_sum(rep: _Replica, batch) -> float:

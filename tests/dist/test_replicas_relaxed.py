@@ -3,8 +3,10 @@ and ASGD-GA with a fixed arrival order equal a single-process re-enactment of th
 rule BIT FOR BIT (every parameter of every rank, replicas with different stage counts, a
 stage on two devices, two parameter servers); the partial scheduler connects every replica at
 least once every P rounds (checked on the groups it recorded) and ends with one model; every
-result and metrics line states the relaxed semantics and the rule. ONE launch of 6 processes
-under a hard deadline."""
+result and metrics line states the relaxed semantics and the rule. Probes of the average
+([Note: probe evaluations]) leave model averaging's parameters bit for bit as they are, and
+their losses are the held-out losses of the re-enactment's would-be averages. ONE launch of 6
+processes under a hard deadline."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import time
 
 import pytest
 import torch
-from _runtime_helpers import load_captures, make_replicas_plan, relaxed_reference
+from _runtime_helpers import held_out_loss, load_captures, make_replicas_plan, relaxed_reference
 
 from deepcee.plan import Strategy
 from deepcee.cluster.stragglers import Straggler
@@ -40,6 +42,8 @@ BITWISE = {
     "asgd-ga-fixed-order": (make_replicas_plan("gpt-tiny", [TWO_STAGES, TWO_DEVICES], servers=(C0, E0), strategy=Strategy(
         kind="asgd-ga", accumulation_steps=2, staleness_bound=1)), "emulated"),
 }
+PROBED = ("model-averaging", "diloco-nesterov")
+"""Run again with an evaluation every step (mode real): probes after steps 1, 3, 5 (period 2)."""
 PARTIAL_ROUNDS, P = 9, 3
 PARTIAL = make_replicas_plan("gpt-tiny", [([(0, 6, (d,), (2,))], 1, "gpipe") for d in (C0, C1, E0, N0)],
                              strategy=Strategy(kind="partial", window_s=0.005, min_group=2, max_group=3,
@@ -54,6 +58,11 @@ def runs(tmp_path_factory):
                 config=TrainConfig(steps=STEPS, dtype="float64", optimizer=SGD, mode=mode, timeout_s=60, capture=True,
                                    fixed_arrival_order=True))
             for name, (plan, mode) in BITWISE.items()]
+    jobs += [Job(name=f"{name}-probed", plan=BITWISE[name][0], cluster=cluster, model="gpt-tiny",
+                 run_dir=str(root / f"{name}-probed"),
+                 config=TrainConfig(steps=STEPS, dtype="float64", optimizer=SGD, mode="real", timeout_s=60,
+                                    capture=True, eval_every=1, eval_batches=1))
+             for name in PROBED]
     # one replica slowed 3x: the others must not wait for it except in the full rounds
     jobs.append(Job(name="partial", plan=PARTIAL, cluster=cluster, model="gpt-tiny", run_dir=str(root / "partial"),
                     config=TrainConfig(steps=PARTIAL_ROUNDS, dtype="float64", optimizer=SGD, mode="emulated",
@@ -140,3 +149,29 @@ def _components(n, groups) -> int:
         for m in g.members[1:]:
             parent[find(m)] = find(g.members[0])
     return len({find(r) for r in range(n)})
+
+
+@pytest.mark.parametrize("case", PROBED)
+def test_probes_leave_training_bit_for_bit_and_evaluate_the_would_be_average(runs, case):
+    plan, _ = BITWISE[case]
+    job, result = runs[f"{case}-probed"]
+    previews = {}
+    _, finals = relaxed_reference(plan.model, plan, STEPS, SGD, previews=previews)
+    plain, probed = load_captures(runs[case][0].run_dir), load_captures(job.run_dir)
+    topo = Topology(plan)
+    assert sorted(probed) == sorted(plain)
+    for rank, cap in probed.items():
+        replica = topo.placement(rank).replica
+        for key, p in cap["params"].items():
+            assert torch.equal(p, plain[rank]["params"][key]), f"rank {rank} {key}: the probes changed training"
+            assert torch.equal(p, finals[replica][key]), f"rank {rank} {key} differs from the re-enactment"
+    # evaluations right after the averages (steps 2, 4), probes between them, kept apart
+    assert [s for s, _ in result.eval_losses] == [2, 4]
+    assert [s for s, _ in result.probe_losses] == [1, 3, 5] == [k + 1 for k in sorted(previews)]
+    for (done, loss), k in zip(result.probe_losses, sorted(previews), strict=True):
+        assert loss == pytest.approx(held_out_loss(plan.model, previews[k], plan.global_batch), rel=1e-12), done
+    assert [p.steps for p in result.target.probes] == [1, 3, 5]
+    assert [p.steps for p in result.target.curve] == [2, 4]
+    lines = read_step_metrics(f"{job.run_dir}/metrics.jsonl")
+    assert [x.step + 1 for x in lines if x.probe_loss is not None] == [1, 3, 5]
+    assert all(x.eval_loss is None for x in lines if x.probe_loss is not None)

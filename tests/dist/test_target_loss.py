@@ -52,3 +52,5 @@ def test_target_loss_stops_exact_and_model_averaging_runs(tmp_path):
     # model averaging: evaluated right after the first average at or after step 2 (step 3), both replicas stop
     assert avg.semantics == "relaxed" and avg.replicas.local_steps == (3, 3)
     assert avg.target.reached and avg.target.reached_at.steps == 3 and avg.target.reached_at.samples == 24
+    # its probe of the average after step 2 (below any loss of 100) did not stop it: only evaluations do
+    assert [(p.steps, p.samples) for p in avg.target.probes] == [(2, 16)] and len(avg.probe_losses) == 1
