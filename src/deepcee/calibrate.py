@@ -141,6 +141,7 @@ def _job(plan: Plan, cluster: Cluster, cfg: CalibrationConfig, run_dir: Path) ->
     return Job(name=f"calibrate-{run_dir.name}-{time.time_ns():x}", plan=plan, cluster=cluster, model=plan.model,
                config=TrainConfig(steps=cfg.max_steps, seed=cfg.seed, mode="real", eval_every=cfg.eval_every,
                                   eval_batches=cfg.eval_batches, target_loss=cfg.target_loss,
+                                  probes=False,  # samples to target are judged at evaluations only
                                   optimizer=OptimizerConfig(name=cfg.optimizer, lr=cfg.lr)),
                run_dir=str(run_dir))
 

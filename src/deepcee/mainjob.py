@@ -284,9 +284,10 @@ def format_report(doc: Mapping[str, Any]) -> str:
                      f"{r['system']} {r['final_eval_loss']:.4f}" for r in doc["systems"]
                      if r["final_eval_loss"] is not None))
     lines.append(f"evaluation loss at {doc['common_samples']} samples (every run got there; loss@N: its last "
-                 "evaluation was at N samples, a relaxed run evaluates only after an average): " + ", ".join(
+                 "evaluation was at N samples, a relaxed run evaluates only after an average; a trailing p: a probe "
+                 "of the average, the model the replicas would hold had they averaged there): " + ", ".join(
         f"{r['system']} {ttt.eval_at_common_text(r, doc['common_samples'])}" for r in doc["systems"]
-        if r["eval_loss_at_common_samples"] is not None))
+        if r.get("loss_at_common_samples", r["eval_loss_at_common_samples"]) is not None))
     lines.append(f"planner's own choice (deepcee plan --sync relaxed): {doc['planner_choice']}")
     lines.append(f"links: {doc['links']['mode']}: {doc['links']['why']}")
     lines.append("devices: emulated (CPU time x slowdown x D, one process each); times are emulated seconds "

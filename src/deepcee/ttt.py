@@ -12,8 +12,8 @@ Used by ``benchmarks/time_to_target.py`` (and meant for the main job). On an emu
    emulated links) until its evaluation loss reaches the target ([Note: time to target] in
    :mod:`deepcee.runtime.target`): emulated seconds, samples, steps, the evaluation curve;
 4. the report: measured vs predicted per system, ratios, final evaluation losses side by side
-   (and at the same number of samples), which runs were synchronous and which relaxed, and
-   ``loss_vs_time.png``.
+   (and at the same number of samples: [Note: same-samples comparison]), which runs were
+   synchronous and which relaxed, and ``loss_vs_time.png``.
 
 [Note: time-to-target systems]
 - ``deepcee-relaxed``: of the relaxed planner's candidates whose replicas use every island,
@@ -47,6 +47,16 @@ from deepcee.planner.efficiency import (
 )
 from deepcee.profile import ModelProfile
 from deepcee.runtime.emulation import DEFAULT_CORES
+from deepcee.ttt_samples import (
+    EVALUATION,
+    PROBE,
+    SAME_SAMPLES_TOLERANCE,
+    eval_at_common_text,
+    eval_at_samples,
+    loss_at_samples,
+    same_samples,
+    same_samples_text,
+)
 
 log = logging.getLogger(__name__)
 
@@ -228,14 +238,6 @@ def train_all(cands: Mapping[str, Candidate], cluster: Cluster, cfg: TttConfig,
     return {name: got[unique[name]] for name in cands}
 
 
-def eval_at_samples(curve: Any, samples: int) -> tuple[int, float] | None:
-    """The last evaluation at or before ``samples`` samples: its samples and loss (``None``:
-    none yet). A relaxed run evaluates only after an average, so its last evaluation can come
-    well before ``samples``: reports name where it was taken."""
-    pts = [p for p in curve if p.samples <= samples]
-    return (pts[-1].samples, pts[-1].eval_loss) if pts else None
-
-
 def host_load() -> dict[str, float]:
     """The machine's load averages and cores: emulated figures hold only while the emulated
     devices get the cores they were given (``DEFAULT_CORES`` of them, PLATFORM.md)."""
@@ -271,7 +273,9 @@ def report(cands: Mapping[str, Candidate], results: Mapping[str, Any], cfg: TttC
         tgt = res.target
         pred = c.predicted_s(reference_samples)
         # a capped run stopped short of the common samples has no figure there
-        at_common = eval_at_samples(tgt.curve, common) if tgt.curve and tgt.curve[-1].samples >= common else None
+        short = not tgt.curve or tgt.curve[-1].samples < common
+        at_common = None if short else eval_at_samples(tgt.curve, common)
+        any_common = None if short else loss_at_samples(tgt, common)
         meas = tgt.reached_at.time_s if tgt.reached_at else None
         rows.append({
             "system": name, "semantics": c.plan.semantics, "strategy": c.plan.strategy.describe(),
@@ -287,10 +291,15 @@ def report(cands: Mapping[str, Candidate], results: Mapping[str, Any], cfg: TttC
             "final_eval_loss": tgt.final_eval_loss,
             "eval_loss_at_common_samples": None if at_common is None else at_common[1],
             "eval_samples_at_common": None if at_common is None else at_common[0],
+            # the same with the run's probes of the average ([Note: probe evaluations]), labelled
+            "loss_at_common_samples": None if any_common is None else any_common[2],
+            "samples_at_common": None if any_common is None else any_common[1],
+            "kind_at_common": None if any_common is None else any_common[0],
             "predicted_vs_measured": None if pred is None or meas is None else pred / meas - 1.0,
             "projected_time_to_target_s": _projected(c, res, reference_samples, meas),
             "steps_run": len(res.step_s),
-            "curve": [p.to_list() for p in tgt.curve], "run_dir": res.run_dir, "clock": tgt.clock,
+            "curve": [p.to_list() for p in tgt.curve], "probes": [p.to_list() for p in tgt.probes],
+            "run_dir": res.run_dir, "clock": tgt.clock,
             "dilation": res.dilation})
     by = {r["system"]: r for r in rows}
     ratio = None
@@ -301,6 +310,7 @@ def report(cands: Mapping[str, Candidate], results: Mapping[str, Any], cfg: TttC
             "clock": "emulated seconds (wall / dilation)" if cfg.mode != "real" else "wall seconds",
             "efficiency": efficiency_file or "default (conservative, not measured)",
             "reference_samples_to_target": reference_samples, "common_samples": common,
+            "same_samples": same_samples(cands, results),
             "relaxed_vs_single_island_speedup": ratio, "host": dict(host or {}), "systems": rows}
 
 
@@ -323,8 +333,12 @@ def plot(doc: Mapping[str, Any], path: Path) -> None:
     for r in doc["systems"]:
         label = f"{r['system']} ({r['semantics']})"
         style = "--" if r["semantics"] == "relaxed" else "-"
-        a.plot([p[1] for p in r["curve"]], [p[3] for p in r["curve"]], style, marker=".", label=label)
+        line = a.plot([p[1] for p in r["curve"]], [p[3] for p in r["curve"]], style, marker=".", label=label)[0]
         b.plot([p[2] for p in r["curve"]], [p[3] for p in r["curve"]], style, marker=".", label=label)
+        if r.get("probes"):  # probes of the average: hollow, apart from the evaluations
+            for ax, x in ((a, 1), (b, 2)):
+                ax.plot([p[x] for p in r["probes"]], [p[3] for p in r["probes"]], "o", fillstyle="none", ms=4,
+                        color=line.get_color(), label=f"{r['system']}: probes of the average" if ax is a else None)
     for ax in (a, b):
         ax.axhline(doc["target_loss"], color="grey", lw=0.8)
         ax.set_ylabel("evaluation loss")
@@ -400,14 +414,6 @@ def run(cluster: Cluster, cfg: TttConfig, *, cluster_ref: str, efficiency_file: 
     return doc
 
 
-def eval_at_common_text(row: Mapping[str, Any], common: int) -> str:
-    """A row's evaluation loss at the common samples; ``loss@N`` where it was taken earlier, at N."""
-    loss, at = row.get("eval_loss_at_common_samples"), row.get("eval_samples_at_common")
-    if loss is None:
-        return "-"
-    return f"{loss:.4f}" if at in (None, common) else f"{loss:.4f}@{at}"
-
-
 def format_table(doc: Mapping[str, Any]) -> str:
     """The report as a table (times in the report's clock)."""
     def f(v: Any, fmt: str) -> str:
@@ -437,8 +443,11 @@ def format_table(doc: Mapping[str, Any]) -> str:
     sp = doc["relaxed_vs_single_island_speedup"]
     lines.append("relaxed all-island vs best single island (measured time to target): "
                  + ("not both reached" if sp is None else f"{sp:.2f}x"))
+    if "same_samples" in doc:
+        lines.extend(same_samples_text(doc))
     return "\n".join(lines)
 
 
-__all__ = ["SYSTEMS", "TASKS", "Candidate", "Planned", "TttConfig", "busy_warning", "candidates", "efficiency_of",
-           "format_table", "host_load", "plot", "quick_profile", "report", "run", "step_caps", "train_all"]
+__all__ = ["EVALUATION", "PROBE", "SAME_SAMPLES_TOLERANCE", "SYSTEMS", "TASKS", "Candidate", "Planned", "TttConfig",
+           "busy_warning", "candidates", "efficiency_of", "eval_at_common_text", "eval_at_samples", "format_table", "host_load", "loss_at_samples", "plot",
+           "quick_profile", "report", "run", "same_samples", "same_samples_text", "step_caps", "train_all"]
