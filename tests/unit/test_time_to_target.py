@@ -64,6 +64,36 @@ def test_train_config_target_needs_evaluations():
     assert TrainConfig(steps=10, target_loss=1.0, eval_every=5).target_loss == 1.0
 
 
+def test_probes_are_kept_apart_from_evaluations_and_never_reach_the_target():
+    steps = [(0, 0.5, 32, None), (1, 0.25, 32, 1.2), (2, 0.25, 32, None), (3, 1.0, 32, 0.8)]
+    out = outcome(steps, target_loss=0.9, clock="emulated", probes={0: 0.1, 2: 0.5})
+    assert [(p.steps, p.samples, p.time_s, p.eval_loss) for p in out.probes] == [(1, 32, 0.5, 0.1), (3, 96, 1.0, 0.5)]
+    assert [p.steps for p in out.curve] == [2, 4] and out.reached_at.steps == 4  # not the probe below it at 1
+    assert TargetOutcome.from_dict(out.to_dict()) == out and "probes" in out.to_dict()
+    assert "probes" not in outcome(steps, target_loss=0.9, clock="wall").to_dict()
+
+
+def test_train_config_probes_need_evaluations():
+    with pytest.raises(SpecError, match="eval_every") as err:
+        TrainConfig(steps=10, probes=True)
+    assert err.value.field == "probes"
+    with pytest.raises(SpecError):
+        TrainConfig(steps=10, eval_every=5, probes="yes")
+    assert TrainConfig(steps=10).probes is None and TrainConfig(steps=10, eval_every=5, probes=False).probes is False
+
+
+def test_probes_flag_and_job_config_key(tmp_path):
+    parser = argparse.ArgumentParser()
+    add_train_arguments(parser)
+    assert parser.parse_args(["--no-probes"]).probes is False and parser.parse_args([]).probes is None
+    f = tmp_path / "job.toml"
+    f.write_text("[eval]\nevery = 5\nprobes = false\n")
+    assert read_job_config(f, parser) == {"eval_every": 5, "probes": False}
+    f.write_text("[eval]\nprobes = 1\n")
+    with pytest.raises(SpecError, match="eval.probes"):
+        read_job_config(f, parser)
+
+
 def test_job_config_key_maps_to_the_flag(tmp_path):
     parser = argparse.ArgumentParser()
     add_train_arguments(parser)
