@@ -35,17 +35,23 @@ holder takes the new anchor as its parameters. The inner optimizers keep their s
 A model-averaging run evaluates only right after an average (every replica then holds one
 model), so with a long period its first evaluation comes late and the evaluation curve cannot
 be compared with a synchronous run's at the same samples. A *probe* fills the gap: after local
-step ``k`` with ``k + 1`` a multiple of ``eval_every`` but not of the period, every replica
-combines its parameters exactly as the next average would (plain: their mean; outer Nesterov:
-the outer step computed from the current anchor and momentum WITHOUT storing them), evaluates
-that model like an evaluation ([Note: evaluation data]), and puts its own parameters back,
-bit for bit. Nothing the run trains changes (parameters, inner and outer optimizer state, data
-order); the probe's messages and forward passes fall between ``end_wall`` and ``resume_wall``
-like an evaluation's, so they are not counted in any step. The loss is recorded as
-``probe_loss`` (never ``eval_loss``) and never stops the run at the target: only models the
-replicas really hold are judged. Overlapped averaging takes no probes: its rounds in flight use
-the same messages, and "the model the replicas would hold" there depends on a round that has
-not landed (:meth:`OverlappedAveraging.probes`).
+step ``k`` with ``k + 1`` a multiple of ``eval_every`` but not of the period, each rank keeps a
+copy of its parameters (the snapshot). The probes are taken later, at the next point where the
+replicas meet anyway: right after the next average (before any evaluation), or after the run's
+last step. There every replica combines each snapshot exactly as an average would have then
+(plain: the mean; outer Nesterov: the outer step from the anchor and momentum as they were
+before this average, nothing stored), evaluates that model like an evaluation ([Note:
+evaluation data]), and finally puts its own parameters back, bit for bit. Deferring keeps the
+run's pace: a probe taken at step ``k`` would make every replica wait for the slowest at every
+multiple of ``eval_every``, a meeting the run without probes does not have. Nothing the run
+trains changes (parameters, inner and outer optimizer state, data order); the probes'
+messages and forward passes fall between ``end_wall`` and ``resume_wall`` like an
+evaluation's, so they are not counted in any step. Each loss is recorded on its own step
+``k`` as ``probe_loss`` (never ``eval_loss``) and never stops the run at the target: only
+models the replicas really hold are judged. Cost: one copy of a rank's parameters per
+pending probe (``period // eval_every`` at most). Overlapped averaging takes no probes: its
+rounds in flight use the same messages, and "the model the replicas would hold" there
+depends on a round that has not landed (:meth:`OverlappedAveraging.probes`).
 """
 
 from __future__ import annotations
@@ -203,9 +209,11 @@ class LocalStep:
     eval_loss: float | None = None
     """The evaluation after this step (``model-averaging`` only, right after an average)."""
     probe_loss: float | None = None
-    """The probe of the average after this step ([Note: probe evaluations])."""
+    """The probe of the average after this step, taken later ([Note: probe evaluations])."""
+    off_clock: bool = False
+    """Whether an evaluation or probes ran between ``end_wall`` and ``resume_wall``."""
     resume_wall: float = 0.0
-    """When the next local step could start: ``end_wall`` plus the evaluation or probe (not counted)."""
+    """When the next local step could start: ``end_wall`` plus evaluations and probes (not counted)."""
 
 
 @dataclass(slots=True)
@@ -247,11 +255,12 @@ class _Runner(ABC):
         return evaluate(self.t)
 
     def probes(self, k: int) -> bool:
-        """Whether a probe of the average follows local step ``k`` ([Note: probe evaluations])."""
+        """Whether local step ``k`` gets a probe of the average ([Note: probe evaluations])."""
         return False
 
-    def probe(self) -> float:
-        raise NotImplementedError(f"{type(self).__name__} takes no probes")
+    def take_probes(self, k: int) -> dict[int, float]:
+        """The probes due after local step ``k``: step index -> loss (every rank calls it together)."""
+        return {}
 
     def finish(self, run: RelaxedRun) -> None:
         run.averages = self.averages
@@ -264,11 +273,19 @@ class ModelAveraging(_Runner):
         super().__init__(t)
         self.all = tuple(range(t.plan.num_replicas))
         self.outer: dict[int, dict[str, torch.Tensor]] = {}
+        self.pending: list[tuple[int, list[torch.Tensor]]] = []
+        """Probes to take: (local step, this rank's parameters per segment then)."""
+        self.outer_before: dict[int, dict[str, torch.Tensor]] | None = None
+        """The outer state before the latest average, while probes from before it are pending."""
 
     def after_step(self, k: int) -> float:
         self.t.optimizer.step()
+        if self.probes(k):
+            self.pending.append((k, [seg.flat_values() for _, seg in self.t.my_segments]))
         if (k + 1) % self.t.plan.strategy.period:
             return 0.0
+        if self.pending:  # their outer step is the one before this average ([Note: probe evaluations])
+            self.outer_before = {j: {n: v.clone() for n, v in st.items()} for j, st in self.outer.items()}
         t0 = self.t.clock.wall()
         for j, seg in self.t.my_segments:
             combine = self._nesterov(j, seg) if self.t.plan.strategy.outer_optimizer == "nesterov" else None
@@ -282,18 +299,26 @@ class ModelAveraging(_Runner):
         on = self.t.cfg.probes is not False and bool(every)
         return on and done % every == 0 and done % self.t.plan.strategy.period != 0
 
-    def probe(self) -> float:
-        """[Note: probe evaluations]: the loss of the average the replicas would take now."""
+    def take_probes(self, k: int) -> dict[int, float]:
+        """[Note: probe evaluations]: right after an average or the run's last step, each pending
+        snapshot's would-be average evaluated; this rank's own parameters put back."""
+        if not self.pending or ((k + 1) % self.t.plan.strategy.period and k + 1 < self.t.cfg.steps):
+            return {}
         nesterov = self.t.plan.strategy.outer_optimizer == "nesterov"
+        states = self.outer if self.outer_before is None else self.outer_before
         own = [(seg, seg.flat_values()) for _, seg in self.t.my_segments]
+        out = {}
         try:
-            for j, seg in self.t.my_segments:
-                combine = self._nesterov(j, commit=False) if nesterov else None
-                seg.set_values(star_mean(self.t.messenger, seg.segment, self.all, seg.flat_values(), combine))
-            return evaluate(self.t)
+            for step, snapshot in self.pending:
+                for (j, seg), values in zip(self.t.my_segments, snapshot, strict=True):
+                    combine = self._nesterov(j, commit=False, states=states) if nesterov else None
+                    seg.set_values(star_mean(self.t.messenger, seg.segment, self.all, values, combine))
+                out[step] = evaluate(self.t)
         finally:
             for seg, values in own:
                 seg.set_values(values)
+            self.pending, self.outer_before = [], None
+        return out
 
     def evaluates(self, k: int) -> bool:
         # right after an average (all replicas hold the same model), the first at or after each
@@ -302,12 +327,13 @@ class ModelAveraging(_Runner):
         done = k + 1
         return bool(every) and done % period == 0 and done // every > (done - period) // every
 
-    def _nesterov(self, j: int, seg: SegmentParams | None = None, *,
-                  commit: bool = True) -> Callable[[list[torch.Tensor]], torch.Tensor]:
+    def _nesterov(self, j: int, seg: SegmentParams | None = None, *, commit: bool = True,
+                  states: dict[int, dict[str, torch.Tensor]] | None = None,
+                  ) -> Callable[[list[torch.Tensor]], torch.Tensor]:
         """[Note: outer nesterov] at the segment's root (called there only); ``commit=False``:
-        the step's result only, the outer state left as it is (a probe)."""
+        the step's result only, from ``states`` (default: the current outer state), left as it is (a probe)."""
         s = self.t.plan.strategy
-        state = self.outer.get(j) or {"anchor": self.t.initial_values[j].clone()}
+        state = (self.outer if states is None else states).get(j) or {"anchor": self.t.initial_values[j].clone()}
         if commit:
             self.outer[j] = state
 
@@ -487,6 +513,7 @@ def run_relaxed(t: Trainer) -> RelaxedRun:
                                 job=t.job.name).serve()
         return run
     runner = runner_for(t)
+    probe_losses: dict[int, float] = {}
     k = 0
     while runner.more(k):
         start = t.clock.wall()
@@ -495,17 +522,19 @@ def run_relaxed(t: Trainer) -> RelaxedRun:
         sync_s = 0.0 if t.plan.strategy.kind == "asgd-ga" else sync_in_replica(t)
         comm_s = runner.after_step(k)
         end = t.clock.wall()
+        taken = runner.take_probes(k)  # before the evaluation: they may restore parameters
+        probe_losses.update(taken)
         eval_loss = runner.evaluate() if runner.evaluates(k) else None
-        probe_loss = runner.probe() if eval_loss is None and runner.probes(k) else None
         metrics = t.rank_metrics(rec, sync_s)
         if t.cfg.trace and comm_s > 0:  # the cross-replica exchange, for timelines
             metrics = replace(metrics, trace=(*metrics.trace, (f"SYNC {t.plan.strategy.kind}", end - comm_s, end)))
         run.steps.append(LocalStep(replica=runner.replica, step=k, metrics=metrics,
                                    start_wall=start, end_wall=end, comm_s=comm_s, eval_loss=eval_loss,
-                                   probe_loss=probe_loss, resume_wall=t.clock.wall()))
+                                   off_clock=eval_loss is not None or bool(taken), resume_wall=t.clock.wall()))
         k += 1
         if reached(eval_loss, t.cfg.target_loss):
             break  # the evaluation loss is all-reduced: every rank stops after the same step
+    run.steps = [replace(ls, probe_loss=probe_losses.get(ls.step)) for ls in run.steps]
     runner.finish(run)
     if coordinator is not None:
         coordinator.join()
@@ -576,7 +605,7 @@ def _strategy_run(runs: list[RelaxedRun], t: Trainer) -> StrategyRun:
     evals: dict[int, list[LocalStep]] = {}
     for run in runs:
         for ls in run.steps:
-            if ls.eval_loss is not None or ls.probe_loss is not None:
+            if ls.off_clock:
                 evals.setdefault(ls.step, []).append(ls)
     pauses = [max(0.0, min(min(x.resume_wall for x in e), t_b) - max(max(x.end_wall for x in e), t_a))
               for e in evals.values()]
