@@ -71,6 +71,7 @@ from deepcee.planner.chains import (
 )
 from deepcee.planner.cost_model import AnalyticCostModel
 from deepcee.planner.explain import Counterfactual, explain
+from deepcee.planner.grains import climb_grains, feasible_grains
 from deepcee.planner.grouping import Grouping, group_devices
 from deepcee.planner.options import SYNC_CHOICES, PlannerOptions
 from deepcee.planner.ranges import RangeTables
@@ -142,19 +143,23 @@ def _search_chains(search: SearchState, dist: np.ndarray) -> None:
         # ones: testbed/gpt2-xl/128's cloud-only chain was written off); the best chains are laid
         # out again in full below
         layouts = chain_layouts(g, chain, search.max_stages)
-        sizes = None
+        sizes: list[int] | None = None
         near = search.granularity_near() if len(seen) >= 8 else None
         seen.append(chain)
         if near is None:
-            return min((search.evaluate_layout(lay)[0] for lay in layouts), default=_INF)
-        sizes = search.sizes_near(4)
-        layouts = sorted(layouts, key=lambda lay: (abs(math.log2(max(lay.granularity, 1) / near)), lay.granularity))
-        best, found = _INF, 0
-        for lay in layouts:
-            value = search.evaluate_layout(lay, sizes)[0]
-            best, found = min(best, value), found + math.isfinite(value)
-            if found >= 1:
-                break
+            best = min((search.evaluate_layout(lay)[0] for lay in layouts), default=_INF)
+        else:
+            sizes = search.sizes_near(4)
+            layouts = sorted(layouts, key=lambda lay: (abs(math.log2(max(lay.granularity, 1) / near)),
+                                                       lay.granularity))
+            best, found = _INF, 0
+            for lay in layouts:
+                value = search.evaluate_layout(lay, sizes)[0]
+                best, found = min(best, value), found + math.isfinite(value)
+                if found >= 1:
+                    break
+        if not math.isfinite(best) and opts.grain_budget > 0:
+            best = feasible_grains(search, chain, sizes)  # [Note: mixed granularity]
         return best
 
     seen: list[Chain] = []
@@ -167,6 +172,10 @@ def _search_chains(search: SearchState, dist: np.ndarray) -> None:
     for _, chain in sorted(done)[:4]:  # the best chains with every microbatch size
         for lay in chain_layouts(g, chain, search.max_stages):
             search.evaluate_layout(lay)
+    if opts.grain_budget > 0:  # each island its own granularity on the best chains
+        for value, chain in sorted(done)[: opts.grain_chains]:
+            if math.isfinite(value):
+                climb_grains(search, chain)
     if not exact and done:
         keeps = [len(isl.groups) for isl in g.islands]
         for value, chain in sorted(done)[:2]:  # the two best merged chains seed the local search
@@ -205,7 +214,7 @@ def plan_training(cluster: Cluster, model: ModelProfile, global_batch: int, *,
     ranked = sorted(search.configs.values(), key=lambda c: c.key)
     cands: list[Candidate] = []
     picked: set[int] = set()
-    for full, group in ((True, ranked[: options.model_top]), (False, _coverage(ranked))):
+    for full, group in ((True, _screened(search, ranked) + ranked[: options.model_top]), (False, _coverage(ranked))):
         for cfg in group:
             if id(cfg) not in picked:
                 picked.add(id(cfg))
@@ -252,6 +261,16 @@ def _dedupe(cands: Iterable[Candidate]) -> list[Candidate]:
         p = c.plan
         seen.setdefault((p.stages, p.schedule, p.sync, p.actions, p.microbatch_size), c)
     return list(seen.values())
+
+
+def _screened(search: SearchState, ranked: list[Config]) -> list[Config]:
+    """The ``screen_keep`` best of the closed form's ``screen_top`` by the cost model with one
+    schedule ([Note: screening]), best first."""
+    opts = search.options
+    if opts.screen_keep == 0:
+        return []
+    got = [(search.screen(cfg), k, cfg) for k, cfg in enumerate(ranked[: opts.screen_top])]
+    return [cfg for value, _, cfg in sorted(got, key=lambda x: x[:2])[: opts.screen_keep] if math.isfinite(value)]
 
 
 def _by_layout(ranked: list[Config]) -> list[Config]:
