@@ -14,8 +14,9 @@ the values at which the island's chunk count changes). Two steps, both scored by
 form of step 1 (every microbatch size, :meth:`~deepcee.planner.steps.SearchState.evaluate_layout`):
 
 - :func:`feasible_grains`: when no uniform layout of a chain fits, the finest grains whose
-  stage count does not exceed the layers (islands with the most memory per device coarsened
-  first: they can hold the extra layers), so the chain still gets a value;
+  stage count does not exceed the layers (islands coarsened one step at a time in turn, those
+  with the most memory per device first: they can hold the extra layers), so the chain still
+  gets a value;
 - :func:`climb_grains`: from the best uniform layout of one of the best chains, change one
   island's granularity one step finer or coarser, take the best improving move, until none
   improves or ``grain_budget`` layouts are evaluated. Deterministic (fixed move order, ties
@@ -39,27 +40,31 @@ def _layout_value(search: SearchState, chain: Chain, grains: tuple[int, ...], si
     return search.evaluate_layout(lay, sizes)[0]
 
 
-def feasible_grains(search: SearchState, chain: Chain, sizes: list[int] | None = None) -> float:
-    """The closed form of the finest mixed layout of ``chain`` with at most ``max_stages`` stages
-    (module docstring); ``inf`` if it does not fit either."""
-    choices = island_grains(search.grouping, chain)
-    if all(len(c) == 1 for c in choices):
-        return _INF
+def _feasible_pick(search: SearchState, chain: Chain, choices: list[list[int]]) -> tuple[int, ...] | None:
+    """Indices into ``choices`` of the finest grains with at most ``max_stages`` stages (module docstring)."""
     pick = [0] * len(chain)
     mem = []
     for i, keep in chain:
         devs = [d for g in search.grouping.islands[i].groups[:keep] for d in g.devices]
         mem.append(sum(search.cluster.memory_bytes(d) for d in devs) / len(devs))
-    while True:
-        lay = mixed_layout(search.grouping, chain, [c[p] for c, p in zip(choices, pick, strict=True)])
-        if len(lay.slots) <= search.max_stages:
-            break
+    while len(mixed_layout(search.grouping, chain, [c[p] for c, p in zip(choices, pick, strict=True)]).slots) \
+            > search.max_stages:
         up = [k for k in range(len(chain)) if pick[k] + 1 < len(choices[k])]
         if not up:
-            return _INF
-        k = max(up, key=lambda k: (mem[k], -pick[k], -k))
+            return None
+        k = max(up, key=lambda k: (-pick[k], mem[k], -k))
         pick[k] += 1
-    return search.evaluate_layout(lay, sizes)[0]
+    return tuple(pick)
+
+
+def feasible_grains(search: SearchState, chain: Chain, sizes: list[int] | None = None) -> float:
+    """The closed form of the finest mixed layout of ``chain`` with at most ``max_stages`` stages
+    (module docstring); ``inf`` if it does not fit either."""
+    choices = island_grains(search.grouping, chain)
+    pick = _feasible_pick(search, chain, choices) if any(len(c) > 1 for c in choices) else None
+    if pick is None:
+        return _INF
+    return _layout_value(search, chain, tuple(c[p] for c, p in zip(choices, pick, strict=True)), sizes)
 
 
 def climb_grains(search: SearchState, chain: Chain) -> float:
@@ -70,18 +75,20 @@ def climb_grains(search: SearchState, chain: Chain) -> float:
         return _INF
     budget = search.options.grain_budget
     seen: dict[tuple[int, ...], float] = {}
+    near: list[int] | None = None  # the uniform starts with every microbatch size, the moves near the best's
 
     def value(pick: tuple[int, ...]) -> float:
         if pick not in seen:
-            seen[pick] = _layout_value(search, chain, tuple(c[p] for c, p in zip(choices, pick, strict=True)), None)
+            seen[pick] = _layout_value(search, chain, tuple(c[p] for c, p in zip(choices, pick, strict=True)), near)
         return seen[pick]
 
     top = max(len(c) for c in choices)
     starts = [tuple(max(p for p, g in enumerate(c) if g <= 2 ** u or p == 0) for c in choices) for u in range(top)]
-    starts = list(dict.fromkeys(starts))
+    starts = list(dict.fromkeys(starts + [p for p in (_feasible_pick(search, chain, choices),) if p is not None]))
     best, cur = min(((value(s), s) for s in starts), default=(_INF, ()))
     if not math.isfinite(best):
         return best
+    near = search.sizes_near(4)
     while len(seen) < budget:
         moves = [cur[:k] + (cur[k] + d,) + cur[k + 1:] for k in range(len(cur)) for d in (-1, 1)
                  if 0 <= cur[k] + d < len(choices[k])]

@@ -269,7 +269,7 @@ def _screened(search: SearchState, ranked: list[Config]) -> list[Config]:
     opts = search.options
     if opts.screen_keep == 0:
         return []
-    got = [(search.screen(cfg), k, cfg) for k, cfg in enumerate(ranked[: opts.screen_top])]
+    got = [(search.screen(cfg), k, cfg) for k, cfg in enumerate(_by_layout(ranked)[: opts.screen_top])]
     return [cfg for value, _, cfg in sorted(got, key=lambda x: x[:2])[: opts.screen_keep] if math.isfinite(value)]
 
 
