@@ -333,9 +333,11 @@ class SearchState:
                           system=self.options.system, recompute=flags)
         short = (2 * stages, 4 * stages)
         work = stages * sum(short)
-        if tab.m <= 2 * short[1] or self.screen_used + work > self.options.screen_budget:
-            got = self.score(plan)  # as cheap as the two short ones: the real figure (or out of budget)
+        if tab.m <= 2 * short[1]:
+            got = self.score(plan)  # about as cheap as the two short ones: the real figure
             return _INF if got is None else got.estimate.iteration_s
+        if self.screen_used + work > self.options.screen_budget:
+            return _INF
         self.screen_used += work
         times = []
         for m in short:
