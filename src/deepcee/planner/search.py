@@ -19,10 +19,14 @@ Every public name of those modules that callers used from here is importable fro
    whose lower bound (all samples over the summed device speed, or the cheapest boundary's
    bytes over the summed bandwidth of the link resources between two of its stages)
    cannot beat the best closed form so far is skipped.
+   The best chains' islands then get each their own granularity (devices per stage), by a
+   local search from the chain's best uniform layout ([Note: mixed granularity] in
+   :mod:`deepcee.planner.grains`).
 2. The best ranked configurations get a second DP that minimises the fill subject to the
    bottleneck staying under ``tau`` for a few ``tau`` above the optimum (trading a slightly
    worse bottleneck for a shorter pipeline when there are few microbatches).
-3. The best ranked are built as plans for every schedule and sync (ring and hierarchical
+3. The best ranked (the cost model's pick of the closed form's best first, [Note: screening])
+   are built as plans for every schedule and sync (ring and hierarchical
    only when a stage spans nodes: otherwise they coincide) and scored by the analytic cost
    model (:class:`~deepcee.planner.cost_model.AnalyticCostModel`), plus, with one schedule,
    the best for every stage count and every island (for the explanation); plans that do
@@ -32,6 +36,19 @@ Every public name of those modules that callers used from here is importable fro
    allows per stage) within a budget of stages x microbatches, the builder's cost.
 4. The best ``confirm_top`` plans (distinct) are simulated, within a work budget; the lowest
    simulated iteration time wins (ties: cost model, then a stable key).
+
+[Note: screening]
+The closed form ranks configurations for step 3, whose cost-model budget (``score_budget``,
+stages x microbatches) holds only a handful of plans with a thousand microbatches. On the
+random WAN instances of ``benchmarks/planner_at_scale.py`` the closed form was off by up to
+1.8x and not in order (seed 82: its best, 398 s, was 744 s by the cost model; its fourth, 418 s,
+was 539 s), so the budget went to the wrong plans. Before step 3, the closed form's best
+configuration of each layout in turn (``screen_top`` of them) is timed by the cost model with
+one fixed schedule; when a plan has more than ``16 S`` microbatches (``S`` stages) it is timed
+with ``2 S`` and ``4 S`` microbatches and the time extrapolated linearly (a pipeline's time is
+affine in the microbatch count once it is full; ``screen_budget`` caps this work). The
+``screen_keep`` best are scored in full first. The screen only orders work: every plan
+returned is still scored in full by the cost model and confirmed by the simulator.
 
 With at most ``exhaustive_islands`` islands every island subset, every prefix of groups, and
 the best island order (by slow-link cost) and its reverse are tried; above that, the chain

@@ -14,8 +14,10 @@ split every microbatch by share and all-reduce their gradients. The planner sear
   removes its link from the pipeline altogether.
 - **layouts** of a chain into stages: each island's kept devices form one device set
   (*merged*) or one per group (*per group*); each set is cut into contiguous chunks of at
-  most ``g`` devices (``g`` a power of two, the same for the whole chain: more stages
-  inside an island, for memory or for less all-reduce traffic); plus, for a chain of
+  most ``g`` devices (``g`` a power of two or the set's size: more stages inside an island,
+  for memory or for less all-reduce traffic), the same ``g`` for the whole chain
+  (:func:`chain_layouts`) or one per island (:func:`mixed_layout`, searched on the best
+  chains: [Note: mixed granularity] in :mod:`deepcee.planner.grains`); plus, for a chain of
   several islands, one stage over all of them (data parallel across islands).
 - **microbatch size** ``n`` (a divisor of the global batch, at least the largest stage's
   device count so every device gets a sample), **schedule** (gpipe, 1f1b, zb-h1, zb-h2,
