@@ -104,6 +104,7 @@ from deepcee.planner.space import (
     island_distances,
     island_orders,
     microbatch_sizes,
+    schedule_in_flight,
 )
 from deepcee.planner.split import split_layers
 from deepcee.planner.steps import Candidate, Config, SearchState, final_rank_key, rank_key
@@ -286,8 +287,44 @@ def _screened(search: SearchState, ranked: list[Config]) -> list[Config]:
     opts = search.options
     if opts.screen_keep == 0:
         return []
-    got = [(search.screen(cfg), k, cfg) for k, cfg in enumerate(_by_layout(ranked)[: opts.screen_top])]
+    got = [(_screen(search, cfg), k, cfg) for k, cfg in enumerate(_by_layout(ranked)[: opts.screen_top])]
     return [cfg for value, _, cfg in sorted(got, key=lambda x: x[:2])[: opts.screen_keep] if math.isfinite(value)]
+
+
+_SCREEN_SCHEDULES = ("zb-h1", "1f1b", "zb-h2", "gpipe")
+"""The fixed schedule a configuration is screened with: the first of these it admits."""
+
+
+def _screen(search: SearchState, cfg: Config) -> float:
+    """The cost model's iteration time of ``cfg``'s plan with one schedule (the first of
+    :data:`_SCREEN_SCHEDULES` it admits), extrapolated from two shorter iterations when it
+    has many microbatches ([Note: screening]); ``inf`` if it admits no fixed schedule, does
+    not fit, or ``screen_budget`` is spent."""
+    sched = next((x for x in _SCREEN_SCHEDULES if x in cfg.schedules), None)
+    if sched is None:
+        return _INF
+    tab = search.dp_inputs(cfg.layout, cfg.n)
+    stages = len(cfg.layout.slots)
+    flags = cfg.recompute or tab.recompute_flags(cfg.split, schedule_in_flight(sched, stages, tab.m))
+    plan = build_plan(cfg.layout, cfg.split, cluster=search.cluster, model=search.model,
+                      global_batch=search.global_batch, microbatch_size=cfg.n, schedule=sched, sync=search.options.syncs[0],
+                      system=search.options.system, recompute=flags)
+    short = (2 * stages, 4 * stages)
+    work = stages * sum(short)
+    if tab.m <= 2 * short[1]:
+        got = search.score(plan)  # about as cheap as the two short ones: the real figure
+        return _INF if got is None else got.estimate.iteration_s
+    if search.screen_used + work > search.options.screen_budget:
+        return _INF
+    search.screen_used += work
+    times = []
+    for m in short:
+        est = search.cost_model.estimate(plan.replace(global_batch=cfg.n * m, num_microbatches=m),
+                                         search.cluster, search.model)
+        if any(b > search.cluster.memory_bytes(d) for d, b in est.peak_memory_bytes.items()):
+            return _INF
+        times.append(est.iteration_s)
+    return times[0] + (tab.m - short[0]) * (times[1] - times[0]) / (short[1] - short[0])
 
 
 def _by_layout(ranked: list[Config]) -> list[Config]:

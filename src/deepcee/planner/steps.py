@@ -106,11 +106,11 @@ class SearchState:
     """Stages x microbatches timed by the cost model so far (see ``PlannerOptions.score_budget``)."""
     refine_used: int = 0
     screen_used: int = 0
+    """Stages x microbatches of the shortened plans the screening timed ([Note: screening])."""
     swept: set[tuple] = field(default_factory=set)
     """Configurations step 2 ran on (the explanation's constrained searches come back to them)."""
     compacts: dict[tuple, Plan | None] = field(default_factory=dict)
     """Compact schedules built, by (stages, microbatch size, sync, screened)."""
-    """Stages x microbatches of the shortened plans :meth:`screen` timed."""
     _pipes: dict[tuple, float] = field(default_factory=dict)
     chain_result: ChainResult | None = None
     """What the chain search did (see [Note: chain search])."""
@@ -314,40 +314,6 @@ class SearchState:
                 self.add_config(cfg.layout, cfg.n, got[1], tuple(scheds), cf, got[2])
 
     # -- step 3 ---------------------------------------------------------------------------
-    SCREEN_SCHEDULES = ("zb-h1", "1f1b", "zb-h2", "gpipe")
-    """The fixed schedule a configuration is screened with: the first of these it admits."""
-
-    def screen(self, cfg: Config) -> float:
-        """The cost model's iteration time of ``cfg``'s plan with one schedule (the first of
-        :data:`SCREEN_SCHEDULES` it admits), extrapolated from two shorter iterations when it
-        has many microbatches ([Note: screening]); ``inf`` if it admits no fixed schedule, does
-        not fit, or ``screen_budget`` is spent."""
-        sched = next((x for x in self.SCREEN_SCHEDULES if x in cfg.schedules), None)
-        if sched is None:
-            return _INF
-        tab = self.dp_inputs(cfg.layout, cfg.n)
-        stages = len(cfg.layout.slots)
-        flags = cfg.recompute or tab.recompute_flags(cfg.split, schedule_in_flight(sched, stages, tab.m))
-        plan = build_plan(cfg.layout, cfg.split, cluster=self.cluster, model=self.model, global_batch=self.global_batch,
-                          microbatch_size=cfg.n, schedule=sched, sync=self.options.syncs[0],
-                          system=self.options.system, recompute=flags)
-        short = (2 * stages, 4 * stages)
-        work = stages * sum(short)
-        if tab.m <= 2 * short[1]:
-            got = self.score(plan)  # about as cheap as the two short ones: the real figure
-            return _INF if got is None else got.estimate.iteration_s
-        if self.screen_used + work > self.options.screen_budget:
-            return _INF
-        self.screen_used += work
-        times = []
-        for m in short:
-            est = self.cost_model.estimate(plan.replace(global_batch=cfg.n * m, num_microbatches=m), self.cluster,
-                                           self.model)
-            if any(b > self.cluster.memory_bytes(d) for d, b in est.peak_memory_bytes.items()):
-                return _INF
-            times.append(est.iteration_s)
-        return times[0] + (tab.m - short[0]) * (times[1] - times[0]) / (short[1] - short[0])
-
     def score(self, plan: Plan) -> Candidate | None:
         key = (plan.stages, plan.schedule, plan.sync, plan.actions)
         if key in self.scored:
