@@ -47,7 +47,9 @@ configuration of each layout in turn (``screen_top`` of them) is timed by the co
 one fixed schedule; when a plan has more than ``16 S`` microbatches (``S`` stages) it is timed
 with ``2 S`` and ``4 S`` microbatches and the time extrapolated linearly (a pipeline's time is
 affine in the microbatch count once it is full; ``screen_budget`` caps this work). The
-``screen_keep`` best are scored in full first. The screen only orders work: every plan
+``screen_keep`` best take turns with the closed form's best at the score budget (the screen's
+first, then the closed form's first, ...): the closed form is right often enough (seed 60:
+putting the screen's picks first cost 8%). The screen only orders work: every plan
 returned is still scored in full by the cost model and confirmed by the simulator.
 
 With at most ``exhaustive_islands`` islands every island subset, every prefix of groups, and
@@ -232,7 +234,10 @@ def plan_training(cluster: Cluster, model: ModelProfile, global_batch: int, *,
     ranked = sorted(search.configs.values(), key=lambda c: c.key)
     cands: list[Candidate] = []
     picked: set[int] = set()
-    for full, group in ((True, _screened(search, ranked) + ranked[: options.model_top]), (False, _coverage(ranked))):
+    # the screen's best and the closed form's best take turns at the score budget
+    first = [c for pair in itertools.zip_longest(_screened(search, ranked), ranked[: options.model_top])
+             for c in pair if c is not None]
+    for full, group in ((True, first), (False, _coverage(ranked))):
         for cfg in group:
             if id(cfg) not in picked:
                 picked.add(id(cfg))
