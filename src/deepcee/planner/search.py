@@ -44,7 +44,7 @@ random WAN instances of ``benchmarks/planner_at_scale.py`` the closed form was o
 1.8x and not in order (seed 82: its best, 398 s, was 744 s by the cost model; its fourth, 418 s,
 was 539 s), so the budget went to the wrong plans. Before step 3, the closed form's best
 configuration of each layout in turn (``screen_top`` of them) is timed by the cost model with
-one fixed schedule; when a plan has more than ``16 S`` microbatches (``S`` stages) it is timed
+one fixed schedule; when a plan has more than ``8 S`` microbatches (``S`` stages) it is timed
 with ``2 S`` and ``4 S`` microbatches and the time extrapolated linearly (a pipeline's time is
 affine in the microbatch count once it is full; ``screen_budget`` caps this work). The
 ``screen_keep`` best take turns with the closed form's best at the score budget (the screen's
