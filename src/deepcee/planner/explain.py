@@ -13,10 +13,14 @@ one constraint and scored by the simulator, like the chosen plan, and the percen
 the two simulated iteration times. The plans are kept in :attr:`~deepcee.planner.search.PlanResult.counterfactuals` (a test
 re-simulates them). The constrained search: the chosen chain of islands with the island added
 at every position (or removed), every layout and microbatch size of those chains by the
-closed form, the best configurations through the in-flight-aware split and the cost model,
-the best of them simulated; for stage counts, the best scored candidate with that many
-stages. Counterfactuals are simulated within ``confirm_max_work``; those beyond it are not
-printed (a note says how many).
+closed form (pruned by the layout lower bound against the best closed form that meets the
+constraint, as the main search prunes), the best configurations through the in-flight-aware
+split and the cost model, the best of them simulated; for stage counts, the best scored
+candidate with that many stages. Counterfactuals are simulated within ``confirm_max_work``;
+those beyond it are not printed (a note says how many). When a counterfactual beats the plan,
+it is taken and explained in turn; the second explanation reuses what the first computed (the
+search state memoises layouts, sweeps, compact schedules and simulations), so it costs only
+the constrained searches on chains not seen before.
 """
 
 from __future__ import annotations
@@ -109,10 +113,13 @@ class _Counterfactuals:
                               stages=stages)
 
     def best_on_chains(self, chains: list[Chain], wanted: Callable[[frozenset[str]], bool]) -> Candidate | None:
-        """The constrained search: lay out ``chains`` (unpruned), sweep and score the best
-        configurations whose devices satisfy ``wanted``."""
+        """The constrained search: lay out ``chains`` (a layout whose lower bound cannot beat the
+        best closed form meeting the constraint is skipped, as in the main search), sweep and
+        score the best configurations whose devices satisfy ``wanted``."""
         s = self.search
-        saved, s.best_closed_form = s.best_closed_form, _INF
+        # pruned as the main search prunes, against the best closed form that meets the constraint
+        incumbent = min((c.closed_form_s for c in s.configs.values() if wanted(c.layout.devices)), default=_INF)
+        saved, s.best_closed_form = s.best_closed_form, incumbent
         try:
             for chain in chains:
                 for lay in chain_layouts(s.grouping, chain, s.max_stages):

@@ -66,10 +66,22 @@ class PlannerOptions:
     score_budget: int = 150_000
     """Stages x microbatches timed by the cost model in total (one evaluation times each stage's
     list once); past it the search stops scoring new plans (the best are scored first)."""
+    screen_top: int = 32
+    """Configurations (closed-form order) screened by the cost model with one schedule; the best
+    ``screen_keep`` of them are scored in full first (see [Note: screening] in
+    :mod:`deepcee.planner.search`)."""
+    screen_keep: int = 4
+    screen_budget: int = 150_000
+    """Stages x microbatches of the shortened plans the screening times in total."""
     chain_budget: int = 150
     """Most island chains evaluated in full (closed form for every layout and microbatch size);
     chains are taken in increasing lower bound, so the budget only matters when many chains
     have bounds below the best plan found (the printed gap then says how much could be missed)."""
+    grain_budget: int = 24
+    """Layouts the per-island granularity search evaluates per chain, on the best chains (see
+    [Note: mixed granularity] in :mod:`deepcee.planner.grains`); 0: one granularity per chain."""
+    grain_chains: int = 2
+    """The best chains (closed form) whose per-island granularities are searched."""
     explain_counterfactuals: bool = True
     """Plan and simulate the counterfactuals the explanation prints (each island left out or
     added, one stage more or fewer)."""
@@ -93,7 +105,7 @@ class PlannerOptions:
         if self.max_stages is not None and self.max_stages < 1:
             raise PlanError(f"max_stages must be >= 1, got {self.max_stages!r}", field="max_stages")
         for name in ("sweep_top", "model_top", "refine_top", "compact_top", "confirm_top", "exhaustive_islands",
-                     "chain_budget", "refine_best_guides"):
+                     "chain_budget", "refine_best_guides", "grain_budget", "grain_chains", "screen_top", "screen_keep"):
             if getattr(self, name) < 0:
                 raise PlanError(f"must be >= 0, got {getattr(self, name)!r}", field=name)
         if self.exhaustive_islands < 1:

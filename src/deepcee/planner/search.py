@@ -19,10 +19,14 @@ Every public name of those modules that callers used from here is importable fro
    whose lower bound (all samples over the summed device speed, or the cheapest boundary's
    bytes over the summed bandwidth of the link resources between two of its stages)
    cannot beat the best closed form so far is skipped.
+   The best chains' islands then get each their own granularity (devices per stage), by a
+   local search from the chain's best uniform layout ([Note: mixed granularity] in
+   :mod:`deepcee.planner.grains`).
 2. The best ranked configurations get a second DP that minimises the fill subject to the
    bottleneck staying under ``tau`` for a few ``tau`` above the optimum (trading a slightly
    worse bottleneck for a shorter pipeline when there are few microbatches).
-3. The best ranked are built as plans for every schedule and sync (ring and hierarchical
+3. The best ranked (the cost model's pick of the closed form's best first, [Note: screening])
+   are built as plans for every schedule and sync (ring and hierarchical
    only when a stage spans nodes: otherwise they coincide) and scored by the analytic cost
    model (:class:`~deepcee.planner.cost_model.AnalyticCostModel`), plus, with one schedule,
    the best for every stage count and every island (for the explanation); plans that do
@@ -32,6 +36,21 @@ Every public name of those modules that callers used from here is importable fro
    allows per stage) within a budget of stages x microbatches, the builder's cost.
 4. The best ``confirm_top`` plans (distinct) are simulated, within a work budget; the lowest
    simulated iteration time wins (ties: cost model, then a stable key).
+
+[Note: screening]
+The closed form ranks configurations for step 3, whose cost-model budget (``score_budget``,
+stages x microbatches) holds only a handful of plans with a thousand microbatches. On the
+random WAN instances of ``benchmarks/planner_at_scale.py`` the closed form was off by up to
+1.8x and not in order (seed 82: its best, 398 s, was 744 s by the cost model; its fourth, 418 s,
+was 539 s), so the budget went to the wrong plans. Before step 3, the closed form's best
+configuration of each layout in turn (``screen_top`` of them) is timed by the cost model with
+one fixed schedule; when a plan has more than ``8 S`` microbatches (``S`` stages) it is timed
+with ``2 S`` and ``4 S`` microbatches and the time extrapolated linearly (a pipeline's time is
+affine in the microbatch count once it is full; ``screen_budget`` caps this work). The
+``screen_keep`` best take turns with the closed form's best at the score budget (the screen's
+first, then the closed form's first, ...): the closed form is right often enough (seed 60:
+putting the screen's picks first cost 8%). The screen only orders work: every plan
+returned is still scored in full by the cost model and confirmed by the simulator.
 
 With at most ``exhaustive_islands`` islands every island subset, every prefix of groups, and
 the best island order (by slow-link cost) and its reverse are tried; above that, the chain
@@ -71,6 +90,7 @@ from deepcee.planner.chains import (
 )
 from deepcee.planner.cost_model import AnalyticCostModel
 from deepcee.planner.explain import Counterfactual, explain
+from deepcee.planner.grains import climb_grains, feasible_grains
 from deepcee.planner.grouping import Grouping, group_devices
 from deepcee.planner.options import SYNC_CHOICES, PlannerOptions
 from deepcee.planner.ranges import RangeTables
@@ -86,6 +106,7 @@ from deepcee.planner.space import (
     island_distances,
     island_orders,
     microbatch_sizes,
+    schedule_in_flight,
 )
 from deepcee.planner.split import split_layers
 from deepcee.planner.steps import Candidate, Config, SearchState, final_rank_key, rank_key
@@ -142,19 +163,23 @@ def _search_chains(search: SearchState, dist: np.ndarray) -> None:
         # ones: testbed/gpt2-xl/128's cloud-only chain was written off); the best chains are laid
         # out again in full below
         layouts = chain_layouts(g, chain, search.max_stages)
-        sizes = None
+        sizes: list[int] | None = None
         near = search.granularity_near() if len(seen) >= 8 else None
         seen.append(chain)
         if near is None:
-            return min((search.evaluate_layout(lay)[0] for lay in layouts), default=_INF)
-        sizes = search.sizes_near(4)
-        layouts = sorted(layouts, key=lambda lay: (abs(math.log2(max(lay.granularity, 1) / near)), lay.granularity))
-        best, found = _INF, 0
-        for lay in layouts:
-            value = search.evaluate_layout(lay, sizes)[0]
-            best, found = min(best, value), found + math.isfinite(value)
-            if found >= 1:
-                break
+            best = min((search.evaluate_layout(lay)[0] for lay in layouts), default=_INF)
+        else:
+            sizes = search.sizes_near(4)
+            layouts = sorted(layouts, key=lambda lay: (abs(math.log2(max(lay.granularity, 1) / near)),
+                                                       lay.granularity))
+            best, found = _INF, 0
+            for lay in layouts:
+                value = search.evaluate_layout(lay, sizes)[0]
+                best, found = min(best, value), found + math.isfinite(value)
+                if found >= 1:
+                    break
+        if not math.isfinite(best) and opts.grain_budget > 0:
+            best = feasible_grains(search, chain, sizes)  # [Note: mixed granularity]
         return best
 
     seen: list[Chain] = []
@@ -167,6 +192,10 @@ def _search_chains(search: SearchState, dist: np.ndarray) -> None:
     for _, chain in sorted(done)[:4]:  # the best chains with every microbatch size
         for lay in chain_layouts(g, chain, search.max_stages):
             search.evaluate_layout(lay)
+    if opts.grain_budget > 0:  # each island its own granularity on the best chains
+        for value, chain in sorted(done)[: opts.grain_chains]:
+            if math.isfinite(value):
+                climb_grains(search, chain)
     if not exact and done:
         keeps = [len(isl.groups) for isl in g.islands]
         for value, chain in sorted(done)[:2]:  # the two best merged chains seed the local search
@@ -205,7 +234,10 @@ def plan_training(cluster: Cluster, model: ModelProfile, global_batch: int, *,
     ranked = sorted(search.configs.values(), key=lambda c: c.key)
     cands: list[Candidate] = []
     picked: set[int] = set()
-    for full, group in ((True, ranked[: options.model_top]), (False, _coverage(ranked))):
+    # the screen's best and the closed form's best take turns at the score budget
+    first = [c for pair in itertools.zip_longest(_screened(search, ranked), ranked[: options.model_top])
+             for c in pair if c is not None]
+    for full, group in ((True, first), (False, _coverage(ranked))):
         for cfg in group:
             if id(cfg) not in picked:
                 picked.add(id(cfg))
@@ -252,6 +284,52 @@ def _dedupe(cands: Iterable[Candidate]) -> list[Candidate]:
         p = c.plan
         seen.setdefault((p.stages, p.schedule, p.sync, p.actions, p.microbatch_size), c)
     return list(seen.values())
+
+
+def _screened(search: SearchState, ranked: list[Config]) -> list[Config]:
+    """The ``screen_keep`` best of the closed form's ``screen_top`` by the cost model with one
+    schedule ([Note: screening]), best first."""
+    opts = search.options
+    if opts.screen_keep == 0:
+        return []
+    got = [(_screen(search, cfg), k, cfg) for k, cfg in enumerate(_by_layout(ranked)[: opts.screen_top])]
+    return [cfg for value, _, cfg in sorted(got, key=lambda x: x[:2])[: opts.screen_keep] if math.isfinite(value)]
+
+
+_SCREEN_SCHEDULES = ("zb-h1", "1f1b", "zb-h2", "gpipe")
+"""The fixed schedule a configuration is screened with: the first of these it admits."""
+
+
+def _screen(search: SearchState, cfg: Config) -> float:
+    """The cost model's iteration time of ``cfg``'s plan with one schedule (the first of
+    :data:`_SCREEN_SCHEDULES` it admits), extrapolated from two shorter iterations when it
+    has many microbatches ([Note: screening]); ``inf`` if it admits no fixed schedule, does
+    not fit, or ``screen_budget`` is spent."""
+    sched = next((x for x in _SCREEN_SCHEDULES if x in cfg.schedules), None)
+    if sched is None:
+        return _INF
+    tab = search.dp_inputs(cfg.layout, cfg.n)
+    stages = len(cfg.layout.slots)
+    flags = cfg.recompute or tab.recompute_flags(cfg.split, schedule_in_flight(sched, stages, tab.m))
+    plan = build_plan(cfg.layout, cfg.split, cluster=search.cluster, model=search.model,
+                      global_batch=search.global_batch, microbatch_size=cfg.n, schedule=sched, sync=search.options.syncs[0],
+                      system=search.options.system, recompute=flags)
+    short = (2 * stages, 4 * stages)
+    work = stages * sum(short)
+    if tab.m <= 2 * short[1]:
+        got = search.score(plan)  # about as cheap as the two short ones: the real figure
+        return _INF if got is None else got.estimate.iteration_s
+    if search.screen_used + work > search.options.screen_budget:
+        return _INF
+    search.screen_used += work
+    times = []
+    for m in short:
+        est = search.cost_model.estimate(plan.replace(global_batch=cfg.n * m, num_microbatches=m),
+                                         search.cluster, search.model)
+        if any(b > search.cluster.memory_bytes(d) for d, b in est.peak_memory_bytes.items()):
+            return _INF
+        times.append(est.iteration_s)
+    return times[0] + (tab.m - short[0]) * (times[1] - times[0]) / (short[1] - short[0])
 
 
 def _by_layout(ranked: list[Config]) -> list[Config]:

@@ -14,8 +14,10 @@ split every microbatch by share and all-reduce their gradients. The planner sear
   removes its link from the pipeline altogether.
 - **layouts** of a chain into stages: each island's kept devices form one device set
   (*merged*) or one per group (*per group*); each set is cut into contiguous chunks of at
-  most ``g`` devices (``g`` a power of two, the same for the whole chain: more stages
-  inside an island, for memory or for less all-reduce traffic); plus, for a chain of
+  most ``g`` devices (``g`` a power of two or the set's size: more stages inside an island,
+  for memory or for less all-reduce traffic), the same ``g`` for the whole chain
+  (:func:`chain_layouts`) or one per island (:func:`mixed_layout`, searched on the best
+  chains: [Note: mixed granularity] in :mod:`deepcee.planner.grains`); plus, for a chain of
   several islands, one stage over all of them (data parallel across islands).
 - **microbatch size** ``n`` (a divisor of the global batch, at least the largest stage's
   device count so every device gets a sample), **schedule** (gpipe, 1f1b, zb-h1, zb-h2,
@@ -120,6 +122,37 @@ def chain_layouts(grouping: Grouping, chain: Chain, max_stages: int) -> list[Sta
         out.append(StageLayout(slots=(every,), islands=tuple(i.name for i in islands),
                                label="data parallel over " + " + ".join(i.name for i in islands)))
     return out
+
+
+def island_grains(grouping: Grouping, chain: Chain, merged: bool = True) -> list[list[int]]:
+    """Per island of ``chain``, the most devices per stage it can be cut into, ascending: the
+    powers of two below its largest device set and that set's size (the values at which its
+    chunk count changes, as in :func:`chain_layouts`)."""
+    out = []
+    for i, keep in chain:
+        gs = grouping.islands[i].groups[:keep]
+        biggest = sum(len(x.devices) for x in gs) if merged else max(len(x.devices) for x in gs)
+        out.append(sorted({2 ** k for k in range(int(math.ceil(math.log2(biggest))))} | {biggest}))
+    return out
+
+
+def mixed_layout(grouping: Grouping, chain: Chain, grains: Sequence[int], merged: bool = True) -> StageLayout:
+    """``chain`` laid out with island ``k`` cut into chunks of at most ``grains[k]`` devices (each
+    island its own granularity; see [Note: mixed granularity] in :mod:`deepcee.planner.grains`)."""
+    slots: list[tuple[str, ...]] = []
+    parts = []
+    islands = [grouping.islands[i] for i, _ in chain]
+    for isl, (_, keep), g in zip(islands, chain, grains, strict=True):
+        gs = isl.groups[:keep]
+        member = {d for x in gs for d in x.devices}
+        sets = [tuple(d for d in isl.devices if d in member)] if merged else [x.devices for x in gs]
+        pieces = [c for s in sets for c in _chunks(s, g)]
+        slots += pieces
+        dropped = len(isl.groups) - len(gs)
+        parts.append(f"{isl.name}[{'+'.join(str(len(p)) for p in pieces)}]"
+                     + (f"(-{dropped} slow group{'s' if dropped > 1 else ''})" if dropped else ""))
+    return StageLayout(slots=tuple(slots), islands=tuple(i.name for i in islands), label=" > ".join(parts),
+                       merged=merged, granularity=max(grains))
 
 
 def island_distances(cluster: Cluster, grouping: Grouping) -> np.ndarray:

@@ -92,6 +92,8 @@ class SearchState:
     scored: dict[tuple, Candidate | None] = field(default_factory=dict)
     evaluated: int = 0
     layouts_seen: dict[tuple, StageLayout] = field(default_factory=dict)
+    layout_values: dict[tuple, tuple[float, int]] = field(default_factory=dict)
+    """Step 1's result of each (layout, microbatch sizes) evaluated and not pruned."""
     best_closed_form: float = _INF
     min_boundary_bytes: float = 0.0
     _marginal: dict[str, float] = field(default_factory=dict)
@@ -103,6 +105,12 @@ class SearchState:
     score_used: int = 0
     """Stages x microbatches timed by the cost model so far (see ``PlannerOptions.score_budget``)."""
     refine_used: int = 0
+    screen_used: int = 0
+    """Stages x microbatches of the shortened plans the screening timed ([Note: screening])."""
+    swept: set[tuple] = field(default_factory=set)
+    """Configurations step 2 ran on (the explanation's constrained searches come back to them)."""
+    compacts: dict[tuple, Plan | None] = field(default_factory=dict)
+    """Compact schedules built, by (stages, microbatch size, sync, screened)."""
     _pipes: dict[tuple, float] = field(default_factory=dict)
     chain_result: ChainResult | None = None
     """What the chain search did (see [Note: chain search])."""
@@ -205,6 +213,9 @@ class SearchState:
         self.layouts_seen.setdefault(layout.slots, layout)
         best, best_n = _INF, 0
         stages = len(layout.slots)
+        memo = (layout.slots, None if sizes is None else tuple(sizes))
+        if memo in self.layout_values:
+            return self.layout_values[memo]  # its configurations are already in self.configs
         if stages > self.model.num_layers or self.lower_bound(layout) >= self.best_closed_form:
             return best, best_n
         for n in self.sizes if sizes is None else sizes:
@@ -215,6 +226,7 @@ class SearchState:
                 if cf < best:
                     best, best_n = cf, n
         self.best_closed_form = min(self.best_closed_form, best)
+        self.layout_values[memo] = (best, best_n)
         return best, best_n
 
     def _splits(self, layout: StageLayout, n: int) -> list[tuple[tuple[int, ...], tuple[str, ...], float]]:
@@ -276,6 +288,10 @@ class SearchState:
     def sweep(self, cfg: Config) -> None:
         """Step 2: the in-flight-aware DP (:func:`~deepcee.planner.split.in_flight_split`) for
         each in-flight class of the configuration's schedules and each budget of :data:`SWEEP_FACTORS`."""
+        key = (cfg.layout.slots, cfg.n, cfg.split, cfg.recompute, cfg.schedules)
+        if key in self.swept:
+            return  # its configurations are already in self.configs
+        self.swept.add(key)
         tab = self.dp_inputs(cfg.layout, cfg.n)
         stages = len(cfg.layout.slots)
         classes: dict[tuple, list[str]] = {}
@@ -447,6 +463,9 @@ class SearchState:
         ``compact_max_actions`` stages x microbatches only the builder's templates are tried
         (``rules=()``, linear in the size): the compact schedule of such a plan, by definition
         of the plan space."""
+        key = (plan.stages, plan.microbatch_size, plan.sync, screen)
+        if key in self.compacts:
+            return self.compacts[key]  # built before (same stages, costs and limits: same schedule)
         size = plan.num_stages * plan.num_microbatches
         large = size > self.options.compact_max_actions
         charge = 0 if large else size / 4 if screen else size
@@ -456,8 +475,9 @@ class SearchState:
         self.compact_used += charge
         self.large_compacts += large
         cost = stage_costs(plan, self.cluster, self.model)
-        return compact_plan(plan, self.cluster, self.model, cost, self.tables,
-                            rules=() if large else SCREEN_RULES if screen else None)
+        got = self.compacts[key] = compact_plan(plan, self.cluster, self.model, cost, self.tables,
+                                                rules=() if large else SCREEN_RULES if screen else None)
+        return got
 
 
 def rank_key(c: Candidate) -> tuple:

@@ -1,0 +1,63 @@
+"""Each island its own granularity ([Note: mixed granularity] in deepcee.planner.grains): layouts
+cut each island by its own devices per stage, and a cluster that only such a layout can hold
+gets a plan."""
+
+from __future__ import annotations
+
+import pytest
+
+from deepcee.cluster import Cluster, Device, DeviceKind, Island, LinkEntry, LinkSpec, Node
+from deepcee.errors import InfeasiblePlanError
+from deepcee.planner.grouping import group_devices
+from deepcee.planner.search import PlannerOptions, plan_training
+from deepcee.planner.space import island_grains, mixed_layout
+from deepcee.profile import LayerProfile, ModelProfile
+from deepcee.simulator.engine import simulate
+from deepcee.units import GIB
+
+FAST = LinkSpec(latency_s=50e-6, bandwidth_bytes_per_s=1.25e9)
+NVLINK = LinkSpec(latency_s=5e-6, bandwidth_bytes_per_s=12.5e9)
+
+
+def _cluster(small_gib: float, large_gib: float) -> Cluster:
+    """Island ``a``: 4 devices of ``small_gib``; island ``b``: 8 devices of ``large_gib`` on two nodes."""
+    kinds = {"small": DeviceKind(name="small", peak_flops_per_s=20e12, memory_bytes=small_gib * GIB),
+             "large": DeviceKind(name="large", peak_flops_per_s=20e12, memory_bytes=large_gib * GIB)}
+    nodes = (Node(name="a0", island="a", kind="small", devices=tuple(f"a0:{k}" for k in range(4)), intra=NVLINK),
+             Node(name="b0", island="b", kind="large", devices=tuple(f"b0:{k}" for k in range(4)), intra=NVLINK),
+             Node(name="b1", island="b", kind="large", devices=tuple(f"b1:{k}" for k in range(4)), intra=NVLINK))
+    devices = tuple(Device(name=d, kind=n.kind, node=n.name, island=n.island) for n in nodes for d in n.devices)
+    return Cluster(name="mixed", kinds=kinds, islands=(Island(name="a", intra=FAST), Island(name="b", intra=FAST)),
+                   nodes=nodes, devices=devices,
+                   links=(LinkEntry(a="a", b="b", spec=LinkSpec(latency_s=0.01, bandwidth_bytes_per_s=1e9)),))
+
+
+def _model(layers: int) -> ModelProfile:
+    return ModelProfile(name="toy", input_bytes=1e5, layers=tuple(
+        LayerProfile(name=f"l{k}", forward_flops=2e11, input_grad_flops=2e11, weight_grad_flops=2e11,
+                     parameter_count=100_000_000, activation_bytes=1e6, output_bytes=1e5) for k in range(layers)))
+
+
+def test_mixed_layout_cuts_each_island_by_its_own_granularity() -> None:
+    c = _cluster(4.0, 4.0)
+    g = group_devices(c)
+    chain = tuple((i, len(isl.groups)) for i, isl in enumerate(g.islands))
+    assert island_grains(g, chain) == [[1, 2, 4], [1, 2, 4, 8]]
+    lay = mixed_layout(g, chain, (1, 2))
+    assert [len(s) for s in lay.slots] == [1, 1, 1, 1, 2, 2, 2, 2]
+    assert lay.granularity == 2 and lay.devices == frozenset(c.device_names)
+
+
+def test_only_a_mixed_layout_fits() -> None:
+    """Both islands used, 11 layers; an ``a`` device holds one layer's state, a ``b`` device two (not three). One
+    device per stage everywhere makes 12 stages (more than the layers); two everywhere hold
+    2 x 1 + 4 x 2 = 10 layers; ``a`` by one and ``b`` by two hold 12 in 8 stages."""
+    c, m = _cluster(2.6, 4.4), _model(11)
+    with pytest.raises(InfeasiblePlanError):
+        plan_training(c, m, 16, options=PlannerOptions(grain_budget=0, allow_exclusion=False,
+                                                       explain_counterfactuals=False))
+    plan = plan_training(c, m, 16, options=PlannerOptions(allow_exclusion=False, explain_counterfactuals=False)).plan
+    sizes = {c.device(st.devices[0]).island: len(st.devices) for st in plan.stages}
+    assert sizes == {"a": 1, "b": 2}
+    sim = simulate(plan, c, m, record=False)
+    assert all(b <= c.memory_bytes(d) for d, b in sim.peak_memory_bytes.items())
