@@ -26,15 +26,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from planner_at_scale import kendall_tau, wan_instance  # noqa: E402
-from planning_time import synthetic_cluster  # noqa: E402
-
 from deepcee.models import get_model  # noqa: E402
 from deepcee.planner.cost_model import AnalyticCostModel  # noqa: E402
 from deepcee.planner.search import plan_training  # noqa: E402
 from deepcee.schedule.interpreter import Execution  # noqa: E402
 from deepcee.simulator.engine import _Simulation, simulate  # noqa: E402
 from deepcee.simulator.runtime_model import runtime_for  # noqa: E402
+from planner_at_scale import kendall_tau, wan_instance  # noqa: E402
+from planning_time import synthetic_cluster  # noqa: E402
 
 INSTANCES = ("wan-2", "synthetic-64", "synthetic-256", "synthetic-512")
 _SYNTHETIC = {"synthetic-64": (64, 8, "gpt2-xl", 256), "synthetic-256": (256, 16, "gpt2-xl", 1024),
