@@ -355,13 +355,17 @@ def lanes_timing(lowered: Schedule, lanes: Sequence[Sequence[Sequence[float]]], 
                  runtime: RuntimeModel | None = None) -> PipelineTiming:
     """:func:`pipeline_timing` of every lane (per stage ``(F, I, W, B)``); each stage ends with its
     last lane ([Note: sample lanes]); ``busy_s`` is the stages' maxima."""
+    first = lanes[0]
+    tables = stage_tables(lowered, [p[0] for p in first], [p[1] for p in first], [p[2] for p in first], comm_forward,
+                          comm_backward, [p[3] for p in first], num_microbatches=num_microbatches)
+    if runtime is not None:
+        tables = replace(tables, blocking_sends=runtime.sends == "blocking", handshake=runtime.receive_handshake)
     ends, busy = None, None
-    for lane in lanes:
-        t = pipeline_timing(lowered, [p[0] for p in lane], [p[1] for p in lane], [p[2] for p in lane],
-                            comm_forward, comm_backward, [p[3] for p in lane], num_microbatches=num_microbatches,
-                            runtime=runtime)
-        ends = t.stage_end_s if ends is None else tuple(map(max, ends, t.stage_end_s))
-        busy = t.busy_s if busy is None else tuple(map(max, busy, t.busy_s))
+    for lane in lanes:  # the same tables but for each lane's durations
+        run = Execution(replace(tables, durations=tuple(tuple(p) for p in lane)))
+        t, _ = run.pipeline(0.0)
+        ends = tuple(t) if ends is None else tuple(map(max, ends, t))
+        busy = tuple(run.busy_s) if busy is None else tuple(map(max, busy, run.busy_s))
     return PipelineTiming(stage_end_s=ends or (), busy_s=busy or ())
 
 
