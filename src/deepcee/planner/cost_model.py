@@ -24,7 +24,9 @@ The model, per plan (``S`` stages, ``M`` microbatches):
    (:mod:`deepcee.schedule.interpreter`) on the dry run's tables
    (:func:`~deepcee.schedule.interpreter.stage_tables`: one device per stage with the stage
    costs of 1, one FIFO link per boundary direction with the costs of 2), without recording
-   (:func:`pipeline_timing`). It is exact whenever the stage-level costs above are exact (one
+   (:func:`pipeline_timing`), once per sample lane: the stage costs of 1 taken on the lane's
+   device instead of the slowest, a stage ending with its last lane (:func:`lanes_timing`,
+   [Note: sample lanes]). It is exact whenever the stage-level costs above are exact (one
    device per stage, one link resource per boundary); zero-bubble schedules get their bubble
    filled by ``W`` because their ``W`` actions are in the list.
 4. **Synchronisation.** Conservatively, a stage's gradient all-reduce
@@ -48,10 +50,10 @@ For the planner's layer-split search, :class:`~deepcee.planner.ranges.RangeCosts
 the same terms for every contiguous layer range ``[a, b)`` of one device set at once (numpy
 matrices; see [Note: range times] in :mod:`deepcee.planner.ranges`).
 
-What is approximate against the simulator: a stage is timed by its slowest device (the
-simulator lets each device of a stage start as soon as its own pieces arrive), a boundary
-with several link resources is reduced to one FIFO pair, and transfers of different
-boundaries that share one resource are not queued behind each other.
+What is approximate against the simulator: lanes are timed apart (a device waiting for
+pieces of two lanes, and lanes queued behind each other on a shared pipe, are not modelled),
+a boundary with several link resources is reduced to one FIFO pair, and transfers of
+different boundaries that share one resource are not queued behind each other.
 """
 
 from __future__ import annotations
@@ -312,13 +314,9 @@ def pipeline_timing(lowered: Schedule, forward_s: Sequence[float], input_grad_s:
 # What it leaves out: a device that waits for pieces from two devices of the previous stage
 # (shares that do not line up) waits for both; the lanes are timed apart.
 
-MAX_LANES = 10**6
-"""Lanes timed per plan at most (the ones with the largest summed passes; see [Note: sample lanes])."""
-
-
 def lane_passes(plan: Plan, cluster: Cluster, model: ModelProfile) -> list[tuple[tuple[float, ...], ...]]:
     """Per lane that no other lane dominates, each stage's ``(F, I, W, B)`` on the lane's device
-    ([Note: sample lanes]); at most :data:`MAX_LANES`, the largest summed passes first."""
+    ([Note: sample lanes]), the largest summed passes first."""
     same: dict[tuple, tuple[float, ...]] = {}
     per_stage = []
     for st in plan.stages:
@@ -345,7 +343,7 @@ def lane_passes(plan: Plan, cluster: Cluster, model: ModelProfile) -> list[tuple
     mat = np.array([[x for stage in lane for x in stage] for lane in lanes])
     ge = (mat[:, None, :] >= mat[None, :, :]).all(axis=2)  # ge[a, b]: lane a at least lane b everywhere
     dominated = (ge & ~np.eye(len(mat), dtype=bool)).any(axis=0)
-    keep = sorted(np.flatnonzero(~dominated), key=lambda k: (-mat[k].sum(), k))[:MAX_LANES]
+    keep = sorted(np.flatnonzero(~dominated), key=lambda k: (-mat[k].sum(), k))
     order = list(lanes)
     return [order[k] for k in keep]
 
