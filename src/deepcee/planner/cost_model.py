@@ -314,20 +314,29 @@ def pipeline_timing(lowered: Schedule, forward_s: Sequence[float], input_grad_s:
 # What it leaves out: a device that waits for pieces from two devices of the previous stage
 # (shares that do not line up) waits for both; the lanes are timed apart.
 
-def lane_passes(plan: Plan, cluster: Cluster, model: ModelProfile) -> list[tuple[tuple[float, ...], ...]]:
-    """Per lane that no other lane dominates, each stage's ``(F, I, W, B)`` on the lane's device
-    ([Note: sample lanes]), the largest summed passes first."""
+def device_passes(plan: Plan, cluster: Cluster, model: ModelProfile) -> list[list[tuple[float, ...]]]:
+    """Per stage and device, ``(F, I, W, B)`` of one microbatch with its share (devices of one kind,
+    slowdown and share computed once)."""
     same: dict[tuple, tuple[float, ...]] = {}
     per_stage = []
     for st in plan.stages:
         row = []
         for dev, share in zip(st.devices, st.shares, strict=True):
-            key = (st.layer_start, st.layer_stop, st.recompute, cluster.kind_of(dev).name, cluster.device(dev).slowdown,
-                   share)
+            key = (cluster.kind_of(dev).name, cluster.device(dev).slowdown, share)
             if key not in same:
                 same[key] = stage_pass_s(model, cluster, replace(st, devices=(dev,), shares=(share,)))
             row.append(same[key])
+        same.clear()
         per_stage.append(row)
+    return per_stage
+
+
+def lane_passes(plan: Plan, cluster: Cluster, model: ModelProfile,
+                per_stage: Sequence[Sequence[tuple[float, ...]]] | None = None) -> list[tuple[tuple[float, ...], ...]]:
+    """Per lane that no other lane dominates, each stage's ``(F, I, W, B)`` on the lane's device
+    ([Note: sample lanes]), the largest summed passes first. ``per_stage``: :func:`device_passes`."""
+    if per_stage is None:
+        per_stage = device_passes(plan, cluster, model)
     lanes: set[tuple[tuple[float, ...], ...]] = set()
     starts = sorted({a for st in plan.stages for a in itertools.accumulate(st.shares[:-1], initial=0)})
     index = [0] * plan.num_stages
@@ -358,13 +367,15 @@ def lanes_timing(lowered: Schedule, lanes: Sequence[Sequence[Sequence[float]]], 
                           comm_backward, [p[3] for p in first], num_microbatches=num_microbatches)
     if runtime is not None:
         tables = replace(tables, blocking_sends=runtime.sends == "blocking", handshake=runtime.receive_handshake)
-    ends, busy = None, None
+    counts = [[sum(1 for a in row if a.kind is k) for k in (ActionKind.F, ActionKind.I, ActionKind.W, ActionKind.B)]
+              for row in lowered]
+    busy = tuple(max(sum(c * x for c, x in zip(counts[s], lane[s], strict=True)) for lane in lanes)
+                 for s in range(len(lowered)))
+    ends: list[float] | None = None
     for lane in lanes:  # the same tables but for each lane's durations
-        run = Execution(replace(tables, durations=tuple(tuple(p) for p in lane)))
-        t, _ = run.pipeline(0.0)
-        ends = tuple(t) if ends is None else tuple(map(max, ends, t))
-        busy = tuple(run.busy_s) if busy is None else tuple(map(max, busy, run.busy_s))
-    return PipelineTiming(stage_end_s=ends or (), busy_s=busy or ())
+        t, _ = Execution(replace(tables, durations=tuple(tuple(p) for p in lane))).pipeline(0.0)
+        ends = list(t) if ends is None else list(map(max, ends, t))
+    return PipelineTiming(stage_end_s=tuple(ends or ()), busy_s=busy)
 
 
 # ----------------------------------------------------------------------------- the model
@@ -407,13 +418,14 @@ class AnalyticCostModel:
     def breakdown(self, plan: Plan, cluster: Cluster, model: ModelProfile) -> PlanCost:
         """Every term of the estimate (see the module docstring)."""
         plan.check_against(num_layers=model.num_layers, device_names=cluster.device_names)
-        fiwb = [stage_pass_s(model, cluster, st) for st in plan.stages]
+        per_device = device_passes(plan, cluster, model)
+        fiwb = [tuple(map(max, *row)) if len(row) > 1 else row[0] for row in per_device]  # the slowest device
         f, i, w, b_ = (tuple(x[k] for x in fiwb) for k in range(4))
         bounds = tuple(boundary_cost(cluster, a, b, model.boundary_bytes(a.layer_stop))
                        for a, b in zip(plan.stages, plan.stages[1:], strict=False))
         lowered, in_flight = lowered_schedule(plan), stage_in_flight(plan)
         rt = self.runtime or runtime_for(cluster, model)
-        timing = lanes_timing(lowered, lane_passes(plan, cluster, model), [b.forward for b in bounds],
+        timing = lanes_timing(lowered, lane_passes(plan, cluster, model, per_device), [b.forward for b in bounds],
                               [b.backward for b in bounds], num_microbatches=plan.num_microbatches, runtime=rt)
         ar, opt, ends = [], [], []
         for s, st in enumerate(plan.stages):
@@ -421,9 +433,10 @@ class AnalyticCostModel:
             ar.append(allreduce_time_s(cluster, st.devices, model.gradient_bytes(st.layer_start, st.layer_stop),
                                        plan.sync, rt, at_s=t))
             shards = len(st.devices) if plan.sync == "zero2" else 1
+            kinds = {(cluster.device(d).kind, cluster.device(d).slowdown) for d in st.devices}
             opt.append(rt.step_overhead_s + max(optimizer_step_s(model, st.layer_start, st.layer_stop,
-                                                                 cluster.kind_of(d), cluster.device(d).slowdown,
-                                                                 shards=shards) for d in st.devices))
+                                                                 cluster.kinds[k], slow, shards=shards)
+                                                for k, slow in sorted(kinds)))
             ends.append(t + ar[-1] + opt[-1])
         memory = peak_memory(plan, cluster, model, rt)
         short = {d: need - cluster.memory_bytes(d) for d, need in memory.items() if need > cluster.memory_bytes(d)}
