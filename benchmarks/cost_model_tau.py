@@ -12,12 +12,16 @@ optimizer tail after it. ``--cache DIR`` keeps each instance's top plans (pickle
 breakdown can be re-run on the same plans after a cost-model change (``--rescore``: do not plan,
 score the cached plans with the current cost model).
 
-Run: ``python benchmarks/cost_model_tau.py [--only synthetic-256] [--breakdown] [--cache DIR]``
+Baseline measured in the same run: none; the same script on the previous cost model gives the
+"before" figures (docs/results.md).
+
+Run: ``python benchmarks/cost_model_tau.py [--only synthetic-256] [--breakdown] [--cache DIR] [--out F]``
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import pickle
 import sys
 import time
@@ -26,6 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from deepcee.models import get_model  # noqa: E402
+from deepcee.plan import save_json_atomic  # noqa: E402
 from deepcee.planner.cost_model import AnalyticCostModel  # noqa: E402
 from deepcee.planner.search import plan_training  # noqa: E402
 from deepcee.schedule.interpreter import Execution  # noqa: E402
@@ -82,7 +87,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--breakdown", action="store_true")
     ap.add_argument("--cache", type=Path)
     ap.add_argument("--rescore", action="store_true", help="score the cached plans, do not plan")
+    ap.add_argument("--out", default="reports/cost_model_tau.json")
     args = ap.parse_args(argv)
+    rows = []
     print(f"{'instance':<15}{'plan cpu s':>11}{'plans':>6}{'tau':>7}{'max err':>9}{'best sim s/iter':>16}")
     for name in args.only or INSTANCES:
         cluster, model, batch = instance(name)
@@ -106,8 +113,12 @@ def main(argv: list[str] | None = None) -> int:
         tau = float("nan") if tau is None else tau
         err = max(abs(e / s - 1) for e, s in zip(est, sims, strict=True))
         print(f"{name:<15}{cpu:11.2f}{len(plans):6d}{tau:7.2f}{err:9.2%}{min(sims):16.4f}", flush=True)
+        rows.append({"instance": name, "planning_cpu_s": None if math.isnan(cpu) else cpu, "plans": len(plans),
+                     "kendall_tau": None if math.isnan(tau) else tau, "max_relative_error": err,
+                     "estimates_s": est, "simulated_s": sims})
         if args.breakdown:
             breakdown(plans, cluster, model)
+    save_json_atomic(Path(args.out), {"schema_version": 1, "format": "deepcee.bench.cost_model_tau", "rows": rows})
     return 0
 
 
