@@ -8,15 +8,25 @@ lanes are independent and the cost model equals the simulator.
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from deepcee.cluster import Cluster, Device, DeviceKind, Island, LinkEntry, LinkSpec, Node
 from deepcee.plan import Plan, StagePlan
-from deepcee.planner.cost_model import AnalyticCostModel, lane_passes, pipeline_timing, stage_pass_s
+from deepcee.planner.cost_model import (
+    AnalyticCostModel,
+    lane_passes,
+    lanes_timing,
+    pipeline_timing,
+    stage_pass_s,
+)
 from deepcee.profile import LayerProfile, ModelProfile
+from deepcee.schedule.builders import build_schedule
+from deepcee.schedule.passes import lower
 from deepcee.schedule.program import lowered_schedule
 from deepcee.simulator.engine import simulate
-from deepcee.simulator.runtime_model import runtime_for
+from deepcee.simulator.runtime_model import deepcee_runtime, runtime_for
 
 
 def _mixed_cluster(num_islands: int) -> Cluster:
@@ -80,3 +90,22 @@ def test_lanes_are_the_undominated_ones():
     plan = _alternating_plan(3, 2, "1f1b").replace(stages=st)
     lanes = lane_passes(plan, cluster, model)
     assert lanes == [tuple(stage_pass_s(model, cluster, s) for s in st)]
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1", "zb-h2"])
+@pytest.mark.parametrize("runtime", ["cpu", "cuda"])
+def test_lanes_at_once_are_the_interpreter_bit_for_bit(schedule: str, runtime: str):
+    # several lanes timed together equal each lane timed by the interpreter, stage by stage
+    rng = random.Random(schedule + runtime)
+    rt = deepcee_runtime("realnet", device=runtime)
+    for _ in range(20):
+        s, m = rng.randint(2, 5), rng.randint(1, 8)
+        lanes = [tuple(tuple(rng.uniform(0.1, 2) for _ in range(4)) for _ in range(s)) for _ in range(rng.randint(2, 4))]
+        cf = [(rng.uniform(-0.5, 1), rng.uniform(0, 1)) for _ in range(s - 1)]
+        cb = [(rng.uniform(-0.5, 1), rng.uniform(0, 1)) for _ in range(s - 1)]
+        low = lower(build_schedule(schedule, s, m))
+        got = lanes_timing(low, lanes, cf, cb, num_microbatches=m, runtime=rt)
+        each = [pipeline_timing(low, *(tuple(p[k] for p in lane) for k in range(3)), cf, cb, tuple(p[3] for p in lane),
+                                num_microbatches=m, runtime=rt) for lane in lanes]
+        assert got.stage_end_s == tuple(map(max, *(t.stage_end_s for t in each)))
+        assert got.busy_s == pytest.approx(tuple(map(max, *(t.busy_s for t in each))), rel=1e-12)

@@ -67,6 +67,7 @@ from typing import Protocol
 import numpy as np
 
 from deepcee.cluster import Cluster
+from deepcee.errors import ScheduleError
 from deepcee.plan import Estimate, Plan, StagePlan
 from deepcee.planner.ranges import RangeCosts as RangeCosts
 from deepcee.planner.ranges import RangeTables as RangeTables
@@ -361,21 +362,76 @@ def lanes_timing(lowered: Schedule, lanes: Sequence[Sequence[Sequence[float]]], 
                  comm_backward: Sequence[LinkCost], *, num_microbatches: int | None = None,
                  runtime: RuntimeModel | None = None) -> PipelineTiming:
     """:func:`pipeline_timing` of every lane (per stage ``(F, I, W, B)``); each stage ends with its
-    last lane ([Note: sample lanes]); ``busy_s`` is the stages' maxima."""
-    first = lanes[0]
-    tables = stage_tables(lowered, [p[0] for p in first], [p[1] for p in first], [p[2] for p in first], comm_forward,
-                          comm_backward, [p[3] for p in first], num_microbatches=num_microbatches)
-    if runtime is not None:
-        tables = replace(tables, blocking_sends=runtime.sends == "blocking", handshake=runtime.receive_handshake)
-    counts = [[sum(1 for a in row if a.kind is k) for k in (ActionKind.F, ActionKind.I, ActionKind.W, ActionKind.B)]
-              for row in lowered]
-    busy = tuple(max(sum(c * x for c, x in zip(counts[s], lane[s], strict=True)) for lane in lanes)
-                 for s in range(len(lowered)))
-    ends: list[float] | None = None
-    for lane in lanes:  # the same tables but for each lane's durations
-        t, _ = Execution(replace(tables, durations=tuple(tuple(p) for p in lane))).pipeline(0.0)
-        ends = list(t) if ends is None else list(map(max, ends, t))
-    return PipelineTiming(stage_end_s=tuple(ends or ()), busy_s=busy)
+    last lane ([Note: sample lanes]); ``busy_s`` is the stages' maxima. One lane: the
+    interpreter; several: all at once ([Note: lanes at once])."""
+    if len(lanes) == 1:
+        lane = lanes[0]
+        return pipeline_timing(lowered, [p[0] for p in lane], [p[1] for p in lane], [p[2] for p in lane],
+                               comm_forward, comm_backward, [p[3] for p in lane],
+                               num_microbatches=num_microbatches, runtime=runtime)
+    dur = np.array(lanes, dtype=float)  # lane x stage x (F, I, W, B)
+    ends = _lanes_at_once(lowered, dur, comm_forward, comm_backward, runtime)
+    counts = np.array([[sum(1 for a in row if a.kind is k) for k in _PASSES] for row in lowered], dtype=float)
+    busy = (dur * counts[None]).sum(axis=2).max(axis=0)
+    return PipelineTiming(stage_end_s=tuple(float(x) for x in ends.max(axis=0)),
+                          busy_s=tuple(float(x) for x in busy))
+
+
+_PASSES = (ActionKind.F, ActionKind.I, ActionKind.W, ActionKind.B)
+_SEND = {ActionKind.SEND_F: 0, ActionKind.SEND_B: 1}
+_RECV = {ActionKind.RECV_F: 0, ActionKind.RECV_B: 1}
+
+# [Note: lanes at once]
+# The stage-level tables give every link resource one sender (a boundary direction), so each
+# resource serves its pieces in the sender's program order, and the interpreter's times are a
+# fixed recursion over the actions: a stage's clock moves on by its compute, a send's piece
+# starts at the later of the sender's clock and the end of the resource's previous piece (and,
+# with the receive handshake, the piece's latency after the pass start), a receive waits for
+# its piece, a blocking send for its delivery. :func:`_lanes_at_once` walks the actions once in
+# an order where every send precedes its receive and runs that recursion on numpy vectors, one
+# entry per lane: the same additions and maxima as the interpreter's, so each lane's times are
+# the interpreter's to the bit, for the cost of one pass over the schedule.
+
+
+def _lanes_at_once(lowered: Schedule, dur: np.ndarray, comm_forward: Sequence[LinkCost],
+                   comm_backward: Sequence[LinkCost], runtime: RuntimeModel | None) -> np.ndarray:
+    """Each lane's end of each stage's list (lane x stage), see [Note: lanes at once]."""
+    num_lanes, n = dur.shape[0], len(lowered)
+    blocking = runtime is not None and runtime.sends == "blocking"
+    handshake = runtime is not None and runtime.receive_handshake
+    clock = [np.zeros(num_lanes) for _ in range(n)]
+    free = {(d, s): np.zeros(num_lanes) for d in (0, 1) for s in range(n)}  # per direction and sender
+    arrived: dict[tuple[int, int, int], np.ndarray] = {}  # (direction, receiving stage, microbatch)
+    pcs, progress = [0] * n, True
+    while progress:
+        progress = False
+        for s, row in enumerate(lowered):
+            pc, t = pcs[s], clock[s]
+            while pc < len(row):
+                a = row[pc]
+                if a.kind in _RECV:
+                    got = arrived.pop((_RECV[a.kind], s, a.microbatch), None)
+                    if got is None:
+                        break
+                    t = np.maximum(t, got)
+                elif a.kind in _SEND:
+                    d = _SEND[a.kind]
+                    lat, ser = comm_forward[s] if d == 0 else comm_backward[s - 1]
+                    go = np.maximum(t, lat) if handshake else t
+                    done = np.maximum(go, free[d, s]) + ser
+                    free[d, s] = done
+                    arrive = done + lat
+                    arrived[d, s + 1 if d == 0 else s - 1, a.microbatch] = arrive
+                    if blocking:
+                        t = np.maximum(t, arrive)
+                else:
+                    t = t + dur[:, s, _PASSES.index(a.kind)]
+                pc += 1
+            progress |= pc != pcs[s]
+            pcs[s], clock[s] = pc, t
+    if any(pc < len(row) for pc, row in zip(pcs, lowered, strict=True)):
+        raise ScheduleError("lanes: the schedule deadlocks (a receive without its send)")
+    return np.stack(clock, axis=1)
 
 
 # ----------------------------------------------------------------------------- the model
