@@ -26,7 +26,7 @@ The model, per plan (``S`` stages, ``M`` microbatches):
    costs of 1, one FIFO link per boundary direction with the costs of 2), without recording
    (:func:`pipeline_timing`), once per sample lane: the stage costs of 1 taken on the lane's
    device instead of the slowest, a stage ending with its last lane (:func:`lanes_timing`,
-   [Note: sample lanes]). It is exact whenever the stage-level costs above are exact (one
+   [Note: sample lanes] in :mod:`deepcee.planner.lanes`). It is exact whenever the stage-level costs above are exact (one
    device per stage, one link resource per boundary); zero-bubble schedules get their bubble
    filled by ``W`` because their ``W`` actions are in the list.
 4. **Synchronisation.** Conservatively, a stage's gradient all-reduce
@@ -58,7 +58,6 @@ different boundaries that share one resource are not queued behind each other.
 
 from __future__ import annotations
 
-import itertools
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -67,8 +66,8 @@ from typing import Protocol
 import numpy as np
 
 from deepcee.cluster import Cluster
-from deepcee.errors import ScheduleError
 from deepcee.plan import Estimate, Plan, StagePlan
+from deepcee.planner.lanes import PASSES, lanes_at_once, undominated_lanes
 from deepcee.planner.ranges import RangeCosts as RangeCosts
 from deepcee.planner.ranges import RangeTables as RangeTables
 from deepcee.planner.ranges import largest_remainder_shares as largest_remainder_shares
@@ -297,24 +296,6 @@ def pipeline_timing(lowered: Schedule, forward_s: Sequence[float], input_grad_s:
     return PipelineTiming(stage_end_s=tuple(ends), busy_s=tuple(run.busy_s))
 
 
-# [Note: sample lanes]
-# In the simulator every device of a stage runs on its own: a device waits only for the pieces
-# of its own samples, from the devices of the neighbouring stages that hold them (see [Note:
-# share-based resharding] in :mod:`deepcee.plan`). Sample position ``x`` of a microbatch goes
-# through one device per stage: its lane. Where stages mix device kinds with one sample each
-# (the best plans at 256 and 512 devices: 16-64 devices of three kinds per stage, a microbatch
-# of one sample per device), the fast lanes finish early and the iteration is the slowest lane's
-# pipeline, fill and drain included; timing every stage by its slowest device instead (one
-# pipeline of the stages' maxima) made the model 2-3.6% pessimistic at 256 devices, by an
-# amount that depended on how the kinds lined up across stages, and ranked the top 20 with
-# Kendall tau 0.47. The pipeline is timed once per lane that no other lane dominates (every
-# pass at every stage at most the other's: the interpreter is monotone in its durations, so a
-# dominated lane cannot end later), with the boundary-wide link costs of 2; a stage ends when
-# its last lane ends. With one device per stage, or a stage whose slowest device lies on one
-# lane with every other stage's slowest, this is the single pipeline of the stages' maxima.
-# What it leaves out: a device that waits for pieces from two devices of the previous stage
-# (shares that do not line up) waits for both; the lanes are timed apart.
-
 def device_passes(plan: Plan, cluster: Cluster, model: ModelProfile) -> list[list[tuple[float, ...]]]:
     """Per stage and device, ``(F, I, W, B)`` of one microbatch with its share (devices of one kind,
     slowdown and share computed once)."""
@@ -335,27 +316,9 @@ def device_passes(plan: Plan, cluster: Cluster, model: ModelProfile) -> list[lis
 def lane_passes(plan: Plan, cluster: Cluster, model: ModelProfile,
                 per_stage: Sequence[Sequence[tuple[float, ...]]] | None = None) -> list[tuple[tuple[float, ...], ...]]:
     """Per lane that no other lane dominates, each stage's ``(F, I, W, B)`` on the lane's device
-    ([Note: sample lanes]), the largest summed passes first. ``per_stage``: :func:`device_passes`."""
-    if per_stage is None:
-        per_stage = device_passes(plan, cluster, model)
-    lanes: set[tuple[tuple[float, ...], ...]] = set()
-    starts = sorted({a for st in plan.stages for a in itertools.accumulate(st.shares[:-1], initial=0)})
-    index = [0] * plan.num_stages
-    ends = [st.shares[0] for st in plan.stages]
-    for x in starts:  # a lane per sample position where some stage's device changes
-        for s, st in enumerate(plan.stages):
-            while ends[s] <= x:
-                index[s] += 1
-                ends[s] += st.shares[index[s]]
-        lanes.add(tuple(per_stage[s][index[s]] for s in range(plan.num_stages)))
-    if len(lanes) == 1:
-        return list(lanes)
-    mat = np.array([[x for stage in lane for x in stage] for lane in lanes])
-    ge = (mat[:, None, :] >= mat[None, :, :]).all(axis=2)  # ge[a, b]: lane a at least lane b everywhere
-    dominated = (ge & ~np.eye(len(mat), dtype=bool)).any(axis=0)
-    keep = sorted(np.flatnonzero(~dominated), key=lambda k: (-mat[k].sum(), k))
-    order = list(lanes)
-    return [order[k] for k in keep]
+    ([Note: sample lanes] in :mod:`deepcee.planner.lanes`), the largest summed passes first.
+    ``per_stage``: :func:`device_passes`."""
+    return undominated_lanes(plan, device_passes(plan, cluster, model) if per_stage is None else per_stage)
 
 
 def lanes_timing(lowered: Schedule, lanes: Sequence[Sequence[Sequence[float]]], comm_forward: Sequence[LinkCost],
@@ -363,75 +326,18 @@ def lanes_timing(lowered: Schedule, lanes: Sequence[Sequence[Sequence[float]]], 
                  runtime: RuntimeModel | None = None) -> PipelineTiming:
     """:func:`pipeline_timing` of every lane (per stage ``(F, I, W, B)``); each stage ends with its
     last lane ([Note: sample lanes]); ``busy_s`` is the stages' maxima. One lane: the
-    interpreter; several: all at once ([Note: lanes at once])."""
+    interpreter; several: all at once ([Note: lanes at once] in :mod:`deepcee.planner.lanes`)."""
     if len(lanes) == 1:
         lane = lanes[0]
         return pipeline_timing(lowered, [p[0] for p in lane], [p[1] for p in lane], [p[2] for p in lane],
                                comm_forward, comm_backward, [p[3] for p in lane],
                                num_microbatches=num_microbatches, runtime=runtime)
     dur = np.array(lanes, dtype=float)  # lane x stage x (F, I, W, B)
-    ends = _lanes_at_once(lowered, dur, comm_forward, comm_backward, runtime)
-    counts = np.array([[sum(1 for a in row if a.kind is k) for k in _PASSES] for row in lowered], dtype=float)
+    ends = lanes_at_once(lowered, dur, comm_forward, comm_backward, runtime)
+    counts = np.array([[sum(1 for a in row if a.kind is k) for k in PASSES] for row in lowered], dtype=float)
     busy = (dur * counts[None]).sum(axis=2).max(axis=0)
     return PipelineTiming(stage_end_s=tuple(float(x) for x in ends.max(axis=0)),
                           busy_s=tuple(float(x) for x in busy))
-
-
-_PASSES = (ActionKind.F, ActionKind.I, ActionKind.W, ActionKind.B)
-_SEND = {ActionKind.SEND_F: 0, ActionKind.SEND_B: 1}
-_RECV = {ActionKind.RECV_F: 0, ActionKind.RECV_B: 1}
-
-# [Note: lanes at once]
-# The stage-level tables give every link resource one sender (a boundary direction), so each
-# resource serves its pieces in the sender's program order, and the interpreter's times are a
-# fixed recursion over the actions: a stage's clock moves on by its compute, a send's piece
-# starts at the later of the sender's clock and the end of the resource's previous piece (and,
-# with the receive handshake, the piece's latency after the pass start), a receive waits for
-# its piece, a blocking send for its delivery. :func:`_lanes_at_once` walks the actions once in
-# an order where every send precedes its receive and runs that recursion on numpy vectors, one
-# entry per lane: the same additions and maxima as the interpreter's, so each lane's times are
-# the interpreter's to the bit, for the cost of one pass over the schedule.
-
-
-def _lanes_at_once(lowered: Schedule, dur: np.ndarray, comm_forward: Sequence[LinkCost],
-                   comm_backward: Sequence[LinkCost], runtime: RuntimeModel | None) -> np.ndarray:
-    """Each lane's end of each stage's list (lane x stage), see [Note: lanes at once]."""
-    num_lanes, n = dur.shape[0], len(lowered)
-    blocking = runtime is not None and runtime.sends == "blocking"
-    handshake = runtime is not None and runtime.receive_handshake
-    clock = [np.zeros(num_lanes) for _ in range(n)]
-    free = {(d, s): np.zeros(num_lanes) for d in (0, 1) for s in range(n)}  # per direction and sender
-    arrived: dict[tuple[int, int, int], np.ndarray] = {}  # (direction, receiving stage, microbatch)
-    pcs, progress = [0] * n, True
-    while progress:
-        progress = False
-        for s, row in enumerate(lowered):
-            pc, t = pcs[s], clock[s]
-            while pc < len(row):
-                a = row[pc]
-                if a.kind in _RECV:
-                    got = arrived.pop((_RECV[a.kind], s, a.microbatch), None)
-                    if got is None:
-                        break
-                    t = np.maximum(t, got)
-                elif a.kind in _SEND:
-                    d = _SEND[a.kind]
-                    lat, ser = comm_forward[s] if d == 0 else comm_backward[s - 1]
-                    go = np.maximum(t, lat) if handshake else t
-                    done = np.maximum(go, free[d, s]) + ser
-                    free[d, s] = done
-                    arrive = done + lat
-                    arrived[d, s + 1 if d == 0 else s - 1, a.microbatch] = arrive
-                    if blocking:
-                        t = np.maximum(t, arrive)
-                else:
-                    t = t + dur[:, s, _PASSES.index(a.kind)]
-                pc += 1
-            progress |= pc != pcs[s]
-            pcs[s], clock[s] = pc, t
-    if any(pc < len(row) for pc, row in zip(pcs, lowered, strict=True)):
-        raise ScheduleError("lanes: the schedule deadlocks (a receive without its send)")
-    return np.stack(clock, axis=1)
 
 
 # ----------------------------------------------------------------------------- the model
