@@ -67,7 +67,7 @@ import numpy as np
 
 from deepcee.cluster import Cluster
 from deepcee.plan import Estimate, Plan, StagePlan
-from deepcee.planner.lanes import PASSES, lanes_at_once, undominated_lanes
+from deepcee.planner.lanes import PASSES, Lane, lanes_at_once, pipe_ahead, undominated_lanes
 from deepcee.planner.ranges import RangeCosts as RangeCosts
 from deepcee.planner.ranges import RangeTables as RangeTables
 from deepcee.planner.ranges import largest_remainder_shares as largest_remainder_shares
@@ -314,26 +314,30 @@ def device_passes(plan: Plan, cluster: Cluster, model: ModelProfile) -> list[lis
 
 
 def lane_passes(plan: Plan, cluster: Cluster, model: ModelProfile,
-                per_stage: Sequence[Sequence[tuple[float, ...]]] | None = None) -> list[tuple[tuple[float, ...], ...]]:
-    """Per lane that no other lane dominates, each stage's ``(F, I, W, B)`` on the lane's device
-    ([Note: sample lanes] in :mod:`deepcee.planner.lanes`), the largest summed passes first.
-    ``per_stage``: :func:`device_passes`."""
-    return undominated_lanes(plan, device_passes(plan, cluster, model) if per_stage is None else per_stage)
+                per_stage: Sequence[Sequence[tuple[float, ...]]] | None = None) -> list[tuple[Lane, float]]:
+    """Per lane that no other lane dominates, each stage's ``(F, I, W, B)`` on the lane's device and
+    its lag behind other lanes' pieces on a shared pipe ([Note: sample lanes], [Note: pipe lag] in
+    :mod:`deepcee.planner.lanes`), the largest summed passes first. ``per_stage``: :func:`device_passes`."""
+    per_stage = device_passes(plan, cluster, model) if per_stage is None else per_stage
+    return undominated_lanes(plan, per_stage, pipe_ahead(plan, cluster, model))
 
 
-def lanes_timing(lowered: Schedule, lanes: Sequence[Sequence[Sequence[float]]], comm_forward: Sequence[LinkCost],
+def lanes_timing(lowered: Schedule, lanes: Sequence[tuple[Lane, float]], comm_forward: Sequence[LinkCost],
                  comm_backward: Sequence[LinkCost], *, num_microbatches: int | None = None,
                  runtime: RuntimeModel | None = None) -> PipelineTiming:
-    """:func:`pipeline_timing` of every lane (per stage ``(F, I, W, B)``); each stage ends with its
-    last lane ([Note: sample lanes]); ``busy_s`` is the stages' maxima. One lane: the
-    interpreter; several: all at once ([Note: lanes at once] in :mod:`deepcee.planner.lanes`)."""
+    """:func:`pipeline_timing` of every lane (per stage ``(F, I, W, B)``, and its lag: the lane
+    starts that much later); each stage ends with its last lane ([Note: sample lanes]);
+    ``busy_s`` is the stages' maxima. One lane: the interpreter; several: all at once ([Note:
+    lanes at once] in :mod:`deepcee.planner.lanes`)."""
     if len(lanes) == 1:
-        lane = lanes[0]
-        return pipeline_timing(lowered, [p[0] for p in lane], [p[1] for p in lane], [p[2] for p in lane],
-                               comm_forward, comm_backward, [p[3] for p in lane],
-                               num_microbatches=num_microbatches, runtime=runtime)
-    dur = np.array(lanes, dtype=float)  # lane x stage x (F, I, W, B)
+        lane, lag = lanes[0]
+        t = pipeline_timing(lowered, [p[0] for p in lane], [p[1] for p in lane], [p[2] for p in lane],
+                            comm_forward, comm_backward, [p[3] for p in lane],
+                            num_microbatches=num_microbatches, runtime=runtime)
+        return t if lag == 0 else replace(t, stage_end_s=tuple(e + lag for e in t.stage_end_s))
+    dur = np.array([lane for lane, _ in lanes], dtype=float)  # lane x stage x (F, I, W, B)
     ends = lanes_at_once(lowered, dur, comm_forward, comm_backward, runtime)
+    ends = ends + np.array([lag for _, lag in lanes])[:, None]
     counts = np.array([[sum(1 for a in row if a.kind is k) for k in PASSES] for row in lowered], dtype=float)
     busy = (dur * counts[None]).sum(axis=2).max(axis=0)
     return PipelineTiming(stage_end_s=tuple(float(x) for x in ends.max(axis=0)),
