@@ -21,6 +21,7 @@ from deepcee.planner.cost_model import (
     pipeline_timing,
     stage_pass_s,
 )
+from deepcee.planner.lanes import pipe_ahead
 from deepcee.profile import LayerProfile, ModelProfile
 from deepcee.schedule.builders import build_schedule
 from deepcee.schedule.passes import lower
@@ -89,7 +90,7 @@ def test_lanes_are_the_undominated_ones():
                for s in range(3))
     plan = _alternating_plan(3, 2, "1f1b").replace(stages=st)
     lanes = lane_passes(plan, cluster, model)
-    assert lanes == [tuple(stage_pass_s(model, cluster, s) for s in st)]
+    assert lanes == [(tuple(stage_pass_s(model, cluster, s) for s in st), 0.0)]
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1", "zb-h2"])
@@ -104,8 +105,31 @@ def test_lanes_at_once_are_the_interpreter_bit_for_bit(schedule: str, runtime: s
         cf = [(rng.uniform(-0.5, 1), rng.uniform(0, 1)) for _ in range(s - 1)]
         cb = [(rng.uniform(-0.5, 1), rng.uniform(0, 1)) for _ in range(s - 1)]
         low = lower(build_schedule(schedule, s, m))
-        got = lanes_timing(low, lanes, cf, cb, num_microbatches=m, runtime=rt)
+        got = lanes_timing(low, [(lane, 0.0) for lane in lanes], cf, cb, num_microbatches=m, runtime=rt)
         each = [pipeline_timing(low, *(tuple(p[k] for p in lane) for k in range(3)), cf, cb, tuple(p[3] for p in lane),
                                 num_microbatches=m, runtime=rt) for lane in lanes]
         assert got.stage_end_s == tuple(map(max, *(t.stage_end_s for t in each)))
         assert got.busy_s == pytest.approx(tuple(map(max, *(t.busy_s for t in each))), rel=1e-12)
+
+
+def test_a_lane_behind_another_on_a_shared_pipe_starts_late_by_its_piece():
+    # two 2-device nodes in two islands: both samples cross one pipe each way, the second
+    # device's piece after the first's ([Note: pipe lag] in deepcee.planner.lanes)
+    kinds = {"gpu": DeviceKind(name="gpu", peak_flops_per_s=10e12, memory_bytes=8e9, achievable_fraction=0.5,
+                               per_layer_overhead_s=0.0)}
+    fast = LinkSpec(latency_s=1e-5, bandwidth_bytes_per_s=1e10)
+    wan = LinkSpec(latency_s=0.01, bandwidth_bytes_per_s=5e7)
+    cluster = Cluster(name="pair", kinds=kinds, islands=(Island(name="i0", intra=fast), Island(name="i1", intra=fast)),
+                      nodes=tuple(Node(name=f"n{i}", island=f"i{i}", kind="gpu", devices=(f"n{i}:0", f"n{i}:1"),
+                                       intra=fast) for i in range(2)),
+                      devices=tuple(Device(name=f"n{i}:{k}", kind="gpu", node=f"n{i}", island=f"i{i}")
+                                    for i in range(2) for k in range(2)),
+                      links=(LinkEntry(a="i0", b="i1", spec=wan),))
+    model = _model(4)
+    plan = Plan(system="t", cluster="pair", model="uniform", global_batch=8, microbatch_size=2, num_microbatches=4,
+                stages=tuple(StagePlan(layer_start=2 * s, layer_stop=2 * s + 2, devices=(f"n{s}:0", f"n{s}:1"),
+                                       shares=(1, 1)) for s in range(2)), schedule="1f1b")
+    piece_s = model.boundary_bytes(2) / 5e7
+    assert pipe_ahead(plan, cluster, model) == {(0, 0, 0, 0): 0.0, (0, 0, 1, 1): piece_s,
+                                                (0, 1, 0, 0): 0.0, (0, 1, 1, 1): piece_s}
+    assert sorted(lag for _, lag in lane_passes(plan, cluster, model)) == [piece_s]
