@@ -60,14 +60,14 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import numpy as np
 
 from deepcee.cluster import Cluster
 from deepcee.plan import Estimate, Plan, StagePlan
-from deepcee.planner.lanes import PASSES, Lane, lanes_at_once, pipe_ahead, undominated_lanes
+from deepcee.planner.lanes import PASSES, Lane, lanes_at_once, undominated_lanes
 from deepcee.planner.ranges import RangeCosts as RangeCosts
 from deepcee.planner.ranges import RangeTables as RangeTables
 from deepcee.planner.ranges import largest_remainder_shares as largest_remainder_shares
@@ -114,6 +114,10 @@ class BoundaryCost:
     """Link resources (pipes) the forward direction uses."""
     link: str = ""
     """The slowest resource of the forward direction, with its bandwidth (for reports)."""
+    ahead: Mapping[tuple[int, int, int], float] = field(default_factory=dict)
+    """Per ``(direction, sender-stage device index, receiver-stage device index)`` of a piece that
+    shares its pipe: the serialisation of the pieces ahead of it there, in device order (the
+    simulator's order of simultaneous sends; [Note: pipe lag] in :mod:`deepcee.planner.lanes`)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -207,12 +211,15 @@ def boundary_cost(cluster: Cluster, src: StagePlan, dst: StagePlan, bytes_per_sa
     per: list[dict[str, list[float]]] = [defaultdict(lambda: [0.0, 0.0, 0.0]), defaultdict(lambda: [0.0, 0.0, 0.0])]
     # per direction, receiver and resource: (serialisation of its pieces there, latency)
     own: list[dict[tuple[str, str], list[float]]] = [defaultdict(lambda: [0.0, 0.0]), defaultdict(lambda: [0.0, 0.0])]
+    ahead: dict[tuple[int, int, int], float] = {}
     for i, j, lo, hi in share_pairs(src.shares, dst.shares):
         for d, a, b in ((0, src.devices[i], dst.devices[j]), (1, dst.devices[j], src.devices[i])):
             link = cluster.link(a, b)
             bw = link.bandwidth_at(at_s)
             r = per[d][link.resource]
             t = (hi - lo) * bytes_per_sample / bw
+            if r[0] > 0:  # pieces ahead of this one on its pipe ([Note: pipe lag] in deepcee.planner.lanes)
+                ahead[d, i, j] = r[0]
             r[0] += t
             r[1] = max(r[1], link.latency_s)
             r[2] = bw
@@ -228,7 +235,7 @@ def boundary_cost(cluster: Cluster, src: StagePlan, dst: StagePlan, bytes_per_sa
     busiest = max(per[0].values(), key=lambda r: r[0])
     return BoundaryCost(forward=pairs[0], backward=pairs[1],
                         bytes_per_microbatch=src.microbatch_size * bytes_per_sample,
-                        busiest_bytes=busiest[0] * busiest[2], resources=len(per[0]),
+                        busiest_bytes=busiest[0] * busiest[2], resources=len(per[0]), ahead=ahead,
                         link=f"{worst[0]} ({fmt_rate(worst[1][2])}, {worst[1][1] * 1e3:.3g} ms)")
 
 
@@ -314,12 +321,18 @@ def device_passes(plan: Plan, cluster: Cluster, model: ModelProfile) -> list[lis
 
 
 def lane_passes(plan: Plan, cluster: Cluster, model: ModelProfile,
-                per_stage: Sequence[Sequence[tuple[float, ...]]] | None = None) -> list[tuple[Lane, float]]:
+                per_stage: Sequence[Sequence[tuple[float, ...]]] | None = None,
+                bounds: Sequence[BoundaryCost] | None = None) -> list[tuple[Lane, float]]:
     """Per lane that no other lane dominates, each stage's ``(F, I, W, B)`` on the lane's device and
     its lag behind other lanes' pieces on a shared pipe ([Note: sample lanes], [Note: pipe lag] in
-    :mod:`deepcee.planner.lanes`), the largest summed passes first. ``per_stage``: :func:`device_passes`."""
+    :mod:`deepcee.planner.lanes`), the largest summed passes first. ``per_stage``:
+    :func:`device_passes`; ``bounds``: each boundary's :func:`boundary_cost`."""
     per_stage = device_passes(plan, cluster, model) if per_stage is None else per_stage
-    return undominated_lanes(plan, per_stage, pipe_ahead(plan, cluster, model))
+    if bounds is None:
+        bounds = [boundary_cost(cluster, a, b, model.boundary_bytes(a.layer_stop))
+                  for a, b in zip(plan.stages, plan.stages[1:], strict=False)]
+    ahead = {(s, *k): v for s, b in enumerate(bounds) for k, v in b.ahead.items()}
+    return undominated_lanes(plan, per_stage, ahead)
 
 
 def lanes_timing(lowered: Schedule, lanes: Sequence[tuple[Lane, float]], comm_forward: Sequence[LinkCost],
@@ -391,7 +404,7 @@ class AnalyticCostModel:
                        for a, b in zip(plan.stages, plan.stages[1:], strict=False))
         lowered, in_flight = lowered_schedule(plan), stage_in_flight(plan)
         rt = self.runtime or runtime_for(cluster, model)
-        timing = lanes_timing(lowered, lane_passes(plan, cluster, model, per_device), [b.forward for b in bounds],
+        timing = lanes_timing(lowered, lane_passes(plan, cluster, model, per_device, bounds), [b.forward for b in bounds],
                               [b.backward for b in bounds], num_microbatches=plan.num_microbatches, runtime=rt)
         ar, opt, ends = [], [], []
         for s, st in enumerate(plan.stages):

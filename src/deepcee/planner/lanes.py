@@ -11,10 +11,8 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from deepcee.cluster import Cluster
 from deepcee.errors import ScheduleError
-from deepcee.plan import Plan, share_overlaps
-from deepcee.profile import ModelProfile
+from deepcee.plan import Plan
 from deepcee.schedule.interpreter import LinkCost
 from deepcee.schedule.ir import ActionKind, Schedule
 from deepcee.simulator.runtime_model import RuntimeModel
@@ -58,8 +56,9 @@ Lane = tuple[tuple[float, ...], ...]
 def undominated_lanes(plan: Plan, per_stage: Sequence[Sequence[tuple[float, ...]]],
                       ahead: Mapping[tuple[int, int, int, int], float] | None = None) -> list[tuple[Lane, float]]:
     """Per lane that no other lane dominates, each stage's ``(F, I, W, B)`` on the lane's device
-    (``per_stage``: per stage and device) and the lane's lag (``ahead``: :func:`pipe_ahead`,
-    default none), the largest summed passes first ([Note: sample lanes])."""
+    (``per_stage``: per stage and device) and the lane's lag (``ahead``: per ``(boundary,
+    direction, sender-stage device index, receiver-stage device index)``, the pieces ahead on
+    its pipe, see [Note: pipe lag]; default none), the largest summed passes first ([Note: sample lanes])."""
     lanes: dict[Lane, float] = {}
     starts = sorted({a for st in plan.stages for a in itertools.accumulate(st.shares[:-1], initial=0)})
     index = [0] * plan.num_stages
@@ -81,30 +80,6 @@ def undominated_lanes(plan: Plan, per_stage: Sequence[Sequence[tuple[float, ...]
     dominated = (ge & ~np.eye(len(mat), dtype=bool)).any(axis=0)
     keep = sorted(np.flatnonzero(~dominated), key=lambda k: (-mat[k].sum(), k))
     return [order[k] for k in keep]
-
-
-def pipe_ahead(plan: Plan, cluster: Cluster, model: ModelProfile) -> dict[tuple[int, int, int, int], float]:
-    """Per ``(boundary, direction, sender-stage device index, receiver-stage device index)``
-    whose pipe carries other pieces: their serialisation ahead of this piece, in the pipe's
-    device order ([Note: pipe lag])."""
-    out: dict[tuple[int, int, int, int], float] = {}
-    for s, (a, b) in enumerate(zip(plan.stages, plan.stages[1:], strict=False)):
-        per_sample = model.boundary_bytes(a.layer_stop)
-        pipes: dict[tuple[int, str], list[tuple[int, int, int, float]]] = {}
-        for i, j, lo, hi in share_overlaps(a.shares, b.shares):
-            for d, x, y, first in ((0, a.devices[i], b.devices[j], (i, j)), (1, b.devices[j], a.devices[i], (j, i))):
-                link = cluster.link(x, y)
-                pipes.setdefault((d, link.resource), []).append((*first, i, (hi - lo) * per_sample
-                                                                 / link.bandwidth_at(0.0)))
-        for (d, _), pieces in pipes.items():
-            if len(pieces) < 2:
-                continue
-            done = 0.0
-            for first, second, i, ser in sorted(pieces):
-                j = second if d == 0 else first
-                out[s, d, i, j] = done
-                done += ser
-    return out
 
 
 PASSES = (ActionKind.F, ActionKind.I, ActionKind.W, ActionKind.B)
