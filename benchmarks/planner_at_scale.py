@@ -475,13 +475,18 @@ def reference_search(cluster: Cluster, model: ModelProfile, batch: int, *, budge
 def kendall_tau(result, cluster: Cluster, model: ModelProfile, top: int = 20) -> float | None:
     """Kendall tau between the cost model's and the simulator's iteration times over the ``top``
     best plans the cost model scored (issue 10: >= 0.9)."""
-    from scipy.stats import kendalltau
-
     plans = [c for c in result.scored[:top]]
     if len(plans) < 3:
         return None
     sims = [simulate(c.plan, cluster, model, record=False).iteration_s for c in plans]
-    tau = kendalltau([c.estimate.iteration_s for c in plans], sims).statistic
+    return kendall_tau_of([c.estimate.iteration_s for c in plans], sims)
+
+
+def kendall_tau_of(estimates_s, simulated_s) -> float | None:
+    """Kendall tau of two lists of iteration times (``None`` where undefined)."""
+    from scipy.stats import kendalltau
+
+    tau = kendalltau(estimates_s, simulated_s).statistic
     return None if math.isnan(tau) else float(tau)
 
 

@@ -1,0 +1,139 @@
+"""Sample lanes of a plan for the cost model (torch-free): which device chains to time, and
+timing many of them at once on the stage-level tables.
+
+See [Note: sample lanes] and [Note: lanes at once]; :mod:`deepcee.planner.cost_model` uses both.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from deepcee.errors import ScheduleError
+from deepcee.plan import Plan
+from deepcee.schedule.interpreter import LinkCost
+from deepcee.schedule.ir import ActionKind, Schedule
+from deepcee.simulator.runtime_model import RuntimeModel
+
+Lane = tuple[tuple[float, ...], ...]
+"""Per stage, ``(F, I, W, B)`` of one microbatch on the lane's device."""
+
+# [Note: sample lanes]
+# In the simulator every device of a stage runs on its own: a device waits only for the pieces
+# of its own samples, from the devices of the neighbouring stages that hold them (see [Note:
+# share-based resharding] in :mod:`deepcee.plan`). Sample position ``x`` of a microbatch goes
+# through one device per stage: its lane. Where stages mix device kinds with one sample each
+# (the best plans at 256 and 512 devices: 16-64 devices of three kinds per stage, a microbatch
+# of one sample per device), the fast lanes finish early and the iteration is the slowest lane's
+# pipeline, fill and drain included; timing every stage by its slowest device instead (one
+# pipeline of the stages' maxima) made the model 2-3.6% pessimistic at 256 devices, by an
+# amount that depended on how the kinds lined up across stages, and ranked the top 20 with
+# Kendall tau 0.47. The pipeline is timed for every lane that no other lane dominates (every
+# pass at every stage at most the other's: the interpreter is monotone in its durations, so a
+# dominated lane cannot end later; all at once, [Note: lanes at once]), with the boundary-wide
+# link costs of the cost model; a stage ends when its last lane ends. With one device per
+# stage, or one lane through every stage's slowest device, this is the single pipeline of the
+# stages' maxima, and lanes whose pieces share a pipe start late by their lag ([Note: pipe
+# lag]). What it leaves out: a device that waits for pieces of two lanes (shares that do not
+# line up) waits for both; lanes are coupled through a shared pipe only by that lag.
+
+# [Note: pipe lag]
+# Two devices of a node sending to two devices of another node share one pipe: the simulator
+# serves their pieces first in, first out, ties in device order. During the fill a pipe that is
+# slower than the stages' forward passes is busy without a gap, so the second lane gets every
+# piece one piece later than the first (at 512 devices: 67 ms, 1.2% of the iteration, the whole
+# remaining error of the lane model there). That lag is paid once, not at every hop: the late
+# lane also sends late on the next shared pipe, after the earlier lane's piece went. Charging
+# the whole pipe at every hop was 6-17% pessimistic, the same lag at every hop as well; a lane
+# here starts late by the largest, over its boundaries and directions, of the serialisation of
+# the pieces ahead of its own on its pipe in device order. Measured on the top 20 at 512
+# devices: max error 1.9% -> 0.7%; at 256 devices (pipes less often the bottleneck) it moves
+# errors within +-0.5% both ways.
+
+
+def undominated_lanes(plan: Plan, per_stage: Sequence[Sequence[tuple[float, ...]]],
+                      ahead: Mapping[tuple[int, int, int, int], float] | None = None) -> list[tuple[Lane, float]]:
+    """Per lane that no other lane dominates, each stage's ``(F, I, W, B)`` on the lane's device
+    (``per_stage``: per stage and device) and the lane's lag (``ahead``: per ``(boundary,
+    direction, sender-stage device index, receiver-stage device index)``, the pieces ahead on
+    its pipe, see [Note: pipe lag]; default none), the largest summed passes first ([Note: sample lanes])."""
+    lanes: dict[Lane, float] = {}
+    starts = sorted({a for st in plan.stages for a in itertools.accumulate(st.shares[:-1], initial=0)})
+    index = [0] * plan.num_stages
+    ends = [st.shares[0] for st in plan.stages]
+    for x in starts:  # a lane per sample position where some stage's device changes
+        for s, st in enumerate(plan.stages):
+            while ends[s] <= x:
+                index[s] += 1
+                ends[s] += st.shares[index[s]]
+        lane = tuple(per_stage[s][index[s]] for s in range(plan.num_stages))
+        lag = max((ahead.get((s, d, index[s], index[s + 1]), 0.0) for s in range(plan.num_stages - 1)
+                   for d in (0, 1)), default=0.0) if ahead else 0.0
+        lanes[lane] = max(lanes.get(lane, 0.0), lag)
+    order = list(lanes.items())
+    if len(order) == 1:
+        return order
+    mat = np.array([[x for stage in lane for x in stage] + [lag] for lane, lag in order])
+    ge = (mat[:, None, :] >= mat[None, :, :]).all(axis=2)  # ge[a, b]: lane a at least lane b everywhere
+    dominated = (ge & ~np.eye(len(mat), dtype=bool)).any(axis=0)
+    keep = sorted(np.flatnonzero(~dominated), key=lambda k: (-mat[k].sum(), k))
+    return [order[k] for k in keep]
+
+
+PASSES = (ActionKind.F, ActionKind.I, ActionKind.W, ActionKind.B)
+_SEND = {ActionKind.SEND_F: 0, ActionKind.SEND_B: 1}
+_RECV = {ActionKind.RECV_F: 0, ActionKind.RECV_B: 1}
+
+# [Note: lanes at once]
+# The stage-level tables give every link resource one sender (a boundary direction), so each
+# resource serves its pieces in the sender's program order, and the interpreter's times are a
+# fixed recursion over the actions: a stage's clock moves on by its compute, a send's piece
+# starts at the later of the sender's clock and the end of the resource's previous piece (and,
+# with the receive handshake, the piece's latency after the pass start), a receive waits for
+# its piece, a blocking send for its delivery. :func:`lanes_at_once` walks the actions once in
+# an order where every send precedes its receive and runs that recursion on numpy vectors, one
+# entry per lane: the same additions and maxima as the interpreter's, so each lane's times are
+# the interpreter's to the bit, for the cost of one pass over the schedule.
+
+
+def lanes_at_once(lowered: Schedule, dur: np.ndarray, comm_forward: Sequence[LinkCost],
+                   comm_backward: Sequence[LinkCost], runtime: RuntimeModel | None) -> np.ndarray:
+    """Each lane's end of each stage's list (lane x stage), see [Note: lanes at once]."""
+    num_lanes, n = dur.shape[0], len(lowered)
+    blocking = runtime is not None and runtime.sends == "blocking"
+    handshake = runtime is not None and runtime.receive_handshake
+    clock = [np.zeros(num_lanes) for _ in range(n)]
+    free = {(d, s): np.zeros(num_lanes) for d in (0, 1) for s in range(n)}  # per direction and sender
+    arrived: dict[tuple[int, int, int], np.ndarray] = {}  # (direction, receiving stage, microbatch)
+    pcs, progress = [0] * n, True
+    while progress:
+        progress = False
+        for s, row in enumerate(lowered):
+            pc, t = pcs[s], clock[s]
+            while pc < len(row):
+                a = row[pc]
+                if a.kind in _RECV:
+                    got = arrived.pop((_RECV[a.kind], s, a.microbatch), None)
+                    if got is None:
+                        break
+                    t = np.maximum(t, got)
+                elif a.kind in _SEND:
+                    d = _SEND[a.kind]
+                    lat, ser = comm_forward[s] if d == 0 else comm_backward[s - 1]
+                    go = np.maximum(t, lat) if handshake else t
+                    done = np.maximum(go, free[d, s]) + ser
+                    free[d, s] = done
+                    arrive = done + lat
+                    arrived[d, s + 1 if d == 0 else s - 1, a.microbatch] = arrive
+                    if blocking:
+                        t = np.maximum(t, arrive)
+                else:
+                    t = t + dur[:, s, PASSES.index(a.kind)]
+                pc += 1
+            progress |= pc != pcs[s]
+            pcs[s], clock[s] = pc, t
+    if any(pc < len(row) for pc, row in zip(pcs, lowered, strict=True)):
+        raise ScheduleError("lanes: the schedule deadlocks (a receive without its send)")
+    return np.stack(clock, axis=1)
