@@ -39,7 +39,7 @@ from deepcee.cluster import Cluster
 from deepcee.errors import PlanError
 from deepcee.plan import Plan, StagePlan
 from deepcee.planner.cost_model import StageCosts
-from deepcee.planner.grouping import Grouping, distance_s
+from deepcee.planner.grouping import DeviceGroup, Grouping, IslandGroup, distance_s
 from deepcee.planner.options import PlannerOptions
 from deepcee.planner.ranges import RangeTables, largest_remainder_shares
 from deepcee.profile import ModelProfile
@@ -106,13 +106,9 @@ def chain_layouts(grouping: Grouping, chain: Chain, max_stages: int) -> list[Sta
             slots: list[tuple[str, ...]] = []
             parts = []
             for isl, gs in zip(islands, kept, strict=True):
-                member = {d for x in gs for d in x.devices}
-                sets = [tuple(d for d in isl.devices if d in member)] if merged else [x.devices for x in gs]
-                pieces = [c for s in sets for c in _chunks(s, g)]
+                pieces, part = _island_pieces(isl, gs, merged, g)
                 slots += pieces
-                dropped = len(isl.groups) - len(gs)
-                parts.append(f"{isl.name}[{'+'.join(str(len(p)) for p in pieces)}]"
-                             + (f"(-{dropped} slow group{'s' if dropped > 1 else ''})" if dropped else ""))
+                parts.append(part)
             if len(slots) <= max_stages:
                 out.append(StageLayout(slots=tuple(slots), islands=tuple(i.name for i in islands),
                                        label=" > ".join(parts), merged=merged, granularity=g))
@@ -122,6 +118,18 @@ def chain_layouts(grouping: Grouping, chain: Chain, max_stages: int) -> list[Sta
         out.append(StageLayout(slots=(every,), islands=tuple(i.name for i in islands),
                                label="data parallel over " + " + ".join(i.name for i in islands)))
     return out
+
+
+def _island_pieces(isl: IslandGroup, groups: Sequence[DeviceGroup], merged: bool, g: int) -> tuple[list[tuple[str, ...]], str]:
+    """The stages (device tuples) of island ``isl`` keeping ``groups``, in chunks of at most ``g``
+    devices (``merged``: over the kept groups together, else per group), and its label part."""
+    member = {d for x in groups for d in x.devices}
+    sets = [tuple(d for d in isl.devices if d in member)] if merged else [x.devices for x in groups]
+    pieces = [c for s in sets for c in _chunks(s, g)]
+    dropped = len(isl.groups) - len(groups)
+    part = (f"{isl.name}[{'+'.join(str(len(p)) for p in pieces)}]"
+            + (f"(-{dropped} slow group{'s' if dropped > 1 else ''})" if dropped else ""))
+    return pieces, part
 
 
 def island_grains(grouping: Grouping, chain: Chain, merged: bool = True) -> list[list[int]]:
@@ -143,14 +151,9 @@ def mixed_layout(grouping: Grouping, chain: Chain, grains: Sequence[int], merged
     parts = []
     islands = [grouping.islands[i] for i, _ in chain]
     for isl, (_, keep), g in zip(islands, chain, grains, strict=True):
-        gs = isl.groups[:keep]
-        member = {d for x in gs for d in x.devices}
-        sets = [tuple(d for d in isl.devices if d in member)] if merged else [x.devices for x in gs]
-        pieces = [c for s in sets for c in _chunks(s, g)]
+        pieces, part = _island_pieces(isl, isl.groups[:keep], merged, g)
         slots += pieces
-        dropped = len(isl.groups) - len(gs)
-        parts.append(f"{isl.name}[{'+'.join(str(len(p)) for p in pieces)}]"
-                     + (f"(-{dropped} slow group{'s' if dropped > 1 else ''})" if dropped else ""))
+        parts.append(part)
     return StageLayout(slots=tuple(slots), islands=tuple(i.name for i in islands), label=" > ".join(parts),
                        merged=merged, granularity=max(grains))
 
