@@ -81,7 +81,8 @@ def _actions(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
 
 
 def _flag(action: argparse.Action) -> str:
-    return action.option_strings[-1] if action.option_strings else action.dest
+    # the first long form: ``--output`` of ``-o/--output``, ``--probes`` of ``--probes/--no-probes``
+    return next((s for s in action.option_strings if s.startswith("--")), action.dest)
 
 
 def _convert(value: Any, action: argparse.Action) -> Any:
