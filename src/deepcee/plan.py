@@ -37,7 +37,7 @@ replicas look like.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
@@ -317,6 +317,11 @@ class Estimate:
     bottleneck: str = ""
     source: EstimateSource = "cost-model"
     """``cost-model`` (analytic) or ``simulator``."""
+
+    def exceeds_memory(self, memory_bytes: Callable[[str], float]) -> bool:
+        """Whether some device's predicted peak is above ``memory_bytes(device)`` (e.g.
+        :meth:`deepcee.cluster.Cluster.memory_bytes`): the plan does not fit."""
+        return any(b > memory_bytes(d) for d, b in self.peak_memory_bytes.items())
 
     def __post_init__(self) -> None:
         if self.source not in ESTIMATE_SOURCES:

@@ -107,7 +107,7 @@ class _Counterfactuals:
             return None
         self.work_left -= work
         est = self.search.confirm(cand.plan)
-        if any(b > self.search.cluster.memory_bytes(d) for d, b in est.peak_memory_bytes.items()):
+        if est.exceeds_memory(self.search.cluster.memory_bytes):
             return None
         return Counterfactual(label=label, plan=cand.plan.replace(estimate=est), change=est.iteration_s / self.base_s - 1,
                               stages=stages)

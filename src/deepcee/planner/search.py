@@ -326,7 +326,7 @@ def _screen(search: SearchState, cfg: Config) -> float:
     for m in short:
         est = search.cost_model.estimate(plan.replace(global_batch=cfg.n * m, num_microbatches=m),
                                          search.cluster, search.model)
-        if any(b > search.cluster.memory_bytes(d) for d, b in est.peak_memory_bytes.items()):
+        if est.exceeds_memory(search.cluster.memory_bytes):
             return _INF
         times.append(est.iteration_s)
     return times[0] + (tab.m - short[0]) * (times[1] - times[0]) / (short[1] - short[0])
