@@ -51,7 +51,8 @@ the same terms for every contiguous layer range ``[a, b)`` of one device set at 
 matrices; see [Note: range times] in :mod:`deepcee.planner.ranges`).
 
 What is approximate against the simulator: lanes are timed apart (a device waiting for
-pieces of two lanes, and lanes queued behind each other on a shared pipe, are not modelled),
+pieces of two lanes is not modelled; lanes queued behind each other on a shared pipe only as
+a start lag charged once, [Note: pipe lag] in :mod:`deepcee.planner.lanes`),
 a boundary with several link resources is reduced to one FIFO pair, and transfers of
 different boundaries that share one resource are not queued behind each other.
 """
