@@ -3,9 +3,12 @@ given twice, node names with colons, a model of one's own without a loss."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from deepcee.cluster import cluster_from_toml_dict
+from deepcee.cluster import cluster_from_toml_dict, load_cluster
+from deepcee.errors import ClusterSpecError
 from deepcee.models import get_model
 from deepcee.planner.compare import compare
 
@@ -25,3 +28,53 @@ def test_compare_on_a_cluster_of_one_device_has_no_leave_out_line() -> None:
     report = compare(cluster_from_toml_dict(one_device()), get_model("gpt2"), 8)
     assert report.leave_out == "" and report.crossover is None
     assert report.rows[0].system == "deepcee" and report.rows[0].samples_per_s > 0
+
+
+TWO_ISLANDS = """
+name = "t"
+[kinds.g]
+peak_tflops = 10
+memory_gib = 16
+[islands.a]
+latency_us = 50
+bandwidth_gbit_per_s = 10
+[islands.b]
+latency_us = 50
+bandwidth_gbit_per_s = 10
+[[nodes]]
+name = "a0"
+island = "a"
+kind = "g"
+devices = 2
+[[nodes]]
+name = "b0"
+island = "b"
+kind = "g"
+devices = 2
+[[links]]
+between = ["a", "b"]
+latency_ms = 10
+bandwidth_mbit_per_s = 100
+"""
+
+
+@pytest.mark.parametrize("second", ['between = ["b", "a"]', 'between = ["a", "b"]',
+                                    'between = ["b", "a"]\ndirected = true'])
+def test_a_link_given_twice_is_an_error_naming_both_entries(tmp_path: Path, second: str) -> None:
+    """It used to load silently: the later entry replaced the earlier one in one direction only
+    (a -> b at 100 Mbit/s, b -> a at 10)."""
+    p = tmp_path / "c.toml"
+    p.write_text(TWO_ISLANDS + f"[[links]]\n{second}\nlatency_ms = 20\nbandwidth_mbit_per_s = 10\n")
+    with pytest.raises(ClusterSpecError, match=r"c\.toml: links\[1\]\.between: '[ab]' -> '[ab]' is already given "
+                                               r"by links\[0\]"):
+        load_cluster(p)
+
+
+def test_an_asymmetric_link_is_two_directed_entries(tmp_path: Path) -> None:
+    p = tmp_path / "c.toml"
+    p.write_text(TWO_ISLANDS.replace("bandwidth_mbit_per_s = 100\n", "bandwidth_mbit_per_s = 100\ndirected = true\n")
+                 + '[[links]]\nbetween = ["b", "a"]\ndirected = true\nlatency_ms = 20\nbandwidth_mbit_per_s = 10\n')
+    c = load_cluster(p)
+    assert c.link("a0:0", "b0:0").bandwidth_bytes_per_s == pytest.approx(12.5e6)
+    assert c.link("b0:0", "a0:0").bandwidth_bytes_per_s == pytest.approx(1.25e6)
+

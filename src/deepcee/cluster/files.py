@@ -115,6 +115,7 @@ def cluster_from_toml_dict(data: dict[str, Any], *, file: str = "<cluster>", bas
     links = [_toml_link(f, base_dir) for f in top.records("links", [], max_len=MAX_LINK_ENTRIES)]
     top.done()
     _check_names(file, islands, nodes, devices, links)
+    _check_pairs_once(file, links)
     return _build(file, name=name, kinds=kinds, islands=tuple(islands), nodes=tuple(nodes), devices=tuple(devices),
                   links=tuple(links), description=description, emulation=emulation)
 
@@ -322,6 +323,21 @@ def _check_names(file: str, islands: list[Island], nodes: list[Node], devices: l
                         if found
                         else "names no island, node or device")
                 raise ClusterSpecError(f"link end {end!r} {what}", file=file, field=f"links[{i}].between")
+
+
+def _check_pairs_once(file: str, links: list[LinkEntry]) -> None:
+    """Each direction between two names is given by one ``[[links]]`` entry: a hand-written file
+    that gives one twice (``["a", "b"]`` and later ``["b", "a"]``) is a mistake whose outcome
+    (the later entry replaces the earlier one only where it is directed or first) no reader
+    would guess. An asymmetric link is two entries with ``directed = true``."""
+    first: dict[tuple[str, str], int] = {}
+    for i, e in enumerate(links):
+        for pair in ((e.a, e.b),) if e.directed else ((e.a, e.b), (e.b, e.a)):
+            if pair in first:
+                raise ClusterSpecError(
+                    f"{pair[0]!r} -> {pair[1]!r} is already given by links[{first[pair]}]; give each pair once "
+                    f"(an asymmetric link: two entries with directed = true)", file=file, field=f"links[{i}].between")
+            first[pair] = i
 
 
 def _unique(f: Fields, key: str, names: list[str]) -> None:
