@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from deepcee.cluster import cluster_from_toml_dict, load_cluster
+from deepcee.cluster.outages import LinkOutage
 from deepcee.errors import ClusterSpecError
 from deepcee.models import get_model
 from deepcee.planner.compare import compare
@@ -78,3 +79,18 @@ def test_an_asymmetric_link_is_two_directed_entries(tmp_path: Path) -> None:
     assert c.link("a0:0", "b0:0").bandwidth_bytes_per_s == pytest.approx(12.5e6)
     assert c.link("b0:0", "a0:0").bandwidth_bytes_per_s == pytest.approx(1.25e6)
 
+
+@pytest.mark.parametrize(("text", "pair"), [("dc:1:edge@5", ("dc:1", "edge")), ("edge:dc:1@5:9", ("edge", "dc:1")),
+                                           ("a@b:edge@5", ("a@b", "edge"))])
+def test_link_down_names_nodes_whose_names_hold_colons(text: str, pair: tuple[str, str]) -> None:
+    """A node may be named ``dc:1`` (its devices are ``dc:1:0``, ...); ``--link-down`` used to
+    split at every colon and refuse it. Straggler texts already cut where the device is."""
+    outage = LinkOutage.parse(text, ["dc:1", "edge", "a@b"])
+    assert (outage.a, outage.b, outage.start_s) == (*pair, 5.0)
+
+
+def test_link_down_refuses_an_ambiguous_or_unknown_pair() -> None:
+    with pytest.raises(ClusterSpecError, match="NODE_A:NODE_B@START"):
+        LinkOutage.parse("a:b:c@1", ["a", "b", "c", "a:b", "b:c"])
+    with pytest.raises(ClusterSpecError, match="NODE_A:NODE_B@START"):
+        LinkOutage.parse("a:zz@1", ["a", "b"])
