@@ -54,6 +54,7 @@ from deepcee.cliargs import (
     link_down_flag,
     name_list,
     number,
+    out_path,
     straggler_flag,
 )
 from deepcee.errors import DeepceeError, SpecError
@@ -102,10 +103,10 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--clip-grad-norm", type=number(CLIP_NORM), help="clip the gradient to this global norm (over every stage)")
     p.add_argument("--seed", type=number(SEED), default=0)
     p.add_argument("--cores", type=number(CORES), default=1.2, help="CPU cores the emulated devices may use together")
-    p.add_argument("--run-dir", default="runs/train")
+    p.add_argument("--run-dir", type=out_path(folder=True), default="runs/train")
     p.add_argument("--checkpoint-every", type=number(EVERY), default=0, help="checkpoint every N steps (and after the last)")
     p.add_argument("--keep-checkpoints", type=number(KEEP), default=2, help="intact checkpoints kept (0: all)")
-    p.add_argument("--checkpoint-dir", help="checkpoint folder (default: <run-dir>/checkpoints)")
+    p.add_argument("--checkpoint-dir", type=out_path(folder=True), help="checkpoint folder (default: <run-dir>/checkpoints)")
     p.add_argument("--resume", action="store_true",
                    help="continue from the newest intact checkpoint, under this run's plan (any split)")
     p.add_argument("--init-from", help="start from these weights: a state_dict file (.pt, .safetensors) with the "

@@ -7,9 +7,11 @@ from pathlib import Path
 
 import pytest
 
+from deepcee.cli import main
 from deepcee.cluster import cluster_from_toml_dict, load_cluster
 from deepcee.cluster.outages import LinkOutage
 from deepcee.errors import ClusterSpecError
+from deepcee.jsonio import save_json_atomic
 from deepcee.models import get_model
 from deepcee.planner.compare import compare
 
@@ -94,3 +96,34 @@ def test_link_down_refuses_an_ambiguous_or_unknown_pair() -> None:
         LinkOutage.parse("a:b:c@1", ["a", "b", "c", "a:b", "b:c"])
     with pytest.raises(ClusterSpecError, match="NODE_A:NODE_B@START"):
         LinkOutage.parse("a:zz@1", ["a", "b"])
+
+
+@pytest.mark.parametrize(("argv", "needle"), [
+    (["plan", "--scenario", "local-small", "--model", "gpt2", "--global-batch", "8", "-o", "{d}"],
+     "argument -o/--output: '{d}' is a folder, not a file"),
+    (["plan", "--scenario", "local-small", "--model", "gpt2", "--global-batch", "8", "-o", "{f}/p.json"],
+     "argument -o/--output: '{f}/p.json' cannot be created: '{f}' is a file"),
+    (["simulate", "plan.json", "--plot", "{d}"], "argument --plot: '{d}' is a folder, not a file"),
+    (["compare", "--scenario", "local-small", "--model", "gpt2", "--global-batch", "8", "--json", "{d}"],
+     "argument --json: '{d}' is a folder"),
+    (["profile", "--scenario", "local-small", "-o", "{f}"], "argument -o/--output: '{f}' is a file, not a folder"),
+    (["train", "--plan", "plan.json", "--steps", "1", "--run-dir", "{f}"], "argument --run-dir: '{f}' is a file"),
+])
+def test_an_output_path_that_cannot_be_written_is_refused_before_any_work(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], needle: str) -> None:
+    """These used to end in a traceback (IsADirectoryError, FileExistsError) after the work,
+    leaving a '.<name>.tmp' file behind."""
+    d, f = tmp_path / "adir", tmp_path / "afile"
+    d.mkdir()
+    f.write_text("")
+    assert main([a.format(d=d, f=f) for a in argv]) == 2
+    err = capsys.readouterr().err
+    assert needle.format(d=d, f=f) in err and err.count("\n") == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adir", "afile"]
+
+
+def test_a_json_write_that_fails_leaves_no_temporary_file(tmp_path: Path) -> None:
+    (tmp_path / "out.json").mkdir()
+    with pytest.raises(OSError):
+        save_json_atomic(tmp_path / "out.json", {"a": 1})
+    assert [p.name for p in tmp_path.iterdir()] == ["out.json"]
