@@ -304,8 +304,14 @@ def counted_profile(ref: str, args: argparse.Namespace) -> ModelProfile:
 
     loss = import_object(args.loss, what="--loss") if getattr(args, "loss", None) else None
     points = tuple(p for p in (getattr(args, "split_at", None) or "").split(",") if p)
-    return api.profile(ref, load_data(args.data, seq_len=getattr(args, "seq_len", None)), loss_fn=loss,
-                       points=points)
+    try:
+        return api.profile(ref, load_data(args.data, seq_len=getattr(args, "seq_len", None)), loss_fn=loss,
+                           points=points)
+    except SpecError as exc:
+        if exc.field != "loss_fn":
+            raise
+        raise SpecError(f"{ref}: {str(exc).removeprefix('loss_fn: ').replace('pass loss_fn', 'give --loss')}",
+                        field="--loss") from None
 
 
 def _config(args: argparse.Namespace, cluster: Cluster | None = None) -> TrainConfig:

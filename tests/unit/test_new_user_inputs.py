@@ -127,3 +127,51 @@ def test_a_json_write_that_fails_leaves_no_temporary_file(tmp_path: Path) -> Non
     with pytest.raises(OSError):
         save_json_atomic(tmp_path / "out.json", {"a": 1})
     assert [p.name for p in tmp_path.iterdir()] == ["out.json"]
+
+
+USER_MODELS = '''
+import torch
+from torch import nn
+
+def one_linear():
+    return nn.Sequential(nn.Linear(4, 3))
+
+def wrong_width():
+    return nn.Sequential(nn.Linear(5, 3))
+
+class ArgMax(nn.Module):
+    def forward(self, x):
+        return x.argmax(dim=-1)
+
+def integer_output():
+    return nn.Sequential(nn.Linear(4, 3), ArgMax())
+
+def cross_entropy(out, y):
+    return nn.functional.cross_entropy(out, y)
+'''
+
+
+@pytest.fixture
+def user_models(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A module of the user's own models (``audit_models``) and a classification data file."""
+    import torch
+
+    (tmp_path / "audit_models.py").write_text(USER_MODELS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    torch.save((torch.randn(16, 4), torch.randint(0, 3, (16,))), tmp_path / "cls.pt")
+    return tmp_path
+
+
+def _plan_own(user_models: Path, model: str, *more: str) -> list[str]:
+    return ["plan", "--scenario", "local-small", "--model", f"audit_models:{model}", "--data",
+            str(user_models / "cls.pt"), "--global-batch", "8", "-o", str(user_models / "p.json"), *more]
+
+
+def test_a_model_without_a_loss_names_the_flag_on_the_command_line(
+        user_models: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """It said 'loss_fn: ... pass loss_fn', the Python argument, not the flag."""
+    assert main(_plan_own(user_models, "one_linear")) == 2
+    err = capsys.readouterr().err
+    assert "error: --loss: audit_models:one_linear: the model (sequential, last block '0') has no default loss; " \
+           "give --loss" in err
+
