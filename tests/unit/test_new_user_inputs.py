@@ -175,3 +175,14 @@ def test_a_model_without_a_loss_names_the_flag_on_the_command_line(
     assert "error: --loss: audit_models:one_linear: the model (sequential, last block '0') has no default loss; " \
            "give --loss" in err
 
+
+@pytest.mark.parametrize(("model", "needle"), [
+    ("wrong_width", "block 0 ('0') and the loss cannot run on 2 samples of the data (RuntimeError: mat1 and mat2"),
+    ("integer_output", "block 1 ('1') and the loss cannot run on 2 samples of the data (RuntimeError: "),
+])
+def test_a_model_that_cannot_run_on_the_data_is_one_line_naming_the_block(
+        user_models: Path, capsys: pytest.CaptureFixture[str], model: str, needle: str) -> None:
+    """Counting the profile ran the blocks on the data and ended in a traceback."""
+    assert main(_plan_own(user_models, model, "--loss", "audit_models:cross_entropy")) == 2
+    err = capsys.readouterr().err
+    assert needle in err and err.count("\n") == 1
