@@ -186,3 +186,34 @@ def test_a_model_that_cannot_run_on_the_data_is_one_line_naming_the_block(
     assert main(_plan_own(user_models, model, "--loss", "audit_models:cross_entropy")) == 2
     err = capsys.readouterr().err
     assert needle in err and err.count("\n") == 1
+
+
+def test_a_first_stage_that_cannot_run_on_the_data_says_so(tmp_path: Path) -> None:
+    """Stage 0 has no sender: the message read 'cannot run on the output of  (per-sample None)',
+    and the launcher prefixed it with its rank a second time ('rank 0: rank 0 (...)')."""
+    import json
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from deepcee.errors import RuntimeSetupError
+    from deepcee.plan import Plan, StagePlan
+    from deepcee.runtime.p2p import exchange_metadata
+    from deepcee.runtime.partition import Topology
+    from deepcee.runtime.supervise import first_error, write_error
+
+    plan = Plan(system="t", cluster="c", model="m", global_batch=4, microbatch_size=4, num_microbatches=1,
+                schedule="gpipe", stages=(StagePlan(layer_start=0, layer_stop=1, devices=("a",), shares=(4,)),))
+    store = dist.HashStore()
+    store.set_timeout(timedelta(seconds=1))
+    store.set("j/hello/0", json.dumps({"plan": "d1", "device": "a"}))
+
+    def boom(meta: object) -> None:
+        raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")
+
+    with pytest.raises(RuntimeSetupError) as info:
+        exchange_metadata(store, Topology(plan), 0, job="j", plan_digest="d1", timeout_s=1, output_meta=boom)
+    assert str(info.value) == ("rank 0 (device a, stage 0) cannot run on a sample of the data: RuntimeError: mat1 and "
+                               "mat2 shapes cannot be multiplied")
+    write_error(tmp_path, 0, info.value)
+    assert str(first_error(tmp_path)) == str(info.value)
