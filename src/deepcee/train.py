@@ -240,12 +240,13 @@ def _torchrun_rank(args: argparse.Namespace, env: TorchrunEnv, job: Job) -> Trai
 
 def _load(args: argparse.Namespace, *, under_torchrun: bool = False) -> tuple[Plan, Cluster]:
     from deepcee.cluster import load_cluster
-    from deepcee.planfile import load_plan
+    from deepcee.planfile import load_plan, referenced_path
     from deepcee.scenarios import load_scenario, scenario_names
 
     if args.plan:
         plan = load_plan(args.plan)
-        ref = args.cluster or plan.cluster
+        ref = args.cluster or (plan.cluster if plan.cluster in scenario_names()
+                               else referenced_path(plan.cluster, args.plan))
     elif args.global_batch is not None:
         ref = args.cluster or "local-small"
         plan = None

@@ -217,3 +217,20 @@ def test_a_first_stage_that_cannot_run_on_the_data_says_so(tmp_path: Path) -> No
                                "mat2 shapes cannot be multiplied")
     write_error(tmp_path, 0, info.value)
     assert str(first_error(tmp_path)) == str(info.value)
+
+
+def test_a_plan_finds_its_cluster_file_beside_it_from_another_folder(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """The plan records the cluster path as typed (relative to where `deepcee plan` ran);
+    `deepcee simulate runs/plan.json` from another folder said 'unknown scenario or cluster file'."""
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "one.toml").write_text(
+        'name = "one"\n[kinds.g]\npeak_tflops = 10\nmemory_gib = 16\n[islands.a]\nlatency_us = 50\n'
+        'bandwidth_gbit_per_s = 10\n[[nodes]]\nname = "n0"\nisland = "a"\nkind = "g"\ndevices = 1\n')
+    monkeypatch.chdir(tmp_path / "runs")
+    assert main(["plan", "--cluster", "one.toml", "--model", "gpt2", "--global-batch", "8", "-o", "plan.json"]) == 0
+    monkeypatch.chdir(tmp_path)
+    capsys.readouterr()
+    assert main(["simulate", "runs/plan.json"]) == 0
+    assert "simulated:" in capsys.readouterr().out
+
