@@ -234,3 +234,13 @@ def test_a_plan_finds_its_cluster_file_beside_it_from_another_folder(
     assert main(["simulate", "runs/plan.json"]) == 0
     assert "simulated:" in capsys.readouterr().out
 
+
+def test_simulate_counts_the_profile_of_a_plan_for_a_model_of_ones_own(
+        user_models: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The error asked for --data, which `deepcee simulate` did not take."""
+    assert main(_plan_own(user_models, "one_linear", "--loss", "audit_models:cross_entropy")) == 0
+    plan = str(user_models / "p.json")
+    assert main(["simulate", plan]) == 2
+    assert "needs --data" in capsys.readouterr().err
+    assert main(["simulate", plan, "--data", str(user_models / "cls.pt"), "--loss", "audit_models:cross_entropy"]) == 0
+    assert "simulated:" in capsys.readouterr().out

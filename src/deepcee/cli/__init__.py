@@ -229,6 +229,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("plan")
     p.add_argument("--cluster", help="cluster file (default: the plan's scenario)")
     p.add_argument("--profile", help="measured profile JSON (default: the plan's model)")
+    p.add_argument("--data", help="when the plan's model is your own (package.module:name): data to count its "
+                   "profile on, as for `deepcee plan`")
+    p.add_argument("--loss", help="with a model of your own: its loss function, package.module:name")
+    p.add_argument("--split-at", help="with a model of your own: comma-separated split points")
+    p.add_argument("--seq-len", type=number(SEQ_LEN), help="with a model of your own: the sequence length of --data")
     p.add_argument("--iterations", type=number(ITERATIONS), default=1)
     p.add_argument("--link-trace", help="bandwidth trace (built-in name such as drop-5x, or a JSON file) "
                    "applied to the inter-island links")
