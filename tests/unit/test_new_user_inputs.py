@@ -10,7 +10,7 @@ import pytest
 from deepcee.cli import main
 from deepcee.cluster import cluster_from_toml_dict, load_cluster
 from deepcee.cluster.outages import LinkOutage
-from deepcee.errors import ClusterSpecError
+from deepcee.errors import ClusterSpecError, SpecError
 from deepcee.jsonio import save_json_atomic
 from deepcee.models import get_model
 from deepcee.planner.compare import compare
@@ -244,3 +244,27 @@ def test_simulate_counts_the_profile_of_a_plan_for_a_model_of_ones_own(
     assert "needs --data" in capsys.readouterr().err
     assert main(["simulate", plan, "--data", str(user_models / "cls.pt"), "--loss", "audit_models:cross_entropy"]) == 0
     assert "simulated:" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("section", "key", "flag", "entry"), [
+    ("faults", "link_down", "--link-down", "cloud0:edge0@1"),
+    ("training", "stragglers", "--straggler", "edge0:0:3"),
+])
+def test_repeatable_flags_are_lists_in_a_job_config(tmp_path: Path, section: str, key: str, flag: str,
+                                                    entry: str) -> None:
+    """The documented list was refused ('must be a string'), and a string was taken and later
+    read character by character."""
+    import argparse
+
+    from deepcee import jobconfig, train
+
+    parser = argparse.ArgumentParser()
+    train.add_train_arguments(parser)
+    dest = "link_down" if key == "link_down" else "straggler"
+    config = tmp_path / "job.toml"
+    config.write_text(f'[{section}]\n{key} = ["{entry}"]\n')
+    assert getattr(jobconfig.parse_with_config(parser, ["--config", str(config)]), dest) == [entry]
+    config.write_text(f'[{section}]\n{key} = "{entry}"\n')
+    with pytest.raises(SpecError, match=rf"job\.toml: {section}\.{key}: must be a list of strings, one per {flag}, "
+                                        rf"got '{entry}' \(flag {flag}\)"):
+        jobconfig.parse_with_config(parser, ["--config", str(config)])
