@@ -246,6 +246,14 @@ def test_simulate_counts_the_profile_of_a_plan_for_a_model_of_ones_own(
     assert "simulated:" in capsys.readouterr().out
 
 
+def test_rates_below_a_megabit_are_not_shown_as_zero() -> None:
+    """A 1 kbit/s link (the files' lower limit) was reported as '0 Mbit/s'."""
+    from deepcee.units import fmt_rate
+
+    assert [fmt_rate(b / 8) for b in (1e3, 512e3, 0.9994e6, 0.9996e6, 100e6, 2.5e9)] == [
+        "1 kbit/s", "512 kbit/s", "999 kbit/s", "1 Mbit/s", "100 Mbit/s", "2.5 Gbit/s"]
+
+
 @pytest.mark.parametrize(("section", "key", "flag", "entry"), [
     ("faults", "link_down", "--link-down", "cloud0:edge0@1"),
     ("training", "stragglers", "--straggler", "edge0:0:3"),
