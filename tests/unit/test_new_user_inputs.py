@@ -276,3 +276,16 @@ def test_repeatable_flags_are_lists_in_a_job_config(tmp_path: Path, section: str
     with pytest.raises(SpecError, match=rf"job\.toml: {section}\.{key}: must be a list of strings, one per {flag}, "
                                         rf"got '{entry}' \(flag {flag}\)"):
         jobconfig.parse_with_config(parser, ["--config", str(config)])
+
+
+@pytest.mark.parametrize("amount", [float("nan"), float("inf"), 2.5])
+def test_an_evaluation_hold_out_that_is_no_fraction_or_count_is_refused(amount: float) -> None:
+    """nan and inf ended in ValueError / OverflowError tracebacks (also from `--eval-data nan`),
+    2.5 held out 2 samples."""
+    import torch
+    from torch.utils.data import TensorDataset
+
+    import deepcee
+
+    with pytest.raises(SpecError, match=r"eval: must be a fraction in \(0, 1\) or a whole count of samples, got "):
+        deepcee.Data(TensorDataset(torch.randn(10, 4), torch.arange(10)), eval=amount)
