@@ -3,6 +3,7 @@ given twice, node names with colons, a model of one's own without a loss."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -289,3 +290,17 @@ def test_an_evaluation_hold_out_that_is_no_fraction_or_count_is_refused(amount: 
 
     with pytest.raises(SpecError, match=r"eval: must be a fraction in \(0, 1\) or a whole count of samples, got "):
         deepcee.Data(TensorDataset(torch.randn(10, 4), torch.arange(10)), eval=amount)
+
+
+@pytest.mark.parametrize(("old", "new", "field"), [('name = "a0"', 'name = "a->0"', "nodes[0].name"),
+                                                   ("[islands.b]", '[islands."b->c"]', 'islands.b->c')])
+def test_names_holding_the_link_arrow_are_refused(tmp_path: Path, old: str, new: str, field: str) -> None:
+    """A pipe is named 'src->dst' (simulator, adapter, profile link keys): nodes 'a->b' and 'c'
+    shared a pipe name with nodes 'a' and 'b->c', and the adapter could not split it."""
+    text = TWO_ISLANDS.replace(old, new)
+    if "b->c" in new:
+        text = text.replace('island = "b"', 'island = "b->c"').replace('["a", "b"]', '["a", "b->c"]')
+    p = tmp_path / "c.toml"
+    p.write_text(text)
+    with pytest.raises(ClusterSpecError, match=rf"c\.toml: {re.escape(field)}: names may not hold '->'"):
+        load_cluster(p)

@@ -305,6 +305,11 @@ def _check_names(file: str, islands: list[Island], nodes: list[Node], devices: l
                  links: list[LinkEntry]) -> None:
     """Node names are unique, and each ``[[links]]`` end names exactly one island, node or device
     (a name used at two levels would make the entry apply at both)."""
+    for field, names in (("islands", [x.name for x in islands]), ("nodes", [x.name for x in nodes])):
+        for i, name in enumerate(names):
+            if "->" in name:  # link pipes are named "a->b": "a->b" and "c" would share one with "a" and "b->c"
+                raise ClusterSpecError(f"names may not hold '->' (it joins the two ends of a link), got {name!r}",
+                                       file=file, field=f"{field}.{name}" if field == "islands" else f"{field}[{i}].name")
     seen: set[str] = set()
     for i, n in enumerate(nodes):
         if n.name in seen:
