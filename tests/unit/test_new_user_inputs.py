@@ -304,3 +304,24 @@ def test_names_holding_the_link_arrow_are_refused(tmp_path: Path, old: str, new:
     p.write_text(text)
     with pytest.raises(ClusterSpecError, match=rf"c\.toml: {re.escape(field)}: names may not hold '->'"):
         load_cluster(p)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_export_to_a_safetensors_name_writes_safetensors(tmp_path: Path) -> None:
+    """`deepcee export run -o model.safetensors` wrote a torch pickle under that name."""
+    pytest.importorskip("safetensors")
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import load_file
+
+    from deepcee.runtime import checkpoint as ckpt
+    from deepcee.runtime.export import export_checkpoint
+
+    folder = ckpt.step_dir(tmp_path / "checkpoints", 3)
+    weight = torch.arange(6.0).reshape(2, 3)
+    dcp.save({"model/fc.weight": weight}, checkpoint_id=str(folder), no_dist=True)
+    ckpt.commit(folder, ckpt.Manifest(step=3, plan_digest="d", model="m", dtype="float32", optimizer="sgd",
+                                      files=ckpt.checksum_folder(folder), names=(("fc.weight", ("fc.weight",)),)))
+    out = export_checkpoint(tmp_path, tmp_path / "model.safetensors")
+    assert out.files == (str(tmp_path / "model.safetensors"),)
+    assert torch.equal(load_file(str(tmp_path / "model.safetensors"))["fc.weight"], weight)
