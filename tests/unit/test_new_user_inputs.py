@@ -325,3 +325,18 @@ def test_export_to_a_safetensors_name_writes_safetensors(tmp_path: Path) -> None
     out = export_checkpoint(tmp_path, tmp_path / "model.safetensors")
     assert out.files == (str(tmp_path / "model.safetensors"),)
     assert torch.equal(load_file(str(tmp_path / "model.safetensors"))["fc.weight"], weight)
+
+
+def test_resume_without_a_checkpoint_says_it_starts_at_step_0(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                               caplog: pytest.LogCaptureFixture) -> None:
+    """`--resume` on a folder without checkpoints (a mistyped --run-dir) trained from scratch silently."""
+    import logging
+    from types import SimpleNamespace
+
+    from deepcee.runtime import persist
+
+    monkeypatch.setattr(persist, "_agree", lambda t, choose: choose())  # one rank: no store needed
+    trainer = SimpleNamespace(ckpt_root=lambda: tmp_path / "checkpoints", w=SimpleNamespace(rank=0))
+    with caplog.at_level(logging.WARNING, logger=persist.log.name):
+        assert persist.resume(trainer) is None
+    assert f"--resume: no intact checkpoint under {tmp_path / 'checkpoints'}: training starts at step 0" in caplog.text
