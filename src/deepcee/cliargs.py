@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any, NoReturn
 
 from deepcee.inputs.limits import (
@@ -31,7 +32,7 @@ __all__ = [
     "BUDGET", "DATASET_SAMPLES", "EPOCHS", "CLIP_NORM", "CLI_LIMITS", "CORES", "DEADLINE", "EVAL_BATCHES", "EVERY", "GLOBAL_BATCH", "IMAGE_SIZE", "ITERATIONS",
     "KEEP", "LR", "MICROBATCHES", "MIN_LR_RATIO", "MOMENTUM", "PLANS", "RATIO", "SCALE", "SEED", "SEQ_LEN", "STAGES",
     "STEPS", "TARGET_LOSS", "THRESHOLD_MS", "TIMEOUT", "WEIGHT_DECAY",
-    "OneLineParser", "link_down_flag", "name_list", "name_pair", "number", "straggler_flag",
+    "OneLineParser", "link_down_flag", "name_list", "name_pair", "number", "out_path", "straggler_flag",
 ]
 
 STEPS = Limit(name="training steps", lo=1, hi=10**9, integer=True, fields="--steps, --decay-steps",
@@ -122,6 +123,29 @@ def name_pair(text: str) -> tuple[str, str]:
     if not comma or not a or not b or "," in b or a == b:
         raise argparse.ArgumentTypeError(f"expected two different names as a,b, got {show(text)}")
     return a, b
+
+
+def _writable_at(path: Path, folder: bool) -> str:
+    """Why nothing can be written at ``path`` (a file, or a folder when ``folder``), or ""."""
+    if path.exists() and path.is_dir() != folder:
+        return "is a folder, not a file" if path.is_dir() else "is a file, not a folder"
+    for parent in path.parents:  # the nearest existing ancestor must be a folder (the rest is created)
+        if parent.exists():
+            return "" if parent.is_dir() else f"cannot be created: {str(parent)!r} is a file"
+    return ""
+
+
+def out_path(folder: bool = False) -> Callable[[str], str]:
+    """An argparse ``type``: where a command writes a file (or a ``folder``): refused before any
+    work when it is a folder where a file goes (or the reverse), or below a file; returns the text."""
+    def parse(text: str) -> str:
+        why = _writable_at(Path(text), folder) if text else "is empty"
+        if why:
+            raise argparse.ArgumentTypeError(f"{text[:300]!r} {why}")
+        return text
+
+    parse.__name__ = "folder" if folder else "file"
+    return parse
 
 
 def _window_flag(text: str, flag: str, make: Callable[[], Any], check: Callable[[Any], None] = lambda r: None) -> Any:

@@ -91,6 +91,10 @@ def _convert(value: Any, action: argparse.Action) -> Any:
         if not isinstance(value, bool):
             raise ValueError(f"must be true or false, got {value!r}")
         return value
+    if isinstance(action, argparse._AppendAction):  # a repeatable flag: a list, one entry per use
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise ValueError(f"must be a list of strings, one per {_flag(action)}, got {value!r}")
+        return list(value)
     if isinstance(value, list) and action.dest == "schedules":
         if not value or not all(isinstance(v, str) for v in value):
             raise ValueError(f"must be a list of schedule names, got {value!r}")

@@ -22,5 +22,9 @@ def save_json_atomic(path: str | Path, data: Mapping[str, Any]) -> None:
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     tmp = p.with_name(f".{p.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
-    tmp.replace(p)
+    try:
+        tmp.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
+        tmp.replace(p)
+    except BaseException:  # a full disk, a folder at ``path``, Ctrl-C: no partial file stays behind
+        tmp.unlink(missing_ok=True)
+        raise

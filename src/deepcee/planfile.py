@@ -88,6 +88,17 @@ def load_plan(path: str | Path) -> Plan:
     return plan_from_dict(read_json(path, PlanError), file=str(path))
 
 
+def referenced_path(ref: str, plan_file: str | Path | None) -> str:
+    """A file a plan names (its ``cluster``, its ``model`` profile) as a path to open: as written
+    when it exists from the working directory, else relative to the plan's own folder when it
+    exists there (a plan written as ``-o runs/plan.json`` beside ``runs/cluster.toml`` and used
+    from elsewhere), else unchanged (a scenario or model name, or a missing file)."""
+    if plan_file is None or Path(ref).is_absolute() or Path(ref).exists():
+        return ref
+    beside = Path(plan_file).parent / ref
+    return str(beside) if beside.is_file() else ref
+
+
 def _reference(f: Fields, key: str) -> str:
     v = f.text(key, max_chars=MAX_REFERENCE_CHARS)
     if not v or not v.isprintable():

@@ -54,6 +54,7 @@ from deepcee.cliargs import (
     link_down_flag,
     name_list,
     number,
+    out_path,
     straggler_flag,
 )
 from deepcee.errors import DeepceeError, SpecError
@@ -102,10 +103,10 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--clip-grad-norm", type=number(CLIP_NORM), help="clip the gradient to this global norm (over every stage)")
     p.add_argument("--seed", type=number(SEED), default=0)
     p.add_argument("--cores", type=number(CORES), default=1.2, help="CPU cores the emulated devices may use together")
-    p.add_argument("--run-dir", default="runs/train")
+    p.add_argument("--run-dir", type=out_path(folder=True), default="runs/train")
     p.add_argument("--checkpoint-every", type=number(EVERY), default=0, help="checkpoint every N steps (and after the last)")
     p.add_argument("--keep-checkpoints", type=number(KEEP), default=2, help="intact checkpoints kept (0: all)")
-    p.add_argument("--checkpoint-dir", help="checkpoint folder (default: <run-dir>/checkpoints)")
+    p.add_argument("--checkpoint-dir", type=out_path(folder=True), help="checkpoint folder (default: <run-dir>/checkpoints)")
     p.add_argument("--resume", action="store_true",
                    help="continue from the newest intact checkpoint, under this run's plan (any split)")
     p.add_argument("--init-from", help="start from these weights: a state_dict file (.pt, .safetensors) with the "
@@ -239,12 +240,13 @@ def _torchrun_rank(args: argparse.Namespace, env: TorchrunEnv, job: Job) -> Trai
 
 def _load(args: argparse.Namespace, *, under_torchrun: bool = False) -> tuple[Plan, Cluster]:
     from deepcee.cluster import load_cluster
-    from deepcee.planfile import load_plan
+    from deepcee.planfile import load_plan, referenced_path
     from deepcee.scenarios import load_scenario, scenario_names
 
     if args.plan:
         plan = load_plan(args.plan)
-        ref = args.cluster or plan.cluster
+        ref = args.cluster or (plan.cluster if plan.cluster in scenario_names()
+                               else referenced_path(plan.cluster, args.plan))
     elif args.global_batch is not None:
         ref = args.cluster or "local-small"
         plan = None
@@ -303,8 +305,14 @@ def counted_profile(ref: str, args: argparse.Namespace) -> ModelProfile:
 
     loss = import_object(args.loss, what="--loss") if getattr(args, "loss", None) else None
     points = tuple(p for p in (getattr(args, "split_at", None) or "").split(",") if p)
-    return api.profile(ref, load_data(args.data, seq_len=getattr(args, "seq_len", None)), loss_fn=loss,
-                       points=points)
+    try:
+        return api.profile(ref, load_data(args.data, seq_len=getattr(args, "seq_len", None)), loss_fn=loss,
+                           points=points)
+    except SpecError as exc:
+        if exc.field != "loss_fn":
+            raise
+        raise SpecError(f"{ref}: {str(exc).removeprefix('loss_fn: ').replace('pass loss_fn', 'give --loss')}",
+                        field="--loss") from None
 
 
 def _config(args: argparse.Namespace, cluster: Cluster | None = None) -> TrainConfig:

@@ -54,6 +54,8 @@ def fmt_rate(bytes_per_s: float) -> str:
     bits = bytes_per_s * 8
     if bits >= 1e9:
         return f"{bits / 1e9:.1f} Gbit/s"
+    if bits < 0.9995e6:  # a slow link (files allow 1 kbit/s) is not "0 Mbit/s"
+        return f"{bits / 1e3:.0f} kbit/s"
     return f"{bits / 1e6:.0f} Mbit/s"
 
 

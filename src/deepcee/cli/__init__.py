@@ -57,6 +57,7 @@ from deepcee.cliargs import (
     name_list,
     name_pair,
     number,
+    out_path,
 )
 from deepcee.errors import DeepceeError
 from deepcee.mainjob import DEFAULT_PERIODS
@@ -109,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", help="gpt-tiny (default) or convnet-tiny; with --throughput: gpt-tiny (default) or "
                    "resnet-tiny")
     p.add_argument("--global-batch", type=number(GLOBAL_BATCH), default=32)
-    p.add_argument("--out", default="reports/demo", help="report folder")
+    p.add_argument("--out", type=out_path(folder=True), default="reports/demo", help="report folder")
     p.add_argument("--target-loss", type=number(TARGET_LOSS), help="the target evaluation loss (default: the task's)")
     p.add_argument("--links", choices=("auto", "realnet", "emulated"), default="auto",
                    help="links while training: auto (default) = realnet (real TCP through the shaping relay) where "
@@ -152,13 +153,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=number(LR), default=1e-3)
     p.add_argument("--seed", type=number(SEED), default=0)
     p.add_argument("--deadline", type=number(DEADLINE), default=1800.0, help="seconds one run may take")
-    p.add_argument("-o", "--output", default="reports/calibrate", help="folder for the runs and efficiency.json")
+    p.add_argument("-o", "--output", type=out_path(folder=True), default="reports/calibrate", help="folder for the runs and efficiency.json")
     p.set_defaults(func=cmd_calibrate)
 
     p = sub.add_parser("export", help="write a checkpoint as one plain state_dict (.pt, and .safetensors when "
                        "installed) that loads into the model with strict=True")
     p.add_argument("checkpoint", help="run folder, checkpoint folder, or one step-N folder (default: the newest intact)")
-    p.add_argument("-o", "--output", default="model.pt", help="state_dict file (torch.save); .safetensors beside it")
+    p.add_argument("-o", "--output", type=out_path(), default="model.pt", help="state_dict file (torch.save); .safetensors beside it")
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("profile", help="measure every device (per-layer F/I/W) and link of a cluster")
@@ -168,7 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_data_arguments(p, model_help="net to time per layer: gpt-tiny, resnet-tiny (default), or your own "
                              "(package.module:name, with --data)")
     p.set_defaults(model="gpt-tiny", seed=0)
-    p.add_argument("-o", "--output", default="measured", help="output folder (cluster.json, profile.json, ...)")
+    p.add_argument("-o", "--output", type=out_path(folder=True), default="measured", help="output folder (cluster.json, profile.json, ...)")
     p.add_argument("--real", action="store_true", help="measure the real transport instead of emulated links "
                    "and devices")
     p.add_argument("--deadline", type=number(DEADLINE), default=900.0, help="hard limit for the whole profile, seconds")
@@ -198,7 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mode", choices=("auto", "realnet", "emulated"), default="auto",
                    help="realnet: real TCP through the shaping relay (needs root and /dev/net/tun); emulated: the "
                    "runtime's link shaper and modelled all-reduce (partly modelled); auto: realnet where possible")
-    p.add_argument("-o", "--output", default="reports/validate")
+    p.add_argument("-o", "--output", type=out_path(folder=True), default="reports/validate")
     p.set_defaults(func=cmd_validate)
 
     p = sub.add_parser("scenarios", help="list built-in clusters")
@@ -221,22 +222,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dataset-samples", type=number(DATASET_SAMPLES), help="samples per epoch (default: the data the "
                    "cluster file states over the model's input bytes per sample)")
     p.add_argument("--epochs", type=number(EPOCHS), default=1, help="epochs the one-time data movement is spread over")
-    p.add_argument("-o", "--output", default="plan.json")
+    p.add_argument("-o", "--output", type=out_path(), default="plan.json")
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("simulate", help="simulate a plan: iteration time, bubbles, memory, timeline")
     p.add_argument("plan")
     p.add_argument("--cluster", help="cluster file (default: the plan's scenario)")
     p.add_argument("--profile", help="measured profile JSON (default: the plan's model)")
+    p.add_argument("--data", help="when the plan's model is your own (package.module:name): data to count its "
+                   "profile on, as for `deepcee plan`")
+    p.add_argument("--loss", help="with a model of your own: its loss function, package.module:name")
+    p.add_argument("--split-at", help="with a model of your own: comma-separated split points")
+    p.add_argument("--seq-len", type=number(SEQ_LEN), help="with a model of your own: the sequence length of --data")
     p.add_argument("--iterations", type=number(ITERATIONS), default=1)
     p.add_argument("--link-trace", help="bandwidth trace (built-in name such as drop-5x, or a JSON file) "
                    "applied to the inter-island links")
     p.add_argument("--adapt", action="store_true",
                    help="simulate iteration by iteration with and without the adapter (needs --link-trace)")
-    p.add_argument("--json", help="with --adapt: write the per-iteration results as JSON")
+    p.add_argument("--json", type=out_path(), help="with --adapt: write the per-iteration results as JSON")
     p.add_argument("--trace-links", type=name_pair, help="apply the trace only between these two islands: a,b")
-    p.add_argument("--timeline", help="write a Chrome-trace JSON timeline")
-    p.add_argument("--plot", help="write a PNG timeline")
+    p.add_argument("--timeline", type=out_path(), help="write a Chrome-trace JSON timeline")
+    p.add_argument("--plot", type=out_path(), help="write a PNG timeline")
     p.add_argument("--straggler", action="append", default=[], metavar="DEVICE:FACTOR[:START[:STOP]]",
                    help="slow DEVICE down FACTOR times from START to STOP (simulated seconds; default the whole "
                         "run); repeatable")
@@ -252,8 +258,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_cluster_args(p)
     _add_model_args(p)
     p.add_argument("--global-batch", type=number(GLOBAL_BATCH), required=True)
-    p.add_argument("--json", default="compare.json")
-    p.add_argument("--plot", default="crossover.png", help="crossover PNG (written when leaving devices out wins)")
+    p.add_argument("--json", type=out_path(), default="compare.json")
+    p.add_argument("--plot", type=out_path(), default="crossover.png", help="crossover PNG (written when leaving devices out wins)")
     _add_sync_args(p)
     p.add_argument("--no-relaxed", action="store_true", help="leave out the related systems' relaxed strategies "
                    "(Cloudless-Training, SDPipe, HeteroG)")

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from deepcee.errors import SpecError
+from deepcee.planfile import referenced_path
 
 
 def _load_cluster(ref: str | None, scenario: str | None, fallback: str | None = None, *,
@@ -26,6 +27,8 @@ def _load_cluster(ref: str | None, scenario: str | None, fallback: str | None = 
         return load_scenario(name), name
     if Path(name).exists():
         return load_cluster(name), name
+    if scenario is None and fallback is not None and (beside := referenced_path(name, plan_file)) != name:
+        return load_cluster(beside), beside
     known = f"scenarios: {', '.join(scenario_names())}"
     if scenario is None and fallback is not None:
         raise SpecError(f"unknown scenario or cluster file {name!r} ({known}; or give --cluster)", file=plan_file,
@@ -48,7 +51,7 @@ def _load_model(ref: str | None, profile: str | None = None, args: argparse.Name
         raise SpecError("give a model (a built-in name, see `deepcee models`), your own as package.module:name, "
                         "or a measured --profile", field="--model")
     if ref.endswith(".json"):
-        return load_profile(ref), ref
+        return load_profile(referenced_path(ref, plan_file)), ref
     if is_import_path(ref):
         return _counted_profile(ref, args), ref
     from deepcee.models import get_model, parse_model_ref

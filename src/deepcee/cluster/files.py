@@ -115,6 +115,7 @@ def cluster_from_toml_dict(data: dict[str, Any], *, file: str = "<cluster>", bas
     links = [_toml_link(f, base_dir) for f in top.records("links", [], max_len=MAX_LINK_ENTRIES)]
     top.done()
     _check_names(file, islands, nodes, devices, links)
+    _check_pairs_once(file, links)
     return _build(file, name=name, kinds=kinds, islands=tuple(islands), nodes=tuple(nodes), devices=tuple(devices),
                   links=tuple(links), description=description, emulation=emulation)
 
@@ -304,6 +305,11 @@ def _check_names(file: str, islands: list[Island], nodes: list[Node], devices: l
                  links: list[LinkEntry]) -> None:
     """Node names are unique, and each ``[[links]]`` end names exactly one island, node or device
     (a name used at two levels would make the entry apply at both)."""
+    for field, names in (("islands", [x.name for x in islands]), ("nodes", [x.name for x in nodes])):
+        for i, name in enumerate(names):
+            if "->" in name:  # link pipes are named "a->b": "a->b" and "c" would share one with "a" and "b->c"
+                raise ClusterSpecError(f"names may not hold '->' (it joins the two ends of a link), got {name!r}",
+                                       file=file, field=f"{field}.{name}" if field == "islands" else f"{field}[{i}].name")
     seen: set[str] = set()
     for i, n in enumerate(nodes):
         if n.name in seen:
@@ -322,6 +328,21 @@ def _check_names(file: str, islands: list[Island], nodes: list[Node], devices: l
                         if found
                         else "names no island, node or device")
                 raise ClusterSpecError(f"link end {end!r} {what}", file=file, field=f"links[{i}].between")
+
+
+def _check_pairs_once(file: str, links: list[LinkEntry]) -> None:
+    """Each direction between two names is given by one ``[[links]]`` entry: a hand-written file
+    that gives one twice (``["a", "b"]`` and later ``["b", "a"]``) is a mistake whose outcome
+    (the later entry replaces the earlier one only where it is directed or first) no reader
+    would guess. An asymmetric link is two entries with ``directed = true``."""
+    first: dict[tuple[str, str], int] = {}
+    for i, e in enumerate(links):
+        for pair in ((e.a, e.b),) if e.directed else ((e.a, e.b), (e.b, e.a)):
+            if pair in first:
+                raise ClusterSpecError(
+                    f"{pair[0]!r} -> {pair[1]!r} is already given by links[{first[pair]}]; give each pair once "
+                    f"(an asymmetric link: two entries with directed = true)", file=file, field=f"links[{i}].between")
+            first[pair] = i
 
 
 def _unique(f: Fields, key: str, names: list[str]) -> None:

@@ -49,14 +49,18 @@ class LinkOutage:
     @staticmethod
     def parse(text: str, nodes: Sequence[str]) -> LinkOutage:
         """``NODE_A:NODE_B@START[:STOP]`` with both nodes among ``nodes``: ``cloud0:end0@5`` cuts
-        the link from 5 s on for good, ``cloud0:end0@5:20`` from 5 s to 20 s."""
-        pair, _, window = text.partition("@")
-        names = pair.split(":")
+        the link from 5 s on for good, ``cloud0:end0@5:20`` from 5 s to 20 s. Node names may hold
+        colons and ``@`` (the times hold neither): the pair is cut where both halves are nodes."""
+        pair, _, window = text.rpartition("@")
+        parts = pair.split(":")
+        cuts = [(a, b) for k in range(1, len(parts))
+                if (a := ":".join(parts[:k])) in nodes and (b := ":".join(parts[k:])) in nodes]
+        names = list(cuts[0]) if len(cuts) == 1 else []
         try:
             times = [float(x) for x in window.split(":")] if window else []
         except ValueError:
             times = []
-        if len(names) != 2 or any(n not in nodes for n in names) or not 1 <= len(times) <= 2:
+        if len(names) != 2 or not 1 <= len(times) <= 2:
             raise ClusterSpecError(f"expected NODE_A:NODE_B@START[:STOP] with nodes among {list(nodes)}, got {text!r}",
                                    field="link-down")
         return LinkOutage(a=names[0], b=names[1], start_s=times[0], stop_s=times[1] if len(times) > 1 else math.inf)

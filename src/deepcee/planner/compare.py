@@ -278,7 +278,8 @@ def _leave_out(deepcee: Plan, baselines: Sequence[BaselineResult], cluster: Clus
                 f"{len(cluster.device_names)} devices and leaves out {', '.join(deepcee.excluded_devices)}.",
                 deepcee.devices)
     for b in baselines:
-        if b.name in SINGLE_PLACE_BASELINES and b.plan is not None and b.samples_per_s >= sps * (1 - LEAVE_OUT_TOLERANCE):
+        if (b.name in SINGLE_PLACE_BASELINES and b.plan is not None and b.plan.excluded_devices
+                and b.samples_per_s >= sps * (1 - LEAVE_OUT_TOLERANCE)):  # on one node nothing is left out
             return (f"Leaving devices out is as good: {b.name} on {len(b.plan.devices)} device(s) reaches "
                     f"{b.samples_per_s / sps:.1%} of deepcee's samples/s without the other "
                     f"{len(b.plan.excluded_devices)} devices.", b.plan.devices)

@@ -50,7 +50,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from deepcee.cluster import DeviceKind
-from deepcee.errors import ProfileError
+from deepcee.errors import DeepceeError, ProfileError
 from deepcee.models import get_model, model_names
 from deepcee.profile import DeviceMemory, LayerProfile, LayerTiming, LinkCurve, ModelProfile
 from deepcee.profiler.device import NetSource
@@ -383,12 +383,19 @@ def profile_from_blocks(source: NetSource, *, samples: int = 2, dtype: torch.dty
                 saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
             return t
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            f, out = _flops(partial(runner.forward, 0, x, targets if last else None))
-        mask = None if last else runner.output_grad_mask(0)
-        grad = None if last else boundary.grads_for(out, mask, torch.ones_like)
-        fi, _ = _flops(partial(runner.backward_input, 0, grad))
-        fw, _ = _flops(partial(runner.backward_weight, 0))
+        try:  # the user's block (and loss) on the data's samples: a failure is their input's
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                f, out = _flops(partial(runner.forward, 0, x, targets if last else None))
+            mask = None if last else runner.output_grad_mask(0)
+            grad = None if last else boundary.grads_for(out, mask, torch.ones_like)
+            fi, _ = _flops(partial(runner.backward_input, 0, grad))
+            fw, _ = _flops(partial(runner.backward_weight, 0))
+        except DeepceeError:
+            raise
+        except Exception as exc:
+            what = "and the loss " if last else ""
+            raise ProfileError(f"block {i} ({name!r}) {what}cannot run on {samples} samples of the data "
+                               f"({type(exc).__name__}: {' '.join(str(exc).split())[:300]})", field="model") from exc
         layers.append(LayerProfile(
             name=name, forward_flops=f / samples, input_grad_flops=fi / samples, weight_grad_flops=fw / samples,
             parameter_count=sum(p.numel() for p in runner.params),

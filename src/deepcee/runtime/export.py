@@ -7,7 +7,8 @@ with ``load_state_dict(..., strict=True)``: the user's own module, or for a buil
 :func:`deepcee.runtime.state.builtin_model`. The file is ``torch.save`` of that dict (tied
 names share one tensor, as in the model); with the ``safetensors`` package installed a
 ``.safetensors`` file beside it holds the same names (each its own copy: the format has no
-shared tensors). Files are written to a temporary name and renamed.
+shared tensors); an output named ``.safetensors`` gets that file alone. Files are written to a
+temporary name and renamed.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 
-from deepcee.errors import RuntimeSetupError
+from deepcee.errors import RuntimeSetupError, SpecError
 from deepcee.runtime import checkpoint as ckpt
 from deepcee.runtime.state import MODEL_PREFIX
 
@@ -71,12 +72,18 @@ def _save_atomic(path: Path, write: Callable[[str], object]) -> None:
 def export_checkpoint(source: str | Path, output: str | Path) -> ExportResult:
     """Write the newest intact checkpoint under ``source`` (a run folder, a checkpoint folder or
     one ``step-N`` folder) to ``output`` (``torch.save``) and, with ``safetensors``, beside it."""
+    out = Path(output)
+    has_safetensors = importlib.util.find_spec("safetensors") is not None
+    if out.suffix == ".safetensors" and not has_safetensors:  # never a torch pickle under that name
+        raise SpecError(f"{str(out)!r}: writing .safetensors needs the safetensors package; give a .pt name",
+                        field="--output")
     choice = ckpt.resolve(source)
     state = read_model_state(choice)
-    out = Path(output)
-    _save_atomic(out, lambda p: torch.save(state, p))
-    files = [str(out)]
-    if importlib.util.find_spec("safetensors") is not None and out.suffix != ".safetensors":
+    files = []
+    if out.suffix != ".safetensors":  # asked for .safetensors: that file alone
+        _save_atomic(out, lambda p: torch.save(state, p))
+        files.append(str(out))
+    if has_safetensors:
         from safetensors.torch import save_file
 
         copies = {k: v.detach().clone().contiguous() for k, v in state.items()}

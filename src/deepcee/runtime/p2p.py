@@ -145,10 +145,9 @@ def exchange_metadata(store: dist.Store, topology: Topology, rank: int, *, job: 
     peers = ", ".join(topology.describe(p.peer_rank) for p in topology.forward_recvs(rank))
     try:
         out_meta = output_meta(in_meta)
-    except Exception as exc:  # the stage cannot take what the previous stage produces
-        raise RuntimeSetupError(
-            f"{me} cannot run on the output of {peers} (per-sample {in_meta}): {type(exc).__name__}: {exc}"
-        ) from None
+    except Exception as exc:  # the stage cannot take what the previous stage (or the data) produces
+        source = f"the output of {peers} (per-sample {in_meta})" if peers else "a sample of the data"
+        raise RuntimeSetupError(f"{me} cannot run on {source}: {type(exc).__name__}: {exc}") from None
     store.set(f"{job}/meta/{rank}", json.dumps(None) if out_meta is None else out_meta.to_json())
     return in_meta, out_meta
 

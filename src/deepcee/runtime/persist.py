@@ -154,6 +154,8 @@ def resume(t: Trainer) -> ResumeRecord | None:
     """Load the newest intact checkpoint, under whatever plan this run has (collective)."""
     choice = _agree(t, lambda: ckpt.choose(t.ckpt_root()))
     if choice is None:
+        if t.w.rank == 0:  # a mistyped --run-dir would otherwise retrain from scratch without a word
+            log.warning("--resume: no intact checkpoint under %s: training starts at step 0", t.ckpt_root())
         return None
     same_optimizer = choice.manifest.optimizer == t.cfg.optimizer.name
     if not same_optimizer and t.w.rank == 0:

@@ -40,6 +40,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import logging
+import math
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -272,6 +273,8 @@ class Data:
             raise SpecError(f"holding out {amount!r} needs a map-style dataset (with len and indexing); give a "
                             "separate evaluation dataset instead", field="eval")
         n = len(self.train)
+        if not math.isfinite(amount) or (amount > 1 and amount != int(amount)):  # int() would take 2.5 as 2
+            raise SpecError(f"must be a fraction in (0, 1) or a whole count of samples, got {amount!r}", field="eval")
         k = int(amount) if isinstance(amount, int) or amount >= 1 else round(amount * n)
         if not 0 < k < n:
             raise SpecError(f"must hold out between 1 and {n - 1} of the {n} samples, got {amount!r}", field="eval")

@@ -259,7 +259,8 @@ def first_error(error_dir: Path, exits: Mapping[int, tuple[float, int]] | None =
     first = records[rank]
     cls = getattr(errors, first["type"], None) if first["domain"] else None
     if isinstance(cls, type) and issubclass(cls, DeepceeError):
-        return cls(f"rank {rank}: {first['message']}{others}")
+        said = first["message"]  # a message naming its rank already (a peer's description) is not prefixed again
+        return cls(f"{said if said.startswith(f'rank {rank} ') else f'rank {rank}: {said}'}{others}")
     return RuntimeSetupError(f"rank {rank} failed: {first['type']}: {first['message']}{others}\n{first['traceback']}")
 
 
