@@ -1,7 +1,8 @@
 """The main job (``deepcee demo``): cross-region training that pays, judged by time to target.
 
 On the built-in emulated cluster (default ``local-small``: 3 islands, 5 CPU devices, 100
-Mbit/s and 20-40 ms between islands) it
+Mbit/s and 20-40 ms between islands; ``--scenario cee-small``: 6 single-device islands, the
+cloud a quarter of the compute, the DeepCEE shape) it
 
 1. profiles every emulated device and one link per node pair (quick budget) and groups the
    devices from the measurements;
