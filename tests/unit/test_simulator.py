@@ -362,6 +362,21 @@ def test_critical_path_tiles_the_run_and_names_the_slow_link() -> None:
     assert fast.bottleneck.startswith("device n")
 
 
+def test_bottleneck_over_several_iterations_reads_per_iteration() -> None:
+    """The label is printed beside one iteration's time: over N iterations its times are the
+    per-iteration means (the relaxed search simulates 2; its label read twice the iteration)."""
+    import re
+
+    cluster = unit_cluster([1, 1, 1], latency_s=0.2, bandwidth_bytes_per_s=100.0)
+    devs = [["n0:0"], ["n1:0"], ["n2:0"]]
+    r = simulate(make_plan(devs, 4), cluster, unit_model(3, output_bytes=500.0), iterations=2)
+    t, total = map(float, re.search(r"\(([\d.e+-]+) s of ([\d.e+-]+) s per iteration, the mean of 2\)",
+                                     r.bottleneck).groups())
+    path_s = sum(seg.end_s - seg.start_s for seg in r.critical_path)
+    assert total == pytest.approx(path_s / 2, rel=1e-3) and total == pytest.approx(r.iteration_s, rel=1e-3)
+    assert 0 < t <= total
+
+
 def test_deadlock_names_the_stuck_actions(monkeypatch: pytest.MonkeyPatch) -> None:
     cluster = unit_cluster([2, 1])
     plan = make_plan([["n0:0", "n0:1"], ["n1:0"]], 2, schedule="compact", shares=[[1, 1], [2]],

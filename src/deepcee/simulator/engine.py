@@ -372,8 +372,10 @@ class _Simulation:
                                      start_s=start, end_s=end, stage=stage_of[where], iteration=it))
         return tuple(out)
 
-def _bottleneck(path: tuple[Segment, ...], stage_of: Mapping[str, int]) -> str:
-    """The device, link or all-reduce with the most time on the critical path, and its share."""
+def _bottleneck(path: tuple[Segment, ...], stage_of: Mapping[str, int], iterations: int = 1) -> str:
+    """The device, link or all-reduce with the most time on the critical path, and its share;
+    over several iterations the times are per iteration (the mean), as the iteration time the
+    label is printed beside."""
     total = sum(seg.end_s - seg.start_s for seg in path)
     if total <= 0:
         return "none (the iteration takes no time)"
@@ -384,7 +386,10 @@ def _bottleneck(path: tuple[Segment, ...], stage_of: Mapping[str, int]) -> str:
     (group, where), t = max(per.items(), key=lambda kv: kv[1])
     name = {"link": f"link {where}", "sync": where,
             "device": f"device {where} (stage {stage_of.get(where, '?')})"}[group]
-    return f"{name}: {t / total:.0%} of the critical path ({t:.4g} s of {total:.4g} s)"
+    if iterations == 1:
+        return f"{name}: {t / total:.0%} of the critical path ({t:.4g} s of {total:.4g} s)"
+    return (f"{name}: {t / total:.0%} of the critical path ({t / iterations:.4g} s of {total / iterations:.4g} s "
+            f"per iteration, the mean of {iterations})")
 
 
 def peak_memory(plan: Plan, cluster: Cluster, model: ModelProfile,
@@ -447,7 +452,7 @@ def simulate(plan: Plan, cluster: Cluster, model: ModelProfile, *, start_s: floa
         bubble_fraction=min(1.0, max(0.0, bubble)),
         peak_memory_bytes=peak_memory(plan, cluster, model, runtime),
         critical_path=path,
-        bottleneck=_bottleneck(path, stage_of),
+        bottleneck=_bottleneck(path, stage_of, iterations),
         events=sim.events() if record else (),
     )
     log.debug("simulated %s on %s: %.4g s per iteration, bottleneck %s", plan.system, cluster.name,
