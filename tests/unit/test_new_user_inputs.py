@@ -340,3 +340,11 @@ def test_resume_without_a_checkpoint_says_it_starts_at_step_0(tmp_path: Path, mo
     with caplog.at_level(logging.WARNING, logger=persist.log.name):
         assert persist.resume(trainer) is None
     assert f"--resume: no intact checkpoint under {tmp_path / 'checkpoints'}: training starts at step 0" in caplog.text
+
+
+def test_compare_relaxed_on_one_island_says_no_relaxed_row_has_a_plan() -> None:
+    """With one island no relaxed row has a plan; the note said 'multiplier from: -'."""
+    report = compare(cluster_from_toml_dict(one_device()), get_model("gpt2"), 8, crossover=False, sync="relaxed")
+    note = next(n for n in report.notes if "multiplier from" in n)
+    assert note.endswith("multiplier from: none (no relaxed row has a plan here; each row says why)")
+    assert all(r.samples_per_s is None or r.samples_per_s == 0 or r.semantics != "relaxed" for r in report.rows)

@@ -375,7 +375,7 @@ def _with_relaxed(rows: list[CompareRow], cluster: Cluster, model: ModelProfile,
     notes = ["relaxed rows do not compute the single-process result: their samples/s are not comparable with the "
              "exact rows' without the steps-to-target multiplier; 'to target' is PREDICTED: multiplier / samples/s "
              "(ms per sync-equivalent sample; s when a calibration measured the reference), multiplier from: "
-             + ("; ".join(sources) or "-")]
+             + ("; ".join(sources) or "none (no relaxed row has a plan here; each row says why)")]
     return out, notes
 
 
