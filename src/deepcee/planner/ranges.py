@@ -121,6 +121,8 @@ class RangeCosts:
         slope = max(tables.optimizer_slope(d) for d in devices)
         self.optimizer_s = tables.params * slope
         self._memory: dict[int, np.ndarray] = {}
+        self._with: dict[bool, np.ndarray] = {}
+        self._loads: dict[tuple, np.ndarray] = {}
 
     @property
     def forward_s(self) -> np.ndarray:
@@ -144,7 +146,40 @@ class RangeCosts:
 
     def compute_with(self, recompute: bool) -> np.ndarray:
         """``F+I+W`` per microbatch, plus one more ``F`` when recomputing ([Note: recompute timing])."""
-        return self.compute_s + self.forward_s if recompute else self.compute_s
+        if not recompute:
+            return self.compute_s
+        got = self._with.get(True)
+        if got is None:
+            got = self._with[True] = self.compute_s + self.forward_s
+        return got
+
+    def load(self, m: int, in_flight: int | None, recompute: bool) -> np.ndarray:
+        """Per range the iteration load of ``m`` microbatches (:meth:`base_load`), ``inf`` where
+        empty or where the stage does not fit memory holding ``in_flight`` (``None``: one)
+        microbatches; with ``recompute``, a range that fits only with recomputation gets the
+        recomputing load. Cached: the stages of many layouts share a device set and shares."""
+        key = (m, in_flight, recompute)
+        got = self._loads.get(key)
+        if got is None:
+            k = 1 if in_flight is None else in_flight
+            load = np.where(self.memory_excess(k, False, m) <= 0, self.base_load(m, False), np.inf)
+            if recompute:
+                load = np.where(np.isfinite(load), load,
+                                np.where(self.memory_excess(k, True, m) <= 0, self.base_load(m, True), np.inf))
+            got = self._loads[key] = load
+        return got
+
+    def base_load(self, m: int, recompute: bool) -> np.ndarray:
+        """Per range ``m x (F+I+W) + all-reduce + optimizer`` (``inf`` where ``b <= a``), memory
+        unchecked; ``recompute``: with the recomputed ``F``."""
+        key = (m, "base", recompute)
+        got = self._loads.get(key)
+        if got is None:
+            size = self.compute_s.shape[0]
+            invalid = np.tril(np.ones((size, size), dtype=bool))
+            got = self._loads[key] = np.where(invalid, np.inf, m * self.compute_with(recompute) + self.allreduce_s
+                                              + self.optimizer_s)
+        return got
 
     def _memory_terms(self, kind: str, share: int, m: int, recompute: bool) -> tuple[np.ndarray, np.ndarray, float, float]:
         """One device's peak per range as ``(1 + fragmentation) x (base + k x per) + fixed`` for ``k``

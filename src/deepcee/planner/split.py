@@ -75,22 +75,10 @@ class SplitTables:
     bounds: list[BoundaryArrays]
     m: int
     recompute: bool = True
-    _base: dict[bool, list[np.ndarray]] | None = None
     _loads: dict | None = None
     _little: dict | None = None
     _links: list[np.ndarray] | None = None
-
-    def _bases(self, recompute: bool) -> list[np.ndarray]:
-        if self._base is None:
-            self._base = {}
-        got = self._base.get(recompute)
-        if got is None:
-            size = self.costs[0].compute_s.shape[0]
-            invalid = np.tril(np.ones((size, size), dtype=bool))
-            got = self._base[recompute] = [
-                np.where(invalid, _INF, self.m * rc.compute_with(recompute) + rc.allreduce_s + rc.optimizer_s)
-                for rc in self.costs]
-        return got
+    _fills: list[np.ndarray] | None = None
 
     def options(self) -> tuple[bool, ...]:
         return (False, True) if self.recompute else (False,)
@@ -112,15 +100,8 @@ class SplitTables:
         return got
 
     def _make_loads(self, in_flight: Sequence[int] | None) -> list[np.ndarray]:
-        out = []
-        for s in range(len(self.costs)):
-            k = None if in_flight is None else in_flight[s]
-            load = np.where(self.fits_with(s, k, False), self._bases(False)[s], _INF)
-            if self.recompute:
-                load = np.where(np.isfinite(load), load,
-                                np.where(self.fits_with(s, k, True), self._bases(True)[s], _INF))
-            out.append(load)
-        return out
+        return [rc.load(self.m, None if in_flight is None else in_flight[s], self.recompute)
+                for s, rc in enumerate(self.costs)]
 
     def link_loads(self) -> list[np.ndarray]:
         if self._links is None:
@@ -129,15 +110,19 @@ class SplitTables:
         return self._links
 
     def fills(self) -> list[np.ndarray]:
-        return [np.zeros(0)] + [b.lat_f + b.ser_f + b.lat_b + b.ser_b for b in self.bounds]
+        if self._fills is None:
+            self._fills = [np.zeros(0)] + [b.lat_f + b.ser_f + b.lat_b + b.ser_b for b in self.bounds]
+        return self._fills
 
     def fits(self, split: Sequence[int], in_flight: Sequence[int] | None) -> bool:
         return all(np.isfinite(load[split[s], split[s + 1]]) for s, load in enumerate(self.loads(in_flight)))
 
     def recompute_flags(self, split: Sequence[int], in_flight: Sequence[int] | None) -> tuple[bool, ...]:
         """Per stage: recompute only where the stage does not fit without it (the cheaper option)."""
-        return tuple(bool(self.recompute and not self.fits_with(s, None if in_flight is None else in_flight[s], False)
-                          [split[s], split[s + 1]]) for s in range(len(self.costs)))
+        if not self.recompute:
+            return (False,) * len(self.costs)
+        return tuple(bool(not rc.memory_excess(1 if in_flight is None else in_flight[s], False, self.m)
+                          [split[s], split[s + 1]] <= 0) for s, rc in enumerate(self.costs))
 
     def little_terms(self, s: int, flag: bool, in_flight: Sequence[int] | None, fused: bool) -> tuple:
         """Cached per-range terms of stage ``s`` for :func:`in_flight_split`: iteration load, the
@@ -195,7 +180,7 @@ class SplitTables:
         for s in range(len(self.costs)):
             a, b = split[s], split[s + 1]
             c = float(self.costs[s].compute_with(flags[s])[a, b])
-            terms.append(float(self._bases(flags[s])[s][a, b]))
+            terms.append(float(self.costs[s].base_load(self.m, flags[s])[a, b]))
             per_mb.append(c)
             terms.append(self.m * holds[s] / caps[s])
             per_mb.append(holds[s] / caps[s])
