@@ -162,7 +162,7 @@ def _search_chains(search: SearchState, dist: np.ndarray) -> None:
         # gives a plan (a granularity whose stages cannot hold the model says nothing about finer
         # ones: testbed/gpt2-xl/128's cloud-only chain was written off); the best chains are laid
         # out again in full below
-        layouts = chain_layouts(g, chain, search.max_stages)
+        layouts = chain_layouts(g, chain, search.max_stages, search.pieces)
         sizes: list[int] | None = None
         near = search.granularity_near() if len(seen) >= 8 else None
         seen.append(chain)
@@ -190,7 +190,7 @@ def _search_chains(search: SearchState, dist: np.ndarray) -> None:
                                  progress=report)
     search.chain_result = result
     for _, chain in sorted(done)[:4]:  # the best chains with every microbatch size
-        for lay in chain_layouts(g, chain, search.max_stages):
+        for lay in chain_layouts(g, chain, search.max_stages, search.pieces):
             search.evaluate_layout(lay)
     if opts.grain_budget > 0:  # each island its own granularity on the best chains
         for value, chain in sorted(done)[: opts.grain_chains]:

@@ -115,14 +115,14 @@ class SplitTables:
         return self._fills
 
     def fits(self, split: Sequence[int], in_flight: Sequence[int] | None) -> bool:
-        return all(np.isfinite(load[split[s], split[s + 1]]) for s, load in enumerate(self.loads(in_flight)))
+        return all(math.isfinite(load.item(split[s], split[s + 1])) for s, load in enumerate(self.loads(in_flight)))
 
     def recompute_flags(self, split: Sequence[int], in_flight: Sequence[int] | None) -> tuple[bool, ...]:
         """Per stage: recompute only where the stage does not fit without it (the cheaper option)."""
         if not self.recompute:
             return (False,) * len(self.costs)
-        return tuple(bool(not rc.memory_excess(1 if in_flight is None else in_flight[s], False, self.m)
-                          [split[s], split[s + 1]] <= 0) for s, rc in enumerate(self.costs))
+        return tuple(not rc.memory_excess(1 if in_flight is None else in_flight[s], False, self.m)
+                     .item(split[s], split[s + 1]) <= 0 for s, rc in enumerate(self.costs))
 
     def little_terms(self, s: int, flag: bool, in_flight: Sequence[int] | None, fused: bool) -> tuple:
         """Cached per-range terms of stage ``s`` for :func:`in_flight_split`: iteration load, the
@@ -154,15 +154,15 @@ class SplitTables:
         for s in reversed(range(len(self.costs))):
             a, b = split[s], split[s + 1]
             rc = self.costs[s]
-            out.append(float(rc.compute_with(flags[s])[a, b]) + after)
-            after += float(rc.round_trip_s(fused, flags[s])[a, b]) + (float(fills[s][a]) if s else 0.0)
+            out.append(rc.compute_with(flags[s]).item(a, b) + after)
+            after += rc.round_trip_s(fused, flags[s]).item(a, b) + (fills[s].item(a) if s else 0.0)
         return out[::-1]
 
     def caps_at(self, split: Sequence[int], flags: Sequence[bool], in_flight: Sequence[int] | None) -> list[int]:
         """Microbatches each stage holds: the fixed schedule's, or what memory allows (compact)."""
         if in_flight is not None:
             return [min(k, self.m) for k in in_flight]
-        return [max(1, int(self.costs[s].in_flight_caps(self.m, flags[s])[split[s], split[s + 1]]))
+        return [max(1, int(self.costs[s].in_flight_caps(self.m, flags[s]).item(split[s], split[s + 1])))
                 for s in range(len(self.costs))]
 
     def closed_form(self, split: Sequence[int], loads: list[np.ndarray], in_flight: Sequence[int] | None = None,
@@ -172,24 +172,26 @@ class SplitTables:
         stage recomputation (default: only where a stage does not fit without it)."""
         links, fills = self.link_loads(), self.fills()
         flags = self.recompute_flags(split, in_flight) if flags is None else flags
-        if any(not np.isfinite(loads[s][split[s], split[s + 1]]) for s in range(len(self.costs))):
+        if not all(math.isfinite(loads[s].item(split[s], split[s + 1])) for s in range(len(self.costs))):
             return _INF
         holds = self.holds(split, flags, fused)
         caps = self.caps_at(split, flags, in_flight)
-        terms, per_mb = [], []
-        for s in range(len(self.costs)):
+        terms, per_mb, computes = [], [], []
+        for s, rc in enumerate(self.costs):
             a, b = split[s], split[s + 1]
-            c = float(self.costs[s].compute_with(flags[s])[a, b])
-            terms.append(float(self.costs[s].base_load(self.m, flags[s])[a, b]))
+            c = rc.compute_with(flags[s]).item(a, b)
+            computes.append(c)
+            terms.append(rc.base_load(self.m, flags[s]).item(a, b))
             per_mb.append(c)
             terms.append(self.m * holds[s] / caps[s])
             per_mb.append(holds[s] / caps[s])
             if s:
-                terms.append(links[s][a])
-                per_mb.append(max(self.bounds[s - 1].ser_f[a], self.bounds[s - 1].ser_b[a]))
-        k = int(np.argmax(terms))
-        fill = sum(float(self.costs[s].compute_with(flags[s])[split[s], split[s + 1]]) for s in range(len(self.costs)))
-        fill += sum(fills[s][split[s]] for s in range(1, len(self.costs)))
+                terms.append(links[s].item(a))
+                per_mb.append(max(self.bounds[s - 1].ser_f.item(a), self.bounds[s - 1].ser_b.item(a)))
+        # the first largest term, as numpy's argmax
+        k = max(range(len(terms)), key=terms.__getitem__)
+        fill = sum(computes)
+        fill += sum(fills[s].item(split[s]) for s in range(1, len(self.costs)))
         return float(terms[k] + fill - per_mb[k])
 
 
