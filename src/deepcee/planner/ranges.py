@@ -182,25 +182,9 @@ class RangeCosts:
         return got
 
     def _memory_terms(self, kind: str, share: int, m: int, recompute: bool) -> tuple[np.ndarray, np.ndarray, float, float]:
-        """One device's peak per range as ``(1 + fragmentation) x (base + k x per) + fixed`` for ``k``
-        microbatches held (``k >= 1``): :func:`deepcee.simulator.memory.device_memory`'s plan and
-        runtime terms ([Note: planner memory = simulator memory]). Returns (base, per, fragmentation, fixed)."""
-        t = self._tables
-        rt = t.runtime
-        base = t.state + share * t.buffers + (share * t.acts if recompute else 0.0)
-        per = share * (t.inputs if recompute else t.acts)
-        moved = share * t.moved
-        if rt.receives == "at-step-start":  # every receive and send buffer of the step held at once
-            base = base + max(0, 2 * m - 1) * moved
-        else:  # (k - 1) more pairs
-            base, per = base - moved, per + moved
-        if len(self.devices) > 1:  # the all-reduce's flat gradient buffer
-            base = base + t.grads
-        over = t.model.memory_overhead(kind)
-        if over is not None and over.host_memory and rt.holds_whole_model:
-            base = base + (t.grads_total - t.grads)
-        frac, fixed = (over.fragmentation_fraction, over.fixed_bytes) if over is not None else (0.0, 0.0)
-        return base, per, frac, fixed
+        """:meth:`RangeTables.memory_terms` of one of this stage's devices."""
+        return self._tables.memory_terms(kind, share, m, recompute, len(self.devices) > 1)
+
 
     def memory_excess(self, in_flight: int, recompute: bool, m: int) -> np.ndarray:
         """Worst device's ``need - memory`` (bytes) per range with ``in_flight`` microbatches held of
@@ -274,6 +258,35 @@ class RangeTables:
         self._allreduce: dict[tuple[str, ...], np.ndarray] = {}
         self._slope: dict[tuple[str, float], float] = {}
         self._costs: dict[tuple, RangeCosts] = {}
+        self._memory_terms: dict[tuple, tuple[np.ndarray, np.ndarray, float, float]] = {}
+
+    def memory_terms(self, kind: str, share: int, m: int, recompute: bool,
+                     several: bool) -> tuple[np.ndarray, np.ndarray, float, float]:
+        """One device's peak per range as ``(1 + fragmentation) x (base + k x per) + fixed`` for ``k``
+        microbatches held (``k >= 1``): :func:`deepcee.simulator.memory.device_memory`'s plan and
+        runtime terms ([Note: planner memory = simulator memory]), for a device of ``kind`` with
+        ``share`` samples per microbatch of ``m`` per iteration, on a stage of ``several`` devices
+        or one. Returns (base, per, fragmentation, fixed); cached (the same for every stage)."""
+        key = (kind, share, m, recompute, several)
+        got = self._memory_terms.get(key)
+        if got is not None:
+            return got
+        rt = self.runtime
+        base = self.state + share * self.buffers + (share * self.acts if recompute else 0.0)
+        per = share * (self.inputs if recompute else self.acts)
+        moved = share * self.moved
+        if rt.receives == "at-step-start":  # every receive and send buffer of the step held at once
+            base = base + max(0, 2 * m - 1) * moved
+        else:  # (k - 1) more pairs
+            base, per = base - moved, per + moved
+        if several:  # the all-reduce's flat gradient buffer
+            base = base + self.grads
+        over = self.model.memory_overhead(kind)
+        if over is not None and over.host_memory and rt.holds_whole_model:
+            base = base + (self.grads_total - self.grads)
+        frac, fixed = (over.fragmentation_fraction, over.fixed_bytes) if over is not None else (0.0, 0.0)
+        got = self._memory_terms[key] = (base, per, frac, fixed)
+        return got
 
     def costs(self, devices: Sequence[str], shares: Sequence[int]) -> RangeCosts:
         key = (tuple(devices), tuple(shares))
