@@ -39,7 +39,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from deepcee.cluster import Cluster, DeviceKind
-from deepcee.comm import allreduce_s
+from deepcee.comm import allreduce_curve_s
 from deepcee.profile import ModelProfile
 from deepcee.simulator.engine import optimizer_step_s
 from deepcee.simulator.runtime_model import DEFAULT_RUNTIME, RuntimeModel
@@ -326,7 +326,8 @@ class RangeTables:
                 # hierarchical equals ring unless some node holds several of the devices and there are
                 # several nodes
                 syncs = self.syncs if 1 < len(set(nodes)) < len(nodes) else self.syncs[:1]
-                ys = [min(allreduce_s(self.cluster, devices, float(x), s) for s in syncs) for x in xs]
+                curves = [allreduce_curve_s(self.cluster, devices, [float(x) for x in xs], s) for s in syncs]
+                ys = [min(c[k] for c in curves) for k in range(len(xs))]
                 got = np.where(grad > 0, np.interp(grad, xs, ys), 0.0)
             self._allreduce[devices] = got
         return got
