@@ -194,9 +194,9 @@ class RangeCosts:
         got = self._memory.get(key)
         if got is None:
             got = np.full_like(self._tables.params, -np.inf)
+            several = len(self.devices) > 1
             for kind, _, share, mem in self._profiles:
-                base, per, frac, fixed = self._memory_terms(kind, share, m, recompute)
-                got = np.maximum(got, (1 + frac) * (base + key[0] * per) + fixed - mem)
+                got = np.maximum(got, self._tables.device_excess(kind, share, m, recompute, several, key[0], mem))
             self._memory[key] = got
         return got
 
@@ -259,6 +259,7 @@ class RangeTables:
         self._slope: dict[tuple[str, float], float] = {}
         self._costs: dict[tuple, RangeCosts] = {}
         self._memory_terms: dict[tuple, tuple[np.ndarray, np.ndarray, float, float]] = {}
+        self._excess: dict[tuple, np.ndarray] = {}
 
     def memory_terms(self, kind: str, share: int, m: int, recompute: bool,
                      several: bool) -> tuple[np.ndarray, np.ndarray, float, float]:
@@ -286,6 +287,17 @@ class RangeTables:
             base = base + (self.grads_total - self.grads)
         frac, fixed = (over.fragmentation_fraction, over.fixed_bytes) if over is not None else (0.0, 0.0)
         got = self._memory_terms[key] = (base, per, frac, fixed)
+        return got
+
+    def device_excess(self, kind: str, share: int, m: int, recompute: bool, several: bool, in_flight: int,
+                      memory: float) -> np.ndarray:
+        """One device's ``need - memory`` per range holding ``in_flight`` (>= 1) microbatches
+        (:meth:`memory_terms`); cached."""
+        key = (kind, share, m, recompute, several, in_flight, memory)
+        got = self._excess.get(key)
+        if got is None:
+            base, per, frac, fixed = self.memory_terms(kind, share, m, recompute, several)
+            got = self._excess[key] = (1 + frac) * (base + in_flight * per) + fixed - memory
         return got
 
     def costs(self, devices: Sequence[str], shares: Sequence[int]) -> RangeCosts:

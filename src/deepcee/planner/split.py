@@ -46,12 +46,16 @@ def boundary_arrays(cluster: Cluster, tables: RangeTables, src: tuple[str, ...],
                     dst: tuple[str, ...], dst_shares: tuple[int, ...]) -> BoundaryArrays:
     """One boundary between device sets ``src`` and ``dst`` for every boundary layer (see the module docstring)."""
     per: list[dict[str, list[float]]] = [{}, {}]
+    fwd, bwd, link = per[0], per[1], cluster.link
     for i, j, lo, hi in share_pairs(src_shares, dst_shares):
-        for d, a, b in ((0, src[i], dst[j]), (1, dst[j], src[i])):
-            link = cluster.link(a, b)
-            r = per[d].setdefault(link.resource, [0.0, 0.0, link.bandwidth_bytes_per_s])
-            r[0] += hi - lo
-            r[1] = max(r[1], link.latency_s)
+        a, b = src[i], dst[j]
+        for got, lk in ((fwd, link(a, b)), (bwd, link(b, a))):
+            r = got.get(lk.resource)
+            if r is None:
+                got[lk.resource] = [float(hi - lo), max(0.0, lk.latency_s), lk.bandwidth_bytes_per_s]
+            else:
+                r[0] += hi - lo
+                r[1] = max(r[1], lk.latency_s)
     bnd = tables.boundary_bytes
     out = []
     for d in range(2):
