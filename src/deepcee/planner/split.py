@@ -151,6 +151,17 @@ class SplitTables:
                                        rc.round_trip_s(fused, flag))
         return got
 
+    def stacked_terms(self, s: int, in_flight: Sequence[int] | None, fused: bool) -> tuple[np.ndarray, ...]:
+        """:meth:`little_terms` of every option of :meth:`options`, stacked on a first axis; cached."""
+        key = ("stacked", s, None if in_flight is None else in_flight[s], fused)
+        if self._little is None:
+            self._little = {}
+        got = self._little.get(key)
+        if got is None:
+            terms = [self.little_terms(s, flag, in_flight, fused) for flag in self.options()]
+            got = self._little[key] = tuple(np.stack(x) for x in zip(*terms, strict=True))
+        return got
+
     def holds(self, split: Sequence[int], flags: Sequence[bool], fused: bool = False) -> list[float]:
         """Per stage, how long one microbatch is held there with nothing queued: its own ``F+I+W``
         and the round trip through every later stage and link (see [Note: in-flight limit])."""
@@ -222,17 +233,15 @@ def in_flight_split(tab: SplitTables, tau: float, in_flight: Sequence[int] | Non
     backs: list[tuple[np.ndarray, np.ndarray]] = []
     for s in reversed(range(n)):
         after = np.where(links[s + 1] <= tau, fills[s + 1] + value, _INF) if s < n - 1 else value
-        best = pick = None
-        for flag in tab.options():
-            load, room, ok0, compute, trip = tab.little_terms(s, flag, in_flight, fused)
-            ok = ok0 & (load <= tau) & (compute + after[None, :] <= tau * room)
-            val = np.where(ok, trip + after[None, :], _INF)
-            if best is None:
-                best, pick = val, np.zeros(val.shape, dtype=bool)
-            else:
-                better = val < best
-                best = np.where(better, val, best)
-                pick = better
+        # both recomputation options at once: axis 0 of every term (without, with)
+        load, room, ok0, compute, trip = tab.stacked_terms(s, in_flight, fused)
+        ok = ok0 & (load <= tau) & (compute + after <= tau * room)
+        val = np.where(ok, trip + after, _INF)
+        if len(val) == 1:
+            best, pick = val[0], np.zeros(val[0].shape, dtype=bool)
+        else:
+            pick = val[1] < val[0]
+            best = np.where(pick, val[1], val[0])
         arg = np.argmin(best, axis=1)
         value = best[rows, arg]
         backs.append((arg, pick[rows, arg]))
