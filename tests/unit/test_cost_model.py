@@ -18,7 +18,7 @@ from deepcee.cluster import Cluster, Device, DeviceKind, Island, LinkEntry, Link
 from deepcee.comm import allreduce_curve_s, allreduce_s
 from deepcee.errors import ScheduleError
 from deepcee.models import get_model
-from deepcee.plan import Plan, StagePlan, share_overlaps
+from deepcee.plan import Plan, StagePlan, share_overlaps, share_ranges
 from deepcee.planner.cost_model import (
     AnalyticCostModel,
     RangeTables,
@@ -240,7 +240,9 @@ def test_share_pairs_equal_share_overlaps():
         total = sum(src)
         cuts = sorted(rng.sample(range(1, total), rng.randint(0, total - 1)))
         dst = [b - a for a, b in zip([0, *cuts], [*cuts, total], strict=True)]
-        assert share_pairs(src, dst) == share_overlaps(src, dst)
+        every = [(i, j, max(a_lo, b_lo), min(a_hi, b_hi)) for i, (a_lo, a_hi) in enumerate(share_ranges(src))
+                 for j, (b_lo, b_hi) in enumerate(share_ranges(dst)) if max(a_lo, b_lo) < min(a_hi, b_hi)]
+        assert share_pairs(src, dst) == share_overlaps(src, dst) == every
 
 
 def test_allreduce_curve_equals_allreduce_s_bit_for_bit():
