@@ -105,6 +105,8 @@ class _Counterfactuals:
         if work > self.work_left:
             self.skipped += 1
             return None
+        if self.search.options.progress is not None:  # each one a search and a simulation
+            self.search.options.progress(f"counterfactual: {label}", 0.0)
         self.work_left -= work
         est = self.search.confirm(cand.plan)
         if est.exceeds_memory(self.search.cluster.memory_bytes):
