@@ -87,11 +87,6 @@ class SplitTables:
     def options(self) -> tuple[bool, ...]:
         return (False, True) if self.recompute else (False,)
 
-    def fits_with(self, s: int, k: int | None, recompute: bool) -> np.ndarray:
-        """Per range: stage ``s`` fits memory holding ``k`` microbatches (``None``: at least one)."""
-        rc = self.costs[s]
-        return rc.memory_excess(1 if k is None else k, recompute, self.m) <= 0
-
     def loads(self, in_flight: Sequence[int] | None) -> list[np.ndarray]:
         """Per stage the iteration load of every range, ``inf`` where empty or out of memory; a
         range that fits only with recomputation gets the recomputing load."""
