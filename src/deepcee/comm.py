@@ -53,15 +53,24 @@ def ring_order(cluster: Cluster, devices: Sequence[str]) -> list[str]:
 
 def ring_step_s(cluster: Cluster, ring: Sequence[str], chunk_bytes: float, at_s: float = 0.0) -> float:
     """Time of one ring step in which every device sends ``chunk_bytes`` to its successor."""
+    return _step_s(_ring_pipes(cluster, ring, at_s), chunk_bytes)
+
+
+def _ring_pipes(cluster: Cluster, ring: Sequence[str], at_s: float) -> list[tuple[float, int, float]]:
+    """Per link resource a ring step uses: (largest latency of its edges, edges, bandwidth at ``at_s``)."""
     per_resource: dict[str, list] = defaultdict(list)
     k = len(ring)
     for i in range(k):
         link = cluster.link(ring[i], ring[(i + 1) % k])
         per_resource[link.resource].append(link)
+    return [(max(lk.latency_s for lk in links), len(links), links[0].bandwidth_at(at_s))
+            for links in per_resource.values()]
+
+
+def _step_s(pipes: Sequence[tuple[float, int, float]], chunk_bytes: float) -> float:
     step = 0.0
-    for links in per_resource.values():
-        bw = links[0].bandwidth_at(at_s)
-        step = max(step, max(lk.latency_s for lk in links) + len(links) * chunk_bytes / bw)
+    for latency, edges, bw in pipes:
+        step = max(step, latency + edges * chunk_bytes / bw)
     return step
 
 
@@ -99,6 +108,35 @@ def allreduce_s(cluster: Cluster, devices: Sequence[str], nbytes: float, sync: s
         return hierarchical_allreduce_s(cluster, devices, nbytes, at_s)
     # allreduce-ring and zero2 move the same bytes in the same ring pattern
     return ring_allreduce_s(cluster, devices, nbytes, at_s)
+
+
+def allreduce_curve_s(cluster: Cluster, devices: Sequence[str], sizes: Sequence[float], sync: str,
+                      at_s: float = 0.0) -> list[float]:
+    """:func:`allreduce_s` of each of ``sizes`` bytes (the same figures; the ring's links are
+    looked up once for all sizes)."""
+    k = len(devices)
+    if sync == "none" or k <= 1:
+        return [0.0] * len(sizes)
+    if sync != "allreduce-hier":
+        pipes = _ring_pipes(cluster, ring_order(cluster, devices), at_s)
+        return [2 * (k - 1) * _step_s(pipes, x / k) if x > 0 else 0.0 for x in sizes]
+    by_node: dict[str, list[str]] = defaultdict(list)
+    for d in ring_order(cluster, devices):
+        by_node[cluster.device(d).node].append(d)
+    nodes = [(len(m), _ring_pipes(cluster, m, at_s)) for m in by_node.values() if len(m) > 1]
+    leaders = [members[0] for members in by_node.values()]
+    kl = len(leaders)
+    ring = _ring_pipes(cluster, ring_order(cluster, leaders), at_s) if kl > 1 else []
+    out = []
+    for x in sizes:
+        if x <= 0:
+            out.append(0.0)
+            continue
+        intra = 0.0
+        for kn, pipes in nodes:
+            intra = max(intra, 2 * (kn - 1) * _step_s(pipes, x / kn))
+        out.append(intra + (2 * (kl - 1) * _step_s(ring, x / kl) if kl > 1 else 0.0))
+    return out
 
 
 def best_sync(cluster: Cluster, devices: Sequence[str], nbytes: float) -> tuple[str, float]:

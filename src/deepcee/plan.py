@@ -78,12 +78,18 @@ def share_overlaps(src_shares: Sequence[int], dst_shares: Sequence[int]) -> list
     """``(src_index, dst_index, lo, hi)`` for every pair of devices that share samples."""
     if sum(src_shares) != sum(dst_shares):
         raise PlanError(f"shares {list(src_shares)} and {list(dst_shares)} cover different microbatch sizes")
-    out = []
-    for i, (a_lo, a_hi) in enumerate(share_ranges(src_shares)):
-        for j, (b_lo, b_hi) in enumerate(share_ranges(dst_shares)):
-            lo, hi = max(a_lo, b_lo), min(a_hi, b_hi)
-            if lo < hi:
-                out.append((i, j, lo, hi))
+    # one merge of the two lists of consecutive ranges (every pair that overlaps, in (i, j) order;
+    # a pairwise scan was quadratic in the stage sizes: 3 of 28 CPU s of compare at 512 devices)
+    out, i, j, a_lo, b_lo = [], 0, 0, 0, 0
+    while i < len(src_shares) and j < len(dst_shares):
+        a_hi, b_hi = a_lo + src_shares[i], b_lo + dst_shares[j]
+        lo, hi = max(a_lo, b_lo), min(a_hi, b_hi)
+        if lo < hi:
+            out.append((i, j, lo, hi))
+        if a_hi <= b_hi:
+            i, a_lo = i + 1, a_hi
+        if b_hi <= a_hi:
+            j, b_lo = j + 1, b_hi
     return out
 
 

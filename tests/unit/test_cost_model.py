@@ -12,13 +12,13 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-from conftest import measured_model
+from conftest import measured_model, random_cluster
 
 from deepcee.cluster import Cluster, Device, DeviceKind, Island, LinkEntry, LinkSpec, Node
-from deepcee.comm import allreduce_s
+from deepcee.comm import allreduce_curve_s, allreduce_s
 from deepcee.errors import ScheduleError
 from deepcee.models import get_model
-from deepcee.plan import Plan, StagePlan, share_overlaps
+from deepcee.plan import Plan, StagePlan, share_overlaps, share_ranges
 from deepcee.planner.cost_model import (
     AnalyticCostModel,
     RangeTables,
@@ -240,7 +240,20 @@ def test_share_pairs_equal_share_overlaps():
         total = sum(src)
         cuts = sorted(rng.sample(range(1, total), rng.randint(0, total - 1)))
         dst = [b - a for a, b in zip([0, *cuts], [*cuts, total], strict=True)]
-        assert share_pairs(src, dst) == share_overlaps(src, dst)
+        every = [(i, j, max(a_lo, b_lo), min(a_hi, b_hi)) for i, (a_lo, a_hi) in enumerate(share_ranges(src))
+                 for j, (b_lo, b_hi) in enumerate(share_ranges(dst)) if max(a_lo, b_lo) < min(a_hi, b_hi)]
+        assert share_pairs(src, dst) == share_overlaps(src, dst) == every
+
+
+def test_allreduce_curve_equals_allreduce_s_bit_for_bit():
+    rng = random.Random(11)
+    for trial in range(40):
+        c = random_cluster(rng) if trial else load_scenario("cee-testbed")
+        names = list(c.device_names)
+        devs = rng.sample(names, rng.randint(1, len(names)))
+        sizes = [0.0, 1.0, *(rng.uniform(1e3, 1e9) for _ in range(4))]
+        for sync in ("allreduce-ring", "allreduce-hier", "zero2", "none"):
+            assert allreduce_curve_s(c, devs, sizes, sync) == [allreduce_s(c, devs, x, sync) for x in sizes], (trial, sync)
 
 
 def test_largest_remainder_shares():

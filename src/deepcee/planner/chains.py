@@ -102,13 +102,15 @@ class ChainBounds:
             a, b = self.kept[i][-1], self.kept[j][-1]
             self.hop[i, j] = global_batch * least / pipe_bandwidth(a, b)
             self.latency[i, j] = cluster.link(a[0], b[0]).latency_s
+        self._hop, self._latency = self.hop.tolist(), self.latency.tolist()  # the same numbers, read faster
 
     def hops(self, chain: Chain) -> tuple[float, float]:
         """(worst hop, summed round-trip latency) of ``chain``."""
         worst, lat = 0.0, 0.0
+        hop, latency = self._hop, self._latency
         for (i, _), (j, _) in itertools.pairwise(chain):
-            worst = max(worst, self.hop[i, j] + self.latency[i, j], self.hop[j, i] + self.latency[j, i])
-            lat += self.latency[i, j] + self.latency[j, i]
+            worst = max(worst, hop[i][j] + latency[i][j], hop[j][i] + latency[j][i])
+            lat += latency[i][j] + latency[j][i]
         return worst, lat
 
     def bound(self, chain: Chain, extra_speed: float = 0.0) -> float:

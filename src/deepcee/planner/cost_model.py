@@ -307,18 +307,19 @@ def pipeline_timing(lowered: Schedule, forward_s: Sequence[float], input_grad_s:
 def device_passes(plan: Plan, cluster: Cluster, model: ModelProfile) -> list[list[tuple[float, ...]]]:
     """Per stage and device, ``(F, I, W, B)`` of one microbatch with its share (devices of one kind,
     slowdown and share computed once)."""
+    return [stage_device_passes(st, cluster, model) for st in plan.stages]
+
+
+def stage_device_passes(st: StagePlan, cluster: Cluster, model: ModelProfile) -> list[tuple[float, ...]]:
+    """:func:`device_passes` of one stage."""
     same: dict[tuple, tuple[float, ...]] = {}
-    per_stage = []
-    for st in plan.stages:
-        row = []
-        for dev, share in zip(st.devices, st.shares, strict=True):
-            key = (cluster.kind_of(dev).name, cluster.device(dev).slowdown, share)
-            if key not in same:
-                same[key] = stage_pass_s(model, cluster, replace(st, devices=(dev,), shares=(share,)))
-            row.append(same[key])
-        same.clear()
-        per_stage.append(row)
-    return per_stage
+    row = []
+    for dev, share in zip(st.devices, st.shares, strict=True):
+        key = (cluster.kind_of(dev).name, cluster.device(dev).slowdown, share)
+        if key not in same:
+            same[key] = stage_pass_s(model, cluster, replace(st, devices=(dev,), shares=(share,)))
+        row.append(same[key])
+    return row
 
 
 def lane_passes(plan: Plan, cluster: Cluster, model: ModelProfile,
@@ -367,7 +368,8 @@ by the simulator's device-level run (see :class:`AnalyticCostModel`)."""
 
 
 class AnalyticCostModel:
-    """The analytic model of the module docstring. Stateless; safe to share.
+    """The analytic model of the module docstring. It keeps only a memo of the last cluster and
+    model's stage terms (:class:`StageTerms`); safe to share.
 
     [Note: cost model = simulator] Where the stage-level model is approximate (a stage with
     several devices, boundaries over several link resources, resources shared by boundaries)
@@ -381,6 +383,14 @@ class AnalyticCostModel:
         self.exact_work = exact_work
         self.runtime = runtime
         """How the plan is run; ``None``: the cluster's (:func:`~deepcee.simulator.runtime_model.runtime_for`)."""
+        self._terms: StageTerms | None = None
+
+    def terms(self, cluster: Cluster, model: ModelProfile) -> StageTerms:
+        """The memo of per-stage and per-boundary terms for ``cluster`` and ``model`` (the last pair asked)."""
+        got = self._terms
+        if got is None or got.cluster is not cluster or got.model is not model:
+            got = self._terms = StageTerms(cluster, model)
+        return got
 
     def estimate(self, plan: Plan, cluster: Cluster, model: ModelProfile) -> Estimate:
         if (len(plan.devices) * plan.num_microbatches <= self.exact_work
@@ -398,11 +408,11 @@ class AnalyticCostModel:
     def breakdown(self, plan: Plan, cluster: Cluster, model: ModelProfile) -> PlanCost:
         """Every term of the estimate (see the module docstring)."""
         plan.check_against(num_layers=model.num_layers, device_names=cluster.device_names)
-        per_device = device_passes(plan, cluster, model)
+        memo = self.terms(cluster, model)
+        per_device = [memo.passes(st) for st in plan.stages]
         fiwb = [tuple(map(max, *row)) if len(row) > 1 else row[0] for row in per_device]  # the slowest device
         f, i, w, b_ = (tuple(x[k] for x in fiwb) for k in range(4))
-        bounds = tuple(boundary_cost(cluster, a, b, model.boundary_bytes(a.layer_stop))
-                       for a, b in zip(plan.stages, plan.stages[1:], strict=False))
+        bounds = tuple(memo.boundary(a, b) for a, b in zip(plan.stages, plan.stages[1:], strict=False))
         lowered, in_flight = lowered_schedule(plan), stage_in_flight(plan)
         rt = self.runtime or runtime_for(cluster, model)
         timing = lanes_timing(lowered, lane_passes(plan, cluster, model, per_device, bounds), [b.forward for b in bounds],
@@ -410,8 +420,7 @@ class AnalyticCostModel:
         ar, opt, ends = [], [], []
         for s, st in enumerate(plan.stages):
             t = timing.stage_end_s[s]
-            ar.append(allreduce_time_s(cluster, st.devices, model.gradient_bytes(st.layer_start, st.layer_stop),
-                                       plan.sync, rt, at_s=t))
+            ar.append(memo.allreduce(st.devices, model.gradient_bytes(st.layer_start, st.layer_stop), plan.sync, rt, t))
             shards = len(st.devices) if plan.sync == "zero2" else 1
             kinds = {(cluster.device(d).kind, cluster.device(d).slowdown) for d in st.devices}
             opt.append(rt.step_overhead_s + max(optimizer_step_s(model, st.layer_start, st.layer_stop,
@@ -460,6 +469,47 @@ def _with_bottleneck(cost: PlanCost, plan: Plan, compute_per_microbatch_s: Seque
         mem = f"; out of memory on {d} by {s / GIB:.2f} GiB"
     return PlanCost(**{**{f: getattr(cost, f) for f in cost.__dataclass_fields__},
                        "bottleneck": f"{text} ({top:.4g} s of {it:.4g} s){mem}"})
+
+
+class StageTerms:
+    """Terms of :meth:`AnalyticCostModel.breakdown` that depend only on one stage or boundary (and
+    the cluster and model), each computed once: a search scores many plans that share stages
+    (schedules, syncs, neighbouring splits). Same functions, same arguments: the same figures."""
+
+    __slots__ = ("_allreduce", "_bounds", "_passes", "cluster", "model", "traced")
+
+    def __init__(self, cluster: Cluster, model: ModelProfile) -> None:
+        self.cluster, self.model = cluster, model
+        specs = [i.intra for i in cluster.islands] + [n.intra for n in cluster.nodes] + [e.spec for e in cluster.links]
+        self.traced = any(x.trace is not None for x in specs)
+        """Whether a bandwidth trace can make an all-reduce depend on when it starts."""
+        self._passes: dict[tuple, list[tuple[float, ...]]] = {}
+        self._bounds: dict[tuple, BoundaryCost] = {}
+        self._allreduce: dict[tuple, float] = {}
+
+    def passes(self, st: StagePlan) -> list[tuple[float, ...]]:
+        """:func:`stage_device_passes` of ``st``."""
+        key = (st.devices, st.shares, st.layer_start, st.layer_stop, st.recompute)
+        got = self._passes.get(key)
+        if got is None:
+            got = self._passes[key] = stage_device_passes(st, self.cluster, self.model)
+        return got
+
+    def boundary(self, a: StagePlan, b: StagePlan) -> BoundaryCost:
+        """:func:`boundary_cost` from ``a`` to ``b`` (at time 0, first delivery)."""
+        key = (a.devices, a.shares, a.layer_stop, b.devices, b.shares)
+        got = self._bounds.get(key)
+        if got is None:
+            got = self._bounds[key] = boundary_cost(self.cluster, a, b, self.model.boundary_bytes(a.layer_stop))
+        return got
+
+    def allreduce(self, devices: tuple[str, ...], nbytes: float, sync: str, runtime: RuntimeModel, at_s: float) -> float:
+        """:func:`~deepcee.simulator.engine.allreduce_time_s` (``at_s`` matters only under a trace)."""
+        key = (devices, nbytes, sync, runtime, at_s if self.traced else None)
+        got = self._allreduce.get(key)
+        if got is None:
+            got = self._allreduce[key] = allreduce_time_s(self.cluster, devices, nbytes, sync, runtime, at_s=at_s)
+        return got
 
 
 class SimulatorCostModel:

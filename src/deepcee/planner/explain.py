@@ -105,6 +105,8 @@ class _Counterfactuals:
         if work > self.work_left:
             self.skipped += 1
             return None
+        if self.search.options.progress is not None:  # each one a search and a simulation
+            self.search.options.progress(f"counterfactual: {label}", 0.0)
         self.work_left -= work
         est = self.search.confirm(cand.plan)
         if est.exceeds_memory(self.search.cluster.memory_bytes):
@@ -122,7 +124,7 @@ class _Counterfactuals:
         saved, s.best_closed_form = s.best_closed_form, incumbent
         try:
             for chain in chains:
-                for lay in chain_layouts(s.grouping, chain, s.max_stages):
+                for lay in chain_layouts(s.grouping, chain, s.max_stages, s.pieces):
                     s.evaluate_layout(lay)
         finally:
             s.best_closed_form = saved

@@ -34,7 +34,7 @@ _INF = math.inf
 
 
 def _layout_value(search: SearchState, chain: Chain, grains: tuple[int, ...], sizes: list[int] | None) -> float:
-    lay = mixed_layout(search.grouping, chain, grains)
+    lay = mixed_layout(search.grouping, chain, grains, memo=search.pieces)
     if len(lay.slots) > search.max_stages:
         return _INF
     return search.evaluate_layout(lay, sizes)[0]
@@ -47,7 +47,8 @@ def _feasible_pick(search: SearchState, chain: Chain, choices: list[list[int]]) 
     for i, keep in chain:
         devs = [d for g in search.grouping.islands[i].groups[:keep] for d in g.devices]
         mem.append(sum(search.cluster.memory_bytes(d) for d in devs) / len(devs))
-    while len(mixed_layout(search.grouping, chain, [c[p] for c, p in zip(choices, pick, strict=True)]).slots) \
+    while len(mixed_layout(search.grouping, chain, [c[p] for c, p in zip(choices, pick, strict=True)],
+                            memo=search.pieces).slots) \
             > search.max_stages:
         up = [k for k in range(len(chain)) if pick[k] + 1 < len(choices[k])]
         if not up:

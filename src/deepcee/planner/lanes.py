@@ -83,6 +83,7 @@ def undominated_lanes(plan: Plan, per_stage: Sequence[Sequence[tuple[float, ...]
 
 
 PASSES = (ActionKind.F, ActionKind.I, ActionKind.W, ActionKind.B)
+_PASS = {kind: k for k, kind in enumerate(PASSES)}
 _SEND = {ActionKind.SEND_F: 0, ActionKind.SEND_B: 1}
 _RECV = {ActionKind.RECV_F: 0, ActionKind.RECV_B: 1}
 
@@ -104,6 +105,7 @@ def lanes_at_once(lowered: Schedule, dur: np.ndarray, comm_forward: Sequence[Lin
     num_lanes, n = dur.shape[0], len(lowered)
     blocking = runtime is not None and runtime.sends == "blocking"
     handshake = runtime is not None and runtime.receive_handshake
+    cols = [[dur[:, s, k].copy() for k in range(len(PASSES))] for s in range(n)]  # per stage and pass
     clock = [np.zeros(num_lanes) for _ in range(n)]
     free = {(d, s): np.zeros(num_lanes) for d in (0, 1) for s in range(n)}  # per direction and sender
     arrived: dict[tuple[int, int, int], np.ndarray] = {}  # (direction, receiving stage, microbatch)
@@ -111,15 +113,18 @@ def lanes_at_once(lowered: Schedule, dur: np.ndarray, comm_forward: Sequence[Lin
     while progress:
         progress = False
         for s, row in enumerate(lowered):
-            pc, t = pcs[s], clock[s]
+            pc, t, col = pcs[s], clock[s], cols[s]
             while pc < len(row):
                 a = row[pc]
-                if a.kind in _RECV:
+                k = _PASS.get(a.kind)
+                if k is not None:
+                    t = t + col[k]
+                elif a.kind in _RECV:
                     got = arrived.pop((_RECV[a.kind], s, a.microbatch), None)
                     if got is None:
                         break
                     t = np.maximum(t, got)
-                elif a.kind in _SEND:
+                else:
                     d = _SEND[a.kind]
                     lat, ser = comm_forward[s] if d == 0 else comm_backward[s - 1]
                     go = np.maximum(t, lat) if handshake else t
@@ -129,8 +134,6 @@ def lanes_at_once(lowered: Schedule, dur: np.ndarray, comm_forward: Sequence[Lin
                     arrived[d, s + 1 if d == 0 else s - 1, a.microbatch] = arrive
                     if blocking:
                         t = np.maximum(t, arrive)
-                else:
-                    t = t + dur[:, s, PASSES.index(a.kind)]
                 pc += 1
             progress |= pc != pcs[s]
             pcs[s], clock[s] = pc, t

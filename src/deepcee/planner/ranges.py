@@ -39,7 +39,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from deepcee.cluster import Cluster, DeviceKind
-from deepcee.comm import allreduce_s
+from deepcee.comm import allreduce_curve_s
 from deepcee.profile import ModelProfile
 from deepcee.simulator.engine import optimizer_step_s
 from deepcee.simulator.runtime_model import DEFAULT_RUNTIME, RuntimeModel
@@ -121,6 +121,8 @@ class RangeCosts:
         slope = max(tables.optimizer_slope(d) for d in devices)
         self.optimizer_s = tables.params * slope
         self._memory: dict[int, np.ndarray] = {}
+        self._with: dict[bool, np.ndarray] = {}
+        self._loads: dict[tuple, np.ndarray] = {}
 
     @property
     def forward_s(self) -> np.ndarray:
@@ -144,28 +146,45 @@ class RangeCosts:
 
     def compute_with(self, recompute: bool) -> np.ndarray:
         """``F+I+W`` per microbatch, plus one more ``F`` when recomputing ([Note: recompute timing])."""
-        return self.compute_s + self.forward_s if recompute else self.compute_s
+        if not recompute:
+            return self.compute_s
+        got = self._with.get(True)
+        if got is None:
+            got = self._with[True] = self.compute_s + self.forward_s
+        return got
+
+    def load(self, m: int, in_flight: int | None, recompute: bool) -> np.ndarray:
+        """Per range the iteration load of ``m`` microbatches (:meth:`base_load`), ``inf`` where
+        empty or where the stage does not fit memory holding ``in_flight`` (``None``: one)
+        microbatches; with ``recompute``, a range that fits only with recomputation gets the
+        recomputing load. Cached: the stages of many layouts share a device set and shares."""
+        key = (m, in_flight, recompute)
+        got = self._loads.get(key)
+        if got is None:
+            k = 1 if in_flight is None else in_flight
+            load = np.where(self.memory_excess(k, False, m) <= 0, self.base_load(m, False), np.inf)
+            if recompute:
+                load = np.where(np.isfinite(load), load,
+                                np.where(self.memory_excess(k, True, m) <= 0, self.base_load(m, True), np.inf))
+            got = self._loads[key] = load
+        return got
+
+    def base_load(self, m: int, recompute: bool) -> np.ndarray:
+        """Per range ``m x (F+I+W) + all-reduce + optimizer`` (``inf`` where ``b <= a``), memory
+        unchecked; ``recompute``: with the recomputed ``F``."""
+        key = (m, "base", recompute)
+        got = self._loads.get(key)
+        if got is None:
+            size = self.compute_s.shape[0]
+            invalid = np.tril(np.ones((size, size), dtype=bool))
+            got = self._loads[key] = np.where(invalid, np.inf, m * self.compute_with(recompute) + self.allreduce_s
+                                              + self.optimizer_s)
+        return got
 
     def _memory_terms(self, kind: str, share: int, m: int, recompute: bool) -> tuple[np.ndarray, np.ndarray, float, float]:
-        """One device's peak per range as ``(1 + fragmentation) x (base + k x per) + fixed`` for ``k``
-        microbatches held (``k >= 1``): :func:`deepcee.simulator.memory.device_memory`'s plan and
-        runtime terms ([Note: planner memory = simulator memory]). Returns (base, per, fragmentation, fixed)."""
-        t = self._tables
-        rt = t.runtime
-        base = t.state + share * t.buffers + (share * t.acts if recompute else 0.0)
-        per = share * (t.inputs if recompute else t.acts)
-        moved = share * t.moved
-        if rt.receives == "at-step-start":  # every receive and send buffer of the step held at once
-            base = base + max(0, 2 * m - 1) * moved
-        else:  # (k - 1) more pairs
-            base, per = base - moved, per + moved
-        if len(self.devices) > 1:  # the all-reduce's flat gradient buffer
-            base = base + t.grads
-        over = t.model.memory_overhead(kind)
-        if over is not None and over.host_memory and rt.holds_whole_model:
-            base = base + (t.grads_total - t.grads)
-        frac, fixed = (over.fragmentation_fraction, over.fixed_bytes) if over is not None else (0.0, 0.0)
-        return base, per, frac, fixed
+        """:meth:`RangeTables.memory_terms` of one of this stage's devices."""
+        return self._tables.memory_terms(kind, share, m, recompute, len(self.devices) > 1)
+
 
     def memory_excess(self, in_flight: int, recompute: bool, m: int) -> np.ndarray:
         """Worst device's ``need - memory`` (bytes) per range with ``in_flight`` microbatches held of
@@ -175,9 +194,9 @@ class RangeCosts:
         got = self._memory.get(key)
         if got is None:
             got = np.full_like(self._tables.params, -np.inf)
+            several = len(self.devices) > 1
             for kind, _, share, mem in self._profiles:
-                base, per, frac, fixed = self._memory_terms(kind, share, m, recompute)
-                got = np.maximum(got, (1 + frac) * (base + key[0] * per) + fixed - mem)
+                got = np.maximum(got, self._tables.device_excess(kind, share, m, recompute, several, key[0], mem))
             self._memory[key] = got
         return got
 
@@ -239,6 +258,47 @@ class RangeTables:
         self._allreduce: dict[tuple[str, ...], np.ndarray] = {}
         self._slope: dict[tuple[str, float], float] = {}
         self._costs: dict[tuple, RangeCosts] = {}
+        self._memory_terms: dict[tuple, tuple[np.ndarray, np.ndarray, float, float]] = {}
+        self._excess: dict[tuple, np.ndarray] = {}
+
+    def memory_terms(self, kind: str, share: int, m: int, recompute: bool,
+                     several: bool) -> tuple[np.ndarray, np.ndarray, float, float]:
+        """One device's peak per range as ``(1 + fragmentation) x (base + k x per) + fixed`` for ``k``
+        microbatches held (``k >= 1``): :func:`deepcee.simulator.memory.device_memory`'s plan and
+        runtime terms ([Note: planner memory = simulator memory]), for a device of ``kind`` with
+        ``share`` samples per microbatch of ``m`` per iteration, on a stage of ``several`` devices
+        or one. Returns (base, per, fragmentation, fixed); cached (the same for every stage)."""
+        key = (kind, share, m, recompute, several)
+        got = self._memory_terms.get(key)
+        if got is not None:
+            return got
+        rt = self.runtime
+        base = self.state + share * self.buffers + (share * self.acts if recompute else 0.0)
+        per = share * (self.inputs if recompute else self.acts)
+        moved = share * self.moved
+        if rt.receives == "at-step-start":  # every receive and send buffer of the step held at once
+            base = base + max(0, 2 * m - 1) * moved
+        else:  # (k - 1) more pairs
+            base, per = base - moved, per + moved
+        if several:  # the all-reduce's flat gradient buffer
+            base = base + self.grads
+        over = self.model.memory_overhead(kind)
+        if over is not None and over.host_memory and rt.holds_whole_model:
+            base = base + (self.grads_total - self.grads)
+        frac, fixed = (over.fragmentation_fraction, over.fixed_bytes) if over is not None else (0.0, 0.0)
+        got = self._memory_terms[key] = (base, per, frac, fixed)
+        return got
+
+    def device_excess(self, kind: str, share: int, m: int, recompute: bool, several: bool, in_flight: int,
+                      memory: float) -> np.ndarray:
+        """One device's ``need - memory`` per range holding ``in_flight`` (>= 1) microbatches
+        (:meth:`memory_terms`); cached."""
+        key = (kind, share, m, recompute, several, in_flight, memory)
+        got = self._excess.get(key)
+        if got is None:
+            base, per, frac, fixed = self.memory_terms(kind, share, m, recompute, several)
+            got = self._excess[key] = (1 + frac) * (base + in_flight * per) + fixed - memory
+        return got
 
     def costs(self, devices: Sequence[str], shares: Sequence[int]) -> RangeCosts:
         key = (tuple(devices), tuple(shares))
@@ -278,7 +338,8 @@ class RangeTables:
                 # hierarchical equals ring unless some node holds several of the devices and there are
                 # several nodes
                 syncs = self.syncs if 1 < len(set(nodes)) < len(nodes) else self.syncs[:1]
-                ys = [min(allreduce_s(self.cluster, devices, float(x), s) for s in syncs) for x in xs]
+                curves = [allreduce_curve_s(self.cluster, devices, [float(x) for x in xs], s) for s in syncs]
+                ys = [min(c[k] for c in curves) for k in range(len(xs))]
                 got = np.where(grad > 0, np.interp(grad, xs, ys), 0.0)
             self._allreduce[devices] = got
         return got

@@ -162,7 +162,7 @@ def _search_chains(search: SearchState, dist: np.ndarray) -> None:
         # gives a plan (a granularity whose stages cannot hold the model says nothing about finer
         # ones: testbed/gpt2-xl/128's cloud-only chain was written off); the best chains are laid
         # out again in full below
-        layouts = chain_layouts(g, chain, search.max_stages)
+        layouts = chain_layouts(g, chain, search.max_stages, search.pieces)
         sizes: list[int] | None = None
         near = search.granularity_near() if len(seen) >= 8 else None
         seen.append(chain)
@@ -190,7 +190,7 @@ def _search_chains(search: SearchState, dist: np.ndarray) -> None:
                                  progress=report)
     search.chain_result = result
     for _, chain in sorted(done)[:4]:  # the best chains with every microbatch size
-        for lay in chain_layouts(g, chain, search.max_stages):
+        for lay in chain_layouts(g, chain, search.max_stages, search.pieces):
             search.evaluate_layout(lay)
     if opts.grain_budget > 0:  # each island its own granularity on the best chains
         for value, chain in sorted(done)[: opts.grain_chains]:
@@ -237,16 +237,20 @@ def plan_training(cluster: Cluster, model: ModelProfile, global_batch: int, *,
     # the screen's best and the closed form's best take turns at the score budget
     first = [c for pair in itertools.zip_longest(_screened(search, ranked), ranked[: options.model_top])
              for c in pair if c is not None]
+    _progress(options, "scoring plans", 0.0)
     for full, group in ((True, first), (False, _coverage(ranked))):
-        for cfg in group:
+        for k, cfg in enumerate(group):
+            _progress(options, "scoring plans", (k + 1) / len(group) / 2 + (0.0 if full else 0.5))
             if id(cfg) not in picked:
                 picked.add(id(cfg))
                 cands += search.plans_for(cfg, full=full)
     if not cands:
         raise _infeasible(search)
     cands = sorted(_dedupe(cands), key=rank_key)
+    _progress(options, "refining", 0.0)
     refined = [search.refine(c) for c in cands[: options.refine_top]]
     cands = sorted(_dedupe(cands + refined), key=rank_key)
+    _progress(options, "compact schedules", 0.0)
     cands += _compacts(search, cands, ranked)
     cands = sorted(_dedupe(cands), key=rank_key)
     top = _confirm(search, cands)
@@ -262,6 +266,7 @@ def plan_training(cluster: Cluster, model: ModelProfile, global_batch: int, *,
                          simulated=est)
         top = [best, *top]
         search.notes.append("the best plan came from a counterfactual search (explained above)")
+        _progress(options, "explanation of the counterfactual's plan", 0.0)
         explanation, counterfactuals = explain(search, best, cands + [best])
     plan = best.plan.replace(estimate=best.simulated or best.estimate, explanation=tuple(explanation))
     elapsed = time.perf_counter() - t0
@@ -403,7 +408,8 @@ def _confirm(search: SearchState, cands: list[Candidate]) -> list[Candidate]:
     if k == 0:
         return cands[:1]
     out, work = [], 0
-    for c in cands[:k]:
+    for j, c in enumerate(cands[:k]):
+        _progress(search.options, "simulating the best plans", j / k)
         w = 6 * len(c.plan.devices) * c.plan.num_microbatches
         if work + w > search.options.confirm_max_work:
             break

@@ -93,8 +93,9 @@ Chain = tuple[tuple[int, int], ...]
 """(island index, groups kept) in pipeline order."""
 
 
-def chain_layouts(grouping: Grouping, chain: Chain, max_stages: int) -> list[StageLayout]:
-    """Every layout of ``chain`` (see [Note: plan space]) with at most ``max_stages`` stages."""
+def chain_layouts(grouping: Grouping, chain: Chain, max_stages: int, memo: dict | None = None) -> list[StageLayout]:
+    """Every layout of ``chain`` (see [Note: plan space]) with at most ``max_stages`` stages.
+    ``memo``: a dict kept for ``grouping`` that keeps each island's pieces (chains share islands)."""
     islands = [grouping.islands[i] for i, _ in chain]
     kept = [isl.groups[:keep] for isl, (_, keep) in zip(islands, chain, strict=True)]
     biggest = max(len(g.devices) for gs in kept for g in gs)
@@ -106,7 +107,7 @@ def chain_layouts(grouping: Grouping, chain: Chain, max_stages: int) -> list[Sta
             slots: list[tuple[str, ...]] = []
             parts = []
             for isl, gs in zip(islands, kept, strict=True):
-                pieces, part = _island_pieces(isl, gs, merged, g)
+                pieces, part = _island_pieces(isl, gs, merged, g, memo)
                 slots += pieces
                 parts.append(part)
             if len(slots) <= max_stages:
@@ -120,15 +121,22 @@ def chain_layouts(grouping: Grouping, chain: Chain, max_stages: int) -> list[Sta
     return out
 
 
-def _island_pieces(isl: IslandGroup, groups: Sequence[DeviceGroup], merged: bool, g: int) -> tuple[list[tuple[str, ...]], str]:
-    """The stages (device tuples) of island ``isl`` keeping ``groups``, in chunks of at most ``g``
-    devices (``merged``: over the kept groups together, else per group), and its label part."""
+def _island_pieces(isl: IslandGroup, groups: Sequence[DeviceGroup], merged: bool, g: int,
+                   memo: dict | None = None) -> tuple[list[tuple[str, ...]], str]:
+    """The stages (device tuples) of island ``isl`` keeping ``groups`` (its first ones), in chunks of
+    at most ``g`` devices (``merged``: over the kept groups together, else per group), and its
+    label part; from ``memo`` when given and seen before."""
+    key = (isl.name, len(groups), merged, g)
+    if memo is not None and key in memo:
+        return memo[key]
     member = {d for x in groups for d in x.devices}
     sets = [tuple(d for d in isl.devices if d in member)] if merged else [x.devices for x in groups]
     pieces = [c for s in sets for c in _chunks(s, g)]
     dropped = len(isl.groups) - len(groups)
     part = (f"{isl.name}[{'+'.join(str(len(p)) for p in pieces)}]"
             + (f"(-{dropped} slow group{'s' if dropped > 1 else ''})" if dropped else ""))
+    if memo is not None:
+        memo[key] = (pieces, part)
     return pieces, part
 
 
@@ -144,14 +152,15 @@ def island_grains(grouping: Grouping, chain: Chain, merged: bool = True) -> list
     return out
 
 
-def mixed_layout(grouping: Grouping, chain: Chain, grains: Sequence[int], merged: bool = True) -> StageLayout:
+def mixed_layout(grouping: Grouping, chain: Chain, grains: Sequence[int], merged: bool = True,
+                 memo: dict | None = None) -> StageLayout:
     """``chain`` laid out with island ``k`` cut into chunks of at most ``grains[k]`` devices (each
     island its own granularity; see [Note: mixed granularity] in :mod:`deepcee.planner.grains`)."""
     slots: list[tuple[str, ...]] = []
     parts = []
     islands = [grouping.islands[i] for i, _ in chain]
     for isl, (_, keep), g in zip(islands, chain, grains, strict=True):
-        pieces, part = _island_pieces(isl, isl.groups[:keep], merged, g)
+        pieces, part = _island_pieces(isl, isl.groups[:keep], merged, g, memo)
         slots += pieces
         parts.append(part)
     return StageLayout(slots=tuple(slots), islands=tuple(i.name for i in islands), label=" > ".join(parts),

@@ -46,12 +46,16 @@ def boundary_arrays(cluster: Cluster, tables: RangeTables, src: tuple[str, ...],
                     dst: tuple[str, ...], dst_shares: tuple[int, ...]) -> BoundaryArrays:
     """One boundary between device sets ``src`` and ``dst`` for every boundary layer (see the module docstring)."""
     per: list[dict[str, list[float]]] = [{}, {}]
+    fwd, bwd, link = per[0], per[1], cluster.link
     for i, j, lo, hi in share_pairs(src_shares, dst_shares):
-        for d, a, b in ((0, src[i], dst[j]), (1, dst[j], src[i])):
-            link = cluster.link(a, b)
-            r = per[d].setdefault(link.resource, [0.0, 0.0, link.bandwidth_bytes_per_s])
-            r[0] += hi - lo
-            r[1] = max(r[1], link.latency_s)
+        a, b = src[i], dst[j]
+        for got, lk in ((fwd, link(a, b)), (bwd, link(b, a))):
+            r = got.get(lk.resource)
+            if r is None:
+                got[lk.resource] = [float(hi - lo), max(0.0, lk.latency_s), lk.bandwidth_bytes_per_s]
+            else:
+                r[0] += hi - lo
+                r[1] = max(r[1], lk.latency_s)
     bnd = tables.boundary_bytes
     out = []
     for d in range(2):
@@ -75,30 +79,13 @@ class SplitTables:
     bounds: list[BoundaryArrays]
     m: int
     recompute: bool = True
-    _base: dict[bool, list[np.ndarray]] | None = None
     _loads: dict | None = None
     _little: dict | None = None
     _links: list[np.ndarray] | None = None
-
-    def _bases(self, recompute: bool) -> list[np.ndarray]:
-        if self._base is None:
-            self._base = {}
-        got = self._base.get(recompute)
-        if got is None:
-            size = self.costs[0].compute_s.shape[0]
-            invalid = np.tril(np.ones((size, size), dtype=bool))
-            got = self._base[recompute] = [
-                np.where(invalid, _INF, self.m * rc.compute_with(recompute) + rc.allreduce_s + rc.optimizer_s)
-                for rc in self.costs]
-        return got
+    _fills: list[np.ndarray] | None = None
 
     def options(self) -> tuple[bool, ...]:
         return (False, True) if self.recompute else (False,)
-
-    def fits_with(self, s: int, k: int | None, recompute: bool) -> np.ndarray:
-        """Per range: stage ``s`` fits memory holding ``k`` microbatches (``None``: at least one)."""
-        rc = self.costs[s]
-        return rc.memory_excess(1 if k is None else k, recompute, self.m) <= 0
 
     def loads(self, in_flight: Sequence[int] | None) -> list[np.ndarray]:
         """Per stage the iteration load of every range, ``inf`` where empty or out of memory; a
@@ -112,15 +99,8 @@ class SplitTables:
         return got
 
     def _make_loads(self, in_flight: Sequence[int] | None) -> list[np.ndarray]:
-        out = []
-        for s in range(len(self.costs)):
-            k = None if in_flight is None else in_flight[s]
-            load = np.where(self.fits_with(s, k, False), self._bases(False)[s], _INF)
-            if self.recompute:
-                load = np.where(np.isfinite(load), load,
-                                np.where(self.fits_with(s, k, True), self._bases(True)[s], _INF))
-            out.append(load)
-        return out
+        return [rc.load(self.m, None if in_flight is None else in_flight[s], self.recompute)
+                for s, rc in enumerate(self.costs)]
 
     def link_loads(self) -> list[np.ndarray]:
         if self._links is None:
@@ -129,15 +109,19 @@ class SplitTables:
         return self._links
 
     def fills(self) -> list[np.ndarray]:
-        return [np.zeros(0)] + [b.lat_f + b.ser_f + b.lat_b + b.ser_b for b in self.bounds]
+        if self._fills is None:
+            self._fills = [np.zeros(0)] + [b.lat_f + b.ser_f + b.lat_b + b.ser_b for b in self.bounds]
+        return self._fills
 
     def fits(self, split: Sequence[int], in_flight: Sequence[int] | None) -> bool:
-        return all(np.isfinite(load[split[s], split[s + 1]]) for s, load in enumerate(self.loads(in_flight)))
+        return all(math.isfinite(load.item(split[s], split[s + 1])) for s, load in enumerate(self.loads(in_flight)))
 
     def recompute_flags(self, split: Sequence[int], in_flight: Sequence[int] | None) -> tuple[bool, ...]:
         """Per stage: recompute only where the stage does not fit without it (the cheaper option)."""
-        return tuple(bool(self.recompute and not self.fits_with(s, None if in_flight is None else in_flight[s], False)
-                          [split[s], split[s + 1]]) for s in range(len(self.costs)))
+        if not self.recompute:
+            return (False,) * len(self.costs)
+        return tuple(not rc.memory_excess(1 if in_flight is None else in_flight[s], False, self.m)
+                     .item(split[s], split[s + 1]) <= 0 for s, rc in enumerate(self.costs))
 
     def little_terms(self, s: int, flag: bool, in_flight: Sequence[int] | None, fused: bool) -> tuple:
         """Cached per-range terms of stage ``s`` for :func:`in_flight_split`: iteration load, the
@@ -162,6 +146,17 @@ class SplitTables:
                                        rc.round_trip_s(fused, flag))
         return got
 
+    def stacked_terms(self, s: int, in_flight: Sequence[int] | None, fused: bool) -> tuple[np.ndarray, ...]:
+        """:meth:`little_terms` of every option of :meth:`options`, stacked on a first axis; cached."""
+        key = ("stacked", s, None if in_flight is None else in_flight[s], fused)
+        if self._little is None:
+            self._little = {}
+        got = self._little.get(key)
+        if got is None:
+            terms = [self.little_terms(s, flag, in_flight, fused) for flag in self.options()]
+            got = self._little[key] = tuple(np.stack(x) for x in zip(*terms, strict=True))
+        return got
+
     def holds(self, split: Sequence[int], flags: Sequence[bool], fused: bool = False) -> list[float]:
         """Per stage, how long one microbatch is held there with nothing queued: its own ``F+I+W``
         and the round trip through every later stage and link (see [Note: in-flight limit])."""
@@ -169,15 +164,15 @@ class SplitTables:
         for s in reversed(range(len(self.costs))):
             a, b = split[s], split[s + 1]
             rc = self.costs[s]
-            out.append(float(rc.compute_with(flags[s])[a, b]) + after)
-            after += float(rc.round_trip_s(fused, flags[s])[a, b]) + (float(fills[s][a]) if s else 0.0)
+            out.append(rc.compute_with(flags[s]).item(a, b) + after)
+            after += rc.round_trip_s(fused, flags[s]).item(a, b) + (fills[s].item(a) if s else 0.0)
         return out[::-1]
 
     def caps_at(self, split: Sequence[int], flags: Sequence[bool], in_flight: Sequence[int] | None) -> list[int]:
         """Microbatches each stage holds: the fixed schedule's, or what memory allows (compact)."""
         if in_flight is not None:
             return [min(k, self.m) for k in in_flight]
-        return [max(1, int(self.costs[s].in_flight_caps(self.m, flags[s])[split[s], split[s + 1]]))
+        return [max(1, int(self.costs[s].in_flight_caps(self.m, flags[s]).item(split[s], split[s + 1])))
                 for s in range(len(self.costs))]
 
     def closed_form(self, split: Sequence[int], loads: list[np.ndarray], in_flight: Sequence[int] | None = None,
@@ -187,24 +182,26 @@ class SplitTables:
         stage recomputation (default: only where a stage does not fit without it)."""
         links, fills = self.link_loads(), self.fills()
         flags = self.recompute_flags(split, in_flight) if flags is None else flags
-        if any(not np.isfinite(loads[s][split[s], split[s + 1]]) for s in range(len(self.costs))):
+        if not all(math.isfinite(loads[s].item(split[s], split[s + 1])) for s in range(len(self.costs))):
             return _INF
         holds = self.holds(split, flags, fused)
         caps = self.caps_at(split, flags, in_flight)
-        terms, per_mb = [], []
-        for s in range(len(self.costs)):
+        terms, per_mb, computes = [], [], []
+        for s, rc in enumerate(self.costs):
             a, b = split[s], split[s + 1]
-            c = float(self.costs[s].compute_with(flags[s])[a, b])
-            terms.append(float(self._bases(flags[s])[s][a, b]))
+            c = rc.compute_with(flags[s]).item(a, b)
+            computes.append(c)
+            terms.append(rc.base_load(self.m, flags[s]).item(a, b))
             per_mb.append(c)
             terms.append(self.m * holds[s] / caps[s])
             per_mb.append(holds[s] / caps[s])
             if s:
-                terms.append(links[s][a])
-                per_mb.append(max(self.bounds[s - 1].ser_f[a], self.bounds[s - 1].ser_b[a]))
-        k = int(np.argmax(terms))
-        fill = sum(float(self.costs[s].compute_with(flags[s])[split[s], split[s + 1]]) for s in range(len(self.costs)))
-        fill += sum(fills[s][split[s]] for s in range(1, len(self.costs)))
+                terms.append(links[s].item(a))
+                per_mb.append(max(self.bounds[s - 1].ser_f.item(a), self.bounds[s - 1].ser_b.item(a)))
+        # the first largest term, as numpy's argmax
+        k = max(range(len(terms)), key=terms.__getitem__)
+        fill = sum(computes)
+        fill += sum(fills[s].item(split[s]) for s in range(1, len(self.costs)))
         return float(terms[k] + fill - per_mb[k])
 
 
@@ -231,17 +228,15 @@ def in_flight_split(tab: SplitTables, tau: float, in_flight: Sequence[int] | Non
     backs: list[tuple[np.ndarray, np.ndarray]] = []
     for s in reversed(range(n)):
         after = np.where(links[s + 1] <= tau, fills[s + 1] + value, _INF) if s < n - 1 else value
-        best = pick = None
-        for flag in tab.options():
-            load, room, ok0, compute, trip = tab.little_terms(s, flag, in_flight, fused)
-            ok = ok0 & (load <= tau) & (compute + after[None, :] <= tau * room)
-            val = np.where(ok, trip + after[None, :], _INF)
-            if best is None:
-                best, pick = val, np.zeros(val.shape, dtype=bool)
-            else:
-                better = val < best
-                best = np.where(better, val, best)
-                pick = better
+        # both recomputation options at once: axis 0 of every term (without, with)
+        load, room, ok0, compute, trip = tab.stacked_terms(s, in_flight, fused)
+        ok = ok0 & (load <= tau) & (compute + after <= tau * room)
+        val = np.where(ok, trip + after, _INF)
+        if len(val) == 1:
+            best, pick = val[0], np.zeros(val[0].shape, dtype=bool)
+        else:
+            pick = val[1] < val[0]
+            best = np.where(pick, val[1], val[0])
         arg = np.argmin(best, axis=1)
         value = best[rows, arg]
         backs.append((arg, pick[rows, arg]))

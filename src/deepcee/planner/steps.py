@@ -116,6 +116,9 @@ class SearchState:
     """What the chain search did (see [Note: chain search])."""
     chain_moves: int = 0
     """Chains evaluated by the local search (clusters of more than ``exhaustive_islands`` islands)."""
+    pieces: dict[tuple, tuple] = field(default_factory=dict)
+    """Each island's stages per (island, groups kept, merged, granularity): the memo of
+    :func:`~deepcee.planner.space.chain_layouts` (chains share islands)."""
     confirmed: dict[tuple, Estimate] = field(default_factory=dict)
     """The confirming model's estimates so far, by plan (a plan confirmed, then explained, or
     explained twice, is simulated once)."""

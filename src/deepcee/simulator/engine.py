@@ -209,7 +209,9 @@ class _Simulation:
         self.plan, self.cluster, self.model, self.runtime = plan, cluster, model, runtime
         self.lowered = lowered_schedule(plan)
         self.devices = list(plan.devices)
-        self.stage_of = [plan.stage_of(d) for d in self.devices]
+        # (stage, position in it) of each device, looked up once (plan.stage_of scans the stages)
+        self._where = {d: (s, k) for s, st in enumerate(plan.stages) for k, d in enumerate(st.devices)}
+        self.stage_of = [self._where[d][0] for d in self.devices]
         self.resources: list[str] = []
         self._same: dict[tuple, tuple[float, float, float, float]] = {}
         pieces, expected = self._link_tables()
@@ -244,9 +246,9 @@ class _Simulation:
 
     def _durations(self, device: str) -> tuple[float, float, float, float]:
         """``F``, ``I``, ``W``, ``B`` of one microbatch on ``device`` with its share."""
-        s = self.plan.stage_of(device)
+        s, k = self._where[device]
         st = self.plan.stages[s]
-        share = st.shares[st.devices.index(device)]
+        share = st.shares[k]
         kind, slowdown = self.cluster.kind_of(device), self.cluster.device(device).slowdown
         key = (s, kind.name, slowdown, share)  # a stage's devices of one kind and share take the same
         if key not in self._same:
