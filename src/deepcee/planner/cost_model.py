@@ -67,7 +67,7 @@ from typing import Protocol
 import numpy as np
 
 from deepcee.cluster import Cluster
-from deepcee.plan import Estimate, Plan, StagePlan
+from deepcee.plan import Estimate, Plan, StagePlan, share_overlaps
 from deepcee.planner.lanes import PASSES, Lane, lanes_at_once, undominated_lanes
 from deepcee.planner.ranges import RangeCosts as RangeCosts
 from deepcee.planner.ranges import RangeTables as RangeTables
@@ -188,22 +188,6 @@ def stage_compute_s(model: ModelProfile, cluster: Cluster, stage: StagePlan) -> 
     return f, i, w
 
 
-def share_pairs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, int, int]]:
-    """:func:`deepcee.plan.share_overlaps` by a linear merge of the two range lists (same result,
-    linear instead of quadratic in the stage sizes)."""
-    out, i, j, a_lo, b_lo = [], 0, 0, 0, 0
-    while i < len(src) and j < len(dst):
-        a_hi, b_hi = a_lo + src[i], b_lo + dst[j]
-        lo, hi = max(a_lo, b_lo), min(a_hi, b_hi)
-        if lo < hi:
-            out.append((i, j, lo, hi))
-        if a_hi <= b_hi:
-            i, a_lo = i + 1, a_hi
-        if b_hi <= a_hi:
-            j, b_lo = j + 1, b_hi
-    return out
-
-
 def boundary_cost(cluster: Cluster, src: StagePlan, dst: StagePlan, bytes_per_sample: float,
                   at_s: float = 0.0, *, first_delivery: bool = True) -> BoundaryCost:
     """Per-microbatch transfer cost between two adjacent stages (see the module docstring, 2).
@@ -213,7 +197,7 @@ def boundary_cost(cluster: Cluster, src: StagePlan, dst: StagePlan, bytes_per_sa
     # per direction, receiver and resource: (serialisation of its pieces there, latency)
     own: list[dict[tuple[str, str], list[float]]] = [defaultdict(lambda: [0.0, 0.0]), defaultdict(lambda: [0.0, 0.0])]
     ahead: dict[tuple[int, int, int], float] = {}
-    for i, j, lo, hi in share_pairs(src.shares, dst.shares):
+    for i, j, lo, hi in share_overlaps(src.shares, dst.shares):
         for d, a, b in ((0, src.devices[i], dst.devices[j]), (1, dst.devices[j], src.devices[i])):
             link = cluster.link(a, b)
             bw = link.bandwidth_at(at_s)

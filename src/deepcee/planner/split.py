@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from deepcee.cluster import Cluster
-from deepcee.planner.cost_model import share_pairs
+from deepcee.plan import share_overlaps
 from deepcee.planner.ranges import RangeCosts, RangeTables
 
 _INF = math.inf
@@ -47,7 +47,7 @@ def boundary_arrays(cluster: Cluster, tables: RangeTables, src: tuple[str, ...],
     """One boundary between device sets ``src`` and ``dst`` for every boundary layer (see the module docstring)."""
     per: list[dict[str, list[float]]] = [{}, {}]
     fwd, bwd, link = per[0], per[1], cluster.link
-    for i, j, lo, hi in share_pairs(src_shares, dst_shares):
+    for i, j, lo, hi in share_overlaps(src_shares, dst_shares):
         a, b = src[i], dst[j]
         for got, lk in ((fwd, link(a, b)), (bwd, link(b, a))):
             r = got.get(lk.resource)
