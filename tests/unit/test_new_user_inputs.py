@@ -348,3 +348,12 @@ def test_compare_relaxed_on_one_island_says_no_relaxed_row_has_a_plan() -> None:
     note = next(n for n in report.notes if "multiplier from" in n)
     assert note.endswith("multiplier from: none (no relaxed row has a plan here; each row says why)")
     assert all(r.samples_per_s is None or r.samples_per_s == 0 or r.semantics != "relaxed" for r in report.rows)
+
+
+@pytest.mark.parametrize("blank", [" ", "a0 ", " a0"])
+def test_blank_or_padded_node_names_are_refused(tmp_path: Path, blank: str) -> None:
+    """A node named ' ' loaded, and showed in reports and device names ('  :0') as nothing."""
+    p = tmp_path / "c.toml"
+    p.write_text(TWO_ISLANDS.replace('name = "a0"', f'name = "{blank}"'))
+    with pytest.raises(ClusterSpecError, match=r"c\.toml: nodes\[0\]\.name: names may not be blank"):
+        load_cluster(p)

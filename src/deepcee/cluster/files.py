@@ -307,9 +307,13 @@ def _check_names(file: str, islands: list[Island], nodes: list[Node], devices: l
     (a name used at two levels would make the entry apply at both)."""
     for field, names in (("islands", [x.name for x in islands]), ("nodes", [x.name for x in nodes])):
         for i, name in enumerate(names):
+            where = f"{field}.{name}" if field == "islands" else f"{field}[{i}].name"
             if "->" in name:  # link pipes are named "a->b": "a->b" and "c" would share one with "a" and "b->c"
                 raise ClusterSpecError(f"names may not hold '->' (it joins the two ends of a link), got {name!r}",
-                                       file=file, field=f"{field}.{name}" if field == "islands" else f"{field}[{i}].name")
+                                       file=file, field=where)
+            if not name.strip() or name != name.strip():  # reports, flags and device names ("node:0") would not show it
+                raise ClusterSpecError(f"names may not be blank or start or end with white space, got {name!r}",
+                                       file=file, field=where)
     seen: set[str] = set()
     for i, n in enumerate(nodes):
         if n.name in seen:
