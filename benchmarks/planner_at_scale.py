@@ -21,9 +21,11 @@ the bound reaches the best simulated time. For each chain it tries stages per re
 independently: every combination up to 3,125, else the same ``g`` everywhere plus one region
 changed at a time), every microbatch size, and the layer split by its own dynamic program
 over a bottleneck-plus-fill bound (memory, plan and runtime terms, with 1F1B's microbatches in flight; recomputation
-where a stage does not fit). The best configurations are simulated with every schedule (compact:
-the builder's own schedule for the split, as the planner builds it) and their splits refined
-by moving one boundary at a time, scored by the simulator.
+where a stage does not fit). The best 4 configurations of each chain are simulated with every schedule (compact:
+the builder's own schedule for the split, as the planner builds it), the best plan's split
+refined by moving one boundary at a time, scored by the simulator; then, while the budget
+lasts, the other configurations of the chains searched (the best 2,000 by the DP's value) are
+simulated in that order, and a new best is refined again.
 
 Its budget is CPU seconds of its own process (``--budget-s``), so a busy machine does not
 weaken it. It is *not* exhaustive over splits and devices per stage (no exhaustive search of those is
@@ -74,6 +76,8 @@ KINDS = (  # name, peak fp16 TFLOP/s, memory GiB, achievable fraction (datasheet
     ("a2", 36.0, 16, 0.3), ("rtx4060", 30.0, 8, 0.4))
 SHAPES = ((2048, 16), (2560, 20), (3072, 26), (4096, 32), (5120, 40))
 """Llama hidden sizes (with the layer counts of published models near them)."""
+LATER = 2000
+"""At most this many configurations are kept for the reference's later phase."""
 SCHEDULES = ("gpipe", "1f1b", "zb-h1", "zb-h2")
 STATE_FRACTION = 0.35
 """The model's state is at most this fraction of the cluster's summed memory. At 0.6, 7 of the
@@ -464,7 +468,11 @@ def reference_search(cluster: Cluster, model: ModelProfile, batch: int, *, budge
     t0, c0 = time.perf_counter(), time.process_time()
     ref = _Reference(cluster, model, batch, budget_s)
     sizes = [n for n in range(1, batch + 1) if batch % n == 0]
-    pool: list[tuple[float, int, list, int, list[int], list[bool]]] = []
+    # Every configuration the chains gave beyond the ``keep`` simulated at once, best first by
+    # the DP's value: simulated afterwards while the budget lasts (on small clusters the chain
+    # bound ends the chain phase early, and the DP's value is only a guide: simulated times
+    # were 0.97-1.9x it, in a different order), at most ``LATER`` of them.
+    later: list[tuple[float, int, list, int, list[int], list[bool]]] = []
     tick = itertools.count()
     for bound, order in ref.chain_bounds():
         if bound >= ref.best[0] or ref.over():
@@ -482,13 +490,25 @@ def reference_search(cluster: Cluster, model: ModelProfile, batch: int, *, budge
                 got = ref.split(slots, n)
                 if got is not None:
                     heapq.heappush(local, (got[0], next(tick), slots, n, got[1], got[2]))
-        for item in heapq.nsmallest(keep, local):
+        best = heapq.nsmallest(keep + LATER, local)
+        for item in best[:keep]:
             for plan in ref.plans(*item[2:]):
                 ref.score(plan)
-        pool += heapq.nsmallest(keep, local)
+        later = heapq.nsmallest(LATER, later + best[keep:])
     if ref.best[1] is not None:
         ref.refine(ref.best[1])
+    chains_done, refined = ref.exhausted, ref.best[1]
+    done = 0
+    # the later phase leaves a fifth of the budget to refine a new best
+    while done < len(later) and time.process_time() < ref.deadline - 0.2 * budget_s and ref.best[1] is not None:
+        for plan in ref.plans(*later[done][2:]):
+            ref.score(plan)
+        done += 1
+    if ref.best[1] is not refined:
+        ref.refine(ref.best[1])
+    ref.exhausted = chains_done
     return {"plan": ref.best[1], "iteration_s": ref.best[0], "chains": ref.chains, "simulated": ref.simulated,
+            "later_configurations": done, "later_left": len(later) - done,
             "exhausted": ref.exhausted, "seconds": time.perf_counter() - t0, "cpu_s": time.process_time() - c0}
 
 
@@ -523,13 +543,35 @@ def _cached_reference(entry: dict, cluster: Cluster, model: ModelProfile) -> dic
     return {"plan": plan, "iteration_s": simulate(plan, cluster, model, record=False).iteration_s if plan else math.inf,
             "chains": entry["reference_chains"], "simulated": entry["reference_simulated"],
             "exhausted": entry["reference_exhausted"], "seconds": entry["reference_seconds"],
-            "cpu_s": entry.get("reference_cpu_s"), "cached": True}
+            "cpu_s": entry.get("reference_cpu_s"), "cached": True,
+            "later_configurations": entry.get("reference_later"), "later_left": entry.get("reference_later_left")}
 
 
-def run_instance(seed: int, budget_s: float = 120.0, tau: bool = False, cached: dict | None = None) -> dict:
+SCENARIO_CASES = (
+    "cee-testbed/gpt2/64", "cee-testbed/resnet50/64", "cee-testbed/resnet101/128", "cee-testbed/bert-small/128",
+    "cee-testbed/efficientnet-b0/32", "cee-testbed/gpt2-xl/128", "cee-testbed/llama-7b/128",
+    "cee-testbed-500m/gpt2/64", "cee-testbed-500m/resnet50/128",
+    "scale-2/gpt2/64", "scale-4/bert-small/64", "scale-8/gpt2-medium/128", "scale-12/resnet50/256",
+    "scale-16/gpt2/256", "scale-16/gpt2-xl/256")
+"""``--scenarios``: the DeepCEE testbed and its scalability series (built-in scenarios), each
+``scenario/model/global batch``: the golden record's cases of those clusters, and models that
+must span nodes."""
+
+
+def instance(key: int | str) -> tuple[Cluster, ModelProfile, int]:
+    """A seeded WAN instance (an int) or a built-in scenario case ``scenario/model/batch``."""
+    if isinstance(key, int):
+        return wan_instance(key)
+    from deepcee.scenarios import load_scenario
+
+    scenario, model, batch = key.split("/")
+    return load_scenario(scenario), get_model(model), int(batch)
+
+
+def run_instance(seed: int | str, budget_s: float = 120.0, tau: bool = False, cached: dict | None = None) -> dict:
     from deepcee.planner.search import plan_training
 
-    cluster, model, batch = wan_instance(seed)
+    cluster, model, batch = instance(seed)
     t0, c0 = time.perf_counter(), time.process_time()
     tau_value = None
     try:
@@ -548,7 +590,7 @@ def run_instance(seed: int, budget_s: float = 120.0, tau: bool = False, cached: 
     gap = None if planner_s is None or ref_s is None else planner_s / ref_s - 1.0
     return {
         "seed": seed, "devices": len(cluster.devices), "regions": len(cluster.islands),
-        "params_b": model.parameter_count / 1e9, "layers": model.num_layers, "seq_len": model.hyper["seq_len"],
+        "params_b": model.parameter_count / 1e9, "layers": model.num_layers, "seq_len": model.hyper.get("seq_len"),
         "global_batch": batch, "planner_s": planner_s, "reference_s": ref_s, "gap": gap,
         "planner_devices": len(planned.devices) if planned else None,
         "planner_regions": len({cluster.device(d).island for d in planned.devices}) if planned else None,
@@ -561,7 +603,8 @@ def run_instance(seed: int, budget_s: float = 120.0, tau: bool = False, cached: 
         "reference_seconds": ref["seconds"], "reference_cpu_s": ref["cpu_s"], "reference_budget_cpu_s": budget_s,
         "reference_cached": bool(ref.get("cached")),
         "reference_plan": ref["plan"].to_dict() if ref["plan"] is not None else None,
-        "reference_chains": ref["chains"],
+        "reference_chains": ref["chains"], "reference_later": ref.get("later_configurations"),
+        "reference_later_left": ref.get("later_left"),
         "reference_simulated": ref["simulated"], "reference_exhausted": ref["exhausted"], "chain_search": gap_note,
     }
 
@@ -581,7 +624,8 @@ def _note(r: dict) -> str:
     if r["gap"] is not None and r["gap"] > 0.02:
         ref = "searched every chain under its bound" if r["reference_exhausted"] else "stopped by its budget"
         return (f"MISS: deepcee {100 * r['gap']:+.2f}%: deepcee {r['planner_shape']}; reference ({ref}, "
-                f"{r['reference_chains']} chains) {r['reference_shape']}")
+                f"{r['reference_chains']} chains, {r.get('reference_later')} later configurations simulated, "
+                f"{r.get('reference_later_left')} left) {r['reference_shape']}")
     if r["gap"] is not None and r["gap"] < -0.005:
         return (f"reference failure: deepcee's plan is {-100 * r['gap']:.2f}% faster (the reference misses part of "
                 f"the space{'' if r['reference_exhausted'] else ', stopped by its budget'}): deepcee "
@@ -606,11 +650,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reference-from", default=None, metavar="JSON",
                     help="reuse the reference results of an earlier run's JSON (same seeds and --budget-s; "
                          "re-simulated) and re-run only the planner")
+    ap.add_argument("--scenarios", nargs="?", const=",".join(SCENARIO_CASES), default=None, metavar="CASES",
+                    help="instead of seeds: built-in scenario cases scenario/model/batch, comma-separated "
+                         "(alone: the testbed and its scalability series)")
     ap.add_argument("--quick", action="store_true", help="10 instances, 20 s of reference search each")
     ap.add_argument("--out", default="reports/planner_at_scale.json")
     args = ap.parse_args(argv)
     count, budget = (10, 20.0) if args.quick else (args.instances, args.budget_s)
-    seeds = range(args.first, args.first + count)
+    seeds = args.scenarios.split(",") if args.scenarios else range(args.first, args.first + count)
     earlier: dict[int, dict] = {}
     if args.reference_from:
         import json
@@ -626,12 +673,12 @@ def main(argv: list[str] | None = None) -> int:
           f"{'plan t':>8}{'cpu t':>7}{'ref cpu':>8}{'regions p/r':>12}{'tau':>6}  note")
     rows = []
     with ProcessPoolExecutor(max_workers=max(1, min(2, args.jobs))) as pool:
-        taus = [args.tau_every > 0 and s % args.tau_every == 0 for s in seeds]
+        taus = [args.tau_every > 0 and isinstance(s, int) and s % args.tau_every == 0 for s in seeds]
         for r in pool.map(run_instance, seeds, itertools.repeat(budget), taus, [earlier.get(s) for s in seeds]):
             rows.append(r)
             fmt = lambda v, f: f"{'-':>{f.split('.')[0]}}" if v is None else format(v, f)  # noqa: E731
             note = _note(r)
-            print(f"{r['seed']:>5}{r['devices']:>5}{r['regions']:>4}{r['params_b']:>6.1f}B{r['global_batch']:>6}"
+            print(f"{str(r['seed']):>5}{r['devices']:>5}{r['regions']:>4}{r['params_b']:>6.1f}B{r['global_batch']:>6}"
                   f"{fmt(r['planner_s'], '11.4g')}{fmt(r['reference_s'], '11.4g')}"
                   f"{fmt(None if r['gap'] is None else 100 * r['gap'], '8.2f')}{r['planning_s']:>8.1f}"
                   f"{r['planning_cpu_s']:>7.1f}{'cached' if r['reference_cached'] else format(r['reference_cpu_s'], '.0f'):>8}"
