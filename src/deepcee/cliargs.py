@@ -14,7 +14,7 @@ below (:data:`CLI_LIMITS`, listed in ``docs/file-formats.md``).
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -32,7 +32,8 @@ __all__ = [
     "BUDGET", "DATASET_SAMPLES", "EPOCHS", "CLIP_NORM", "CLI_LIMITS", "CORES", "DEADLINE", "EVAL_BATCHES", "EVERY", "GLOBAL_BATCH", "IMAGE_SIZE", "ITERATIONS",
     "KEEP", "LR", "MICROBATCHES", "MIN_LR_RATIO", "MOMENTUM", "PLANS", "RATIO", "SCALE", "SEED", "SEQ_LEN", "STAGES",
     "STEPS", "TARGET_LOSS", "THRESHOLD_MS", "TIMEOUT", "WEIGHT_DECAY",
-    "OneLineParser", "link_down_flag", "name_list", "name_pair", "number", "out_path", "straggler_flag",
+    "OneLineParser", "link_down_flag", "name_list", "name_pair", "number", "out_path", "split_name_pair",
+    "straggler_flag",
 ]
 
 STEPS = Limit(name="training steps", lo=1, hi=10**9, integer=True, fields="--steps, --decay-steps",
@@ -117,11 +118,26 @@ def name_list(choices: tuple[str, ...]) -> Callable[[str], str]:
     return parse
 
 
-def name_pair(text: str) -> tuple[str, str]:
-    """An argparse ``type``: two different names as ``a,b``."""
-    a, comma, b = text.partition(",")
-    if not comma or not a or not b or "," in b or a == b:
+def name_pair(text: str) -> str:
+    """An argparse ``type``: two names as ``a,b``, split later against the names that exist
+    (:func:`split_name_pair`), since a name may itself hold a comma."""
+    if "," not in text.strip(",") or not text.strip():
         raise argparse.ArgumentTypeError(f"expected two different names as a,b, got {show(text)}")
+    return text
+
+
+def split_name_pair(text: str, names: Collection[str]) -> tuple[str, str]:
+    """``a,b`` as two different names of ``names``, at the one comma where both sides are names;
+    else the first comma (the caller's check of the names then says which is unknown). Raises
+    ``ValueError`` when two commas both split ``text`` into known names."""
+    cuts = [(text[:i], text[i + 1:]) for i, ch in enumerate(text) if ch == ","]
+    known = [c for c in cuts if c[0] in names and c[1] in names]
+    if len(known) > 1:
+        raise ValueError(f"{show(text)} splits into two known names in {len(known)} ways: "
+                         f"{' or '.join(repr(a) + ' and ' + repr(b) for a, b in known)}")
+    a, b = known[0] if known else cuts[0]
+    if a == b:
+        raise ValueError(f"expected two different names as a,b, got {show(text)}")
     return a, b
 
 

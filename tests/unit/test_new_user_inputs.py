@@ -357,3 +357,21 @@ def test_blank_or_padded_node_names_are_refused(tmp_path: Path, blank: str) -> N
     p.write_text(TWO_ISLANDS.replace('name = "a0"', f'name = "{blank}"'))
     with pytest.raises(ClusterSpecError, match=r"c\.toml: nodes\[0\]\.name: names may not be blank"):
         load_cluster(p)
+
+
+@pytest.mark.parametrize(("text", "pair"), [("eu,west,us", ("eu,west", "us")), ("us,eu,west", ("us", "eu,west")),
+                                           ("us,asia", ("us", "asia"))])
+def test_trace_links_split_where_both_sides_are_names(text: str, pair: tuple[str, str]) -> None:
+    """An island may be named ``eu,west``; ``--trace-links`` split at the first comma and refused it."""
+    from deepcee.cliargs import split_name_pair
+
+    assert split_name_pair(text, {"eu,west", "us", "asia"}) == pair
+
+
+def test_trace_links_refuse_an_ambiguous_pair_or_one_name_twice() -> None:
+    from deepcee.cliargs import split_name_pair
+
+    with pytest.raises(ValueError, match="in 2 ways"):
+        split_name_pair("a,b,c", {"a", "b", "c", "a,b", "b,c"})
+    with pytest.raises(ValueError, match="two different names"):
+        split_name_pair("a,a", {"a"})

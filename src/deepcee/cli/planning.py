@@ -17,6 +17,7 @@ from deepcee.cli.common import (
     _write_json,
 )
 from deepcee.cliargs import (
+    split_name_pair,
     straggler_flag,
 )
 from deepcee.errors import SpecError
@@ -160,11 +161,16 @@ def _apply_trace(cluster, trace_ref: str, between: tuple[str, str] | None):
     return with_trace(cluster, load_named_trace(trace_ref, field="--link-trace"), between=_trace_links(cluster, between))
 
 
-def _trace_links(cluster, between: tuple[str, str] | None) -> list[tuple[str, str]] | None:
-    """``--trace-links a,b`` as one pair of island, node or device names of ``cluster``."""
-    if between is None:
+def _trace_links(cluster, text: str | None) -> list[tuple[str, str]] | None:
+    """``--trace-links a,b`` as one pair of island, node or device names of ``cluster`` (a name
+    may hold a comma: the pair is split where both sides are names)."""
+    if text is None:
         return None
     names = {d.name for d in cluster.devices} | {n.name for n in cluster.nodes} | {i.name for i in cluster.islands}
+    try:
+        between = split_name_pair(text, names)
+    except ValueError as err:
+        raise SpecError(str(err), field="--trace-links") from None
     for name in between:
         if name not in names:
             raise SpecError(f"no island, node or device called {name!r} in cluster {cluster.name!r} (islands: "
