@@ -68,7 +68,7 @@ import numpy as np
 
 from deepcee.cluster import Cluster
 from deepcee.plan import Estimate, Plan, StagePlan, share_overlaps
-from deepcee.planner.lanes import PASSES, Lane, lanes_at_once, undominated_lanes
+from deepcee.planner.lanes import PASSES, Lane, Pieces, boundary_pieces, devices_at_once, lanes_at_once, undominated_lanes
 from deepcee.planner.ranges import RangeCosts as RangeCosts
 from deepcee.planner.ranges import RangeTables as RangeTables
 from deepcee.planner.ranges import largest_remainder_shares as largest_remainder_shares
@@ -343,6 +343,18 @@ def lanes_timing(lowered: Schedule, lanes: Sequence[tuple[Lane, float]], comm_fo
                           busy_s=tuple(float(x) for x in busy))
 
 
+def devices_timing(lowered: Schedule, per_device: Sequence[Sequence[tuple[float, ...]]],
+                   pieces: Sequence[tuple[Pieces, Pieces]], runtime: RuntimeModel | None) -> PipelineTiming:
+    """Each stage's finish with every device timed ([Note: devices at once] in :mod:`deepcee.planner.lanes`):
+    ``per_device``: per stage and device ``(F, I, W, B)``; ``pieces``: per boundary, both directions'
+    :func:`~deepcee.planner.lanes.boundary_pieces`. ``busy_s``: each stage's busiest device."""
+    dur = [np.array(row, dtype=float) for row in per_device]
+    ends = devices_at_once(lowered, dur, pieces, runtime)
+    counts = [np.array([sum(1 for a in row if a.kind is k) for k in PASSES], dtype=float) for row in lowered]
+    return PipelineTiming(stage_end_s=tuple(float(e.max()) for e in ends),
+                          busy_s=tuple(float((d * c).sum(axis=1).max()) for d, c in zip(dur, counts, strict=True)))
+
+
 # ----------------------------------------------------------------------------- the model
 
 
@@ -399,8 +411,8 @@ class AnalyticCostModel:
         bounds = tuple(memo.boundary(a, b) for a, b in zip(plan.stages, plan.stages[1:], strict=False))
         lowered, in_flight = lowered_schedule(plan), stage_in_flight(plan)
         rt = self.runtime or runtime_for(cluster, model)
-        timing = lanes_timing(lowered, lane_passes(plan, cluster, model, per_device, bounds), [b.forward for b in bounds],
-                              [b.backward for b in bounds], num_microbatches=plan.num_microbatches, runtime=rt)
+        timing = devices_timing(lowered, per_device, [memo.pieces(a, b) for a, b in zip(plan.stages, plan.stages[1:],
+                                                                                       strict=False)], rt)
         ar, opt, ends = [], [], []
         for s, st in enumerate(plan.stages):
             t = timing.stage_end_s[s]
@@ -460,7 +472,7 @@ class StageTerms:
     the cluster and model), each computed once: a search scores many plans that share stages
     (schedules, syncs, neighbouring splits). Same functions, same arguments: the same figures."""
 
-    __slots__ = ("_allreduce", "_bounds", "_passes", "cluster", "model", "traced")
+    __slots__ = ("_allreduce", "_bounds", "_passes", "_pieces", "cluster", "model", "traced")
 
     def __init__(self, cluster: Cluster, model: ModelProfile) -> None:
         self.cluster, self.model = cluster, model
@@ -469,6 +481,7 @@ class StageTerms:
         """Whether a bandwidth trace can make an all-reduce depend on when it starts."""
         self._passes: dict[tuple, list[tuple[float, ...]]] = {}
         self._bounds: dict[tuple, BoundaryCost] = {}
+        self._pieces: dict[tuple, tuple[Pieces, Pieces]] = {}
         self._allreduce: dict[tuple, float] = {}
 
     def passes(self, st: StagePlan) -> list[tuple[float, ...]]:
@@ -485,6 +498,15 @@ class StageTerms:
         got = self._bounds.get(key)
         if got is None:
             got = self._bounds[key] = boundary_cost(self.cluster, a, b, self.model.boundary_bytes(a.layer_stop))
+        return got
+
+    def pieces(self, a: StagePlan, b: StagePlan) -> tuple[Pieces, Pieces]:
+        """:func:`~deepcee.planner.lanes.boundary_pieces` from ``a`` to ``b``, both directions."""
+        key = (a.devices, a.shares, a.layer_stop, b.devices, b.shares)
+        got = self._pieces.get(key)
+        if got is None:
+            got = self._pieces[key] = (boundary_pieces(self.cluster, self.model, a, b, 0),
+                                       boundary_pieces(self.cluster, self.model, a, b, 1))
         return got
 
     def allreduce(self, devices: tuple[str, ...], nbytes: float, sync: str, runtime: RuntimeModel, at_s: float) -> float:

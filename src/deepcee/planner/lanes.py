@@ -8,13 +8,17 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
+from deepcee.cluster import Cluster
 from deepcee.errors import ScheduleError
-from deepcee.plan import Plan
+from deepcee.plan import Plan, StagePlan, share_overlaps
+from deepcee.profile import ModelProfile
 from deepcee.schedule.interpreter import LinkCost
 from deepcee.schedule.ir import ActionKind, Schedule
+from deepcee.simulator.engine import wire_bytes
 from deepcee.simulator.runtime_model import RuntimeModel
 
 Lane = tuple[tuple[float, ...], ...]
@@ -140,3 +144,135 @@ def lanes_at_once(lowered: Schedule, dur: np.ndarray, comm_forward: Sequence[Lin
     if any(pc < len(row) for pc, row in zip(pcs, lowered, strict=True)):
         raise ScheduleError("lanes: the schedule deadlocks (a receive without its send)")
     return np.stack(clock, axis=1)
+
+
+@dataclass(frozen=True, slots=True)
+class Pieces:
+    """The pieces one boundary direction's send issues, one per sample overlap of a sender and a
+    receiver device (the simulator's), as arrays; see [Note: devices at once]."""
+
+    sender: np.ndarray
+    """Per piece, the sending device's index in its stage."""
+    latency_s: np.ndarray
+    serialization_s: np.ndarray
+    resource: np.ndarray
+    """Per piece, its pipe (numbered from 0 within the boundary direction)."""
+    num_resources: int
+    order: np.ndarray | None
+    """``None`` when every pipe carries one piece; else per piece its rank among simultaneous
+    sends (the simulator's: sender device order, then its pieces in order)."""
+    rank_pos: tuple[np.ndarray, ...]
+    """Per rank ``r`` inside a pipe's pieces, the positions (in pipe-major order) of the pipes' ``r``-th
+    piece (pipes with more than ``r`` pieces)."""
+    first_res: np.ndarray
+    """Per pipe, its first position in pipe-major order; ``last_pos`` its last."""
+    last_pos: np.ndarray
+    to_receiver: np.ndarray
+    """Per receiver device, its pieces' indices (padded with the index of an always-earliest slot)."""
+    to_sender: np.ndarray
+    """Per sender device, its pieces' indices (padded likewise)."""
+
+
+def boundary_pieces(cluster: Cluster, model: ModelProfile, src: StagePlan, dst: StagePlan, direction: int) -> Pieces:
+    """:class:`Pieces` of one direction (0: ``src -> dst``, 1: back) of the boundary between two stages."""
+    per_sample = model.boundary_bytes(src.layer_stop)
+    rows = []
+    for i, j, lo, hi in share_overlaps(src.shares, dst.shares):
+        a, b, snd, rcv = (src.devices[i], dst.devices[j], i, j) if direction == 0 else (dst.devices[j], src.devices[i], j, i)
+        link = cluster.link(a, b)
+        rows.append((snd, rcv, link.latency_s, wire_bytes(model, a, b, (hi - lo) * per_sample) / link.bandwidth_bytes_per_s,
+                     link.resource))
+    names: dict[str, int] = {}
+    res = np.array([names.setdefault(r[4], len(names)) for r in rows])
+    sender = np.array([r[0] for r in rows])
+    receiver = np.array([r[1] for r in rows])
+    p = len(rows)
+    order = None
+    counts = np.bincount(res, minlength=len(names))
+    if counts.max() > 1:
+        order = np.empty(p, dtype=np.int64)
+        order[np.lexsort((np.arange(p), sender))] = np.arange(p)
+    grouped = np.argsort(res, kind="stable")
+    first = np.concatenate(([0], np.cumsum(counts)[:-1]))
+    rank_pos = tuple(first[counts > r] + r for r in range(int(counts.max())))
+    n_recv = len(dst.devices) if direction == 0 else len(src.devices)
+    n_send = len(src.devices) if direction == 0 else len(dst.devices)
+    del grouped
+    return Pieces(sender=sender, latency_s=np.array([r[2] for r in rows]), serialization_s=np.array([r[3] for r in rows]),
+                  resource=res, num_resources=len(names), order=order, rank_pos=rank_pos, first_res=first,
+                  last_pos=first + counts - 1, to_receiver=_padded(receiver, n_recv, p), to_sender=_padded(sender, n_send, p))
+
+
+def _padded(owner: np.ndarray, n: int, pad: int) -> np.ndarray:
+    """Per owner ``0..n-1``, the indices of its entries in ``owner``, padded with ``pad``."""
+    lists: list[list[int]] = [[] for _ in range(n)]
+    for k, o in enumerate(owner):
+        lists[o].append(k)
+    width = max(len(x) for x in lists)
+    return np.array([x + [pad] * (width - len(x)) for x in lists], dtype=np.int64)
+
+
+def _serve(pc: Pieces, go: np.ndarray, free: np.ndarray) -> np.ndarray:
+    """Each piece's end of serialisation: pipes first in, first out from ``free`` (updated), pieces
+    of one send served in the order they were issued (ties: sender device order)."""
+    ser = pc.serialization_s
+    if pc.order is None:
+        done = np.maximum(go, free[pc.resource]) + ser
+        free[pc.resource] = done
+        return done
+    idx = np.lexsort((pc.order, go, pc.resource))  # pipe-major, then issue time, then device order
+    g, s = go[idx], ser[idx]
+    done_s = np.empty_like(g)
+    prev = free
+    for r, pos in enumerate(pc.rank_pos):
+        before = prev[pc.resource[idx[pos]]] if r == 0 else done_s[pos - 1]
+        done_s[pos] = np.maximum(g[pos], before) + s[pos]
+    free[pc.resource[idx[pc.last_pos]]] = done_s[pc.last_pos]
+    done = np.empty_like(done_s)
+    done[idx] = done_s
+    return done
+
+
+def devices_at_once(lowered: Schedule, dur: Sequence[np.ndarray], pieces: Sequence[tuple[Pieces, Pieces]],
+                    runtime: RuntimeModel | None) -> list[np.ndarray]:
+    """Each device's end of its stage's list (per stage, one entry per device), see [Note: devices at once].
+    ``dur``: per stage, device x (F, I, W, B); ``pieces``: per boundary, forward and backward."""
+    n = len(lowered)
+    blocking = runtime is not None and runtime.sends == "blocking"
+    handshake = runtime is not None and runtime.receive_handshake
+    cols = [[np.ascontiguousarray(dur[s][:, k]) for k in range(len(PASSES))] for s in range(n)]
+    clock = [np.zeros(len(dur[s])) for s in range(n)]
+    free = {(d, b): np.zeros(pieces[b][d].num_resources) for b in range(n - 1) for d in (0, 1)}
+    arrived: dict[tuple[int, int, int], np.ndarray] = {}
+    pcs, progress = [0] * n, True
+    while progress:
+        progress = False
+        for s, row in enumerate(lowered):
+            pc, t, col = pcs[s], clock[s], cols[s]
+            while pc < len(row):
+                a = row[pc]
+                k = _PASS.get(a.kind)
+                if k is not None:
+                    t = t + col[k]
+                elif a.kind in _RECV:
+                    got = arrived.pop((_RECV[a.kind], s, a.microbatch), None)
+                    if got is None:
+                        break
+                    t = np.maximum(t, got)
+                else:
+                    d = _SEND[a.kind]
+                    b = s if d == 0 else s - 1
+                    p = pieces[b][d]
+                    go = t[p.sender]
+                    if handshake:
+                        go = np.maximum(go, p.latency_s)
+                    arrive = np.append(_serve(p, go, free[d, b]) + p.latency_s, -np.inf)
+                    arrived[d, s + 1 if d == 0 else s - 1, a.microbatch] = arrive[p.to_receiver].max(axis=1)
+                    if blocking:
+                        t = np.maximum(t, arrive[p.to_sender].max(axis=1))
+                pc += 1
+            progress |= pc != pcs[s]
+            pcs[s], clock[s] = pc, t
+    if any(pc < len(row) for pc, row in zip(pcs, lowered, strict=True)):
+        raise ScheduleError("devices at once: the schedule deadlocks (a receive without its send)")
+    return clock
