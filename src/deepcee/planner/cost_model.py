@@ -20,15 +20,16 @@ The model, per plan (``S`` stages, ``M`` microbatches):
    carry pieces for several receivers, see [Note: shared pipe delivery].
    The backward direction carries the same bytes the other way.
 3. **Pipeline.** The plan's lowered schedule (:func:`deepcee.schedule.program.lowered_schedule`,
-   the lists the simulator and the runtime run) goes through the simulator's interpreter
-   (:mod:`deepcee.schedule.interpreter`) on the dry run's tables
-   (:func:`~deepcee.schedule.interpreter.stage_tables`: one device per stage with the stage
-   costs of 1, one FIFO link per boundary direction with the costs of 2), without recording
-   (:func:`pipeline_timing`), once per sample lane: the stage costs of 1 taken on the lane's
-   device instead of the slowest, a stage ending with its last lane (:func:`lanes_timing`,
-   [Note: sample lanes] in :mod:`deepcee.planner.lanes`). It is exact whenever the stage-level costs above are exact (one
-   device per stage, one link resource per boundary); zero-bubble schedules get their bubble
-   filled by ``W`` because their ``W`` actions are in the list.
+   the lists the simulator and the runtime run) timed on every device at once
+   (:func:`devices_timing`, [Note: devices at once] in :mod:`deepcee.planner.lanes`): each
+   device with its own ``F``/``I``/``W``/``B`` (1, taken per device), each send's pieces over
+   their own pipes as the simulator issues them (the pieces of 2, not the boundary-wide pair),
+   a stage ending with its last device. It is the simulator's own recursion except for the
+   order a pipe shared by several senders serves their pieces in (per send, not strictly by
+   issue time), so exact with one device per stage, or whenever no pipe carries two devices'
+   pieces out of program order; zero-bubble schedules get their bubble filled by ``W``
+   because their ``W`` actions are in the list. :func:`pipeline_timing` is the stage-level
+   dry run on the costs of 1 and 2 (what the compact builder and tests use).
 4. **Synchronisation.** Conservatively, a stage's gradient all-reduce
    (:func:`deepcee.simulator.engine.allreduce_time_s`: the ring model plus the runtime's
    handshakes) starts only after the stage finished
@@ -50,25 +51,24 @@ For the planner's layer-split search, :class:`~deepcee.planner.ranges.RangeCosts
 the same terms for every contiguous layer range ``[a, b)`` of one device set at once (numpy
 matrices; see [Note: range times] in :mod:`deepcee.planner.ranges`).
 
-What is approximate against the simulator: lanes are timed apart (a device waiting for
-pieces of two lanes is not modelled; lanes queued behind each other on a shared pipe only as
-a start lag charged once, [Note: pipe lag] in :mod:`deepcee.planner.lanes`),
-a boundary with several link resources is reduced to one FIFO pair, and transfers of
-different boundaries that share one resource are not queued behind each other.
+What is approximate against the simulator: a pipe shared by several devices of a stage serves
+the pieces of one send after those of earlier sends, while the simulator serves by issue time
+([Note: devices at once]); transfers of different boundaries that share one resource are not
+queued behind each other; bandwidth traces are read at time 0 for the pipeline.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import numpy as np
 
 from deepcee.cluster import Cluster
 from deepcee.plan import Estimate, Plan, StagePlan, share_overlaps
-from deepcee.planner.lanes import PASSES, Lane, Pieces, boundary_pieces, devices_at_once, lanes_at_once, undominated_lanes
+from deepcee.planner.lanes import PASSES, Pieces, boundary_pieces, devices_at_once
 from deepcee.planner.ranges import RangeCosts as RangeCosts
 from deepcee.planner.ranges import RangeTables as RangeTables
 from deepcee.planner.ranges import largest_remainder_shares as largest_remainder_shares
@@ -115,10 +115,6 @@ class BoundaryCost:
     """Link resources (pipes) the forward direction uses."""
     link: str = ""
     """The slowest resource of the forward direction, with its bandwidth (for reports)."""
-    ahead: Mapping[tuple[int, int, int], float] = field(default_factory=dict)
-    """Per ``(direction, sender-stage device index, receiver-stage device index)`` of a piece that
-    shares its pipe: the serialisation of the pieces ahead of it there, in device order (the
-    simulator's order of simultaneous sends; [Note: pipe lag] in :mod:`deepcee.planner.lanes`)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -196,15 +192,12 @@ def boundary_cost(cluster: Cluster, src: StagePlan, dst: StagePlan, bytes_per_sa
     per: list[dict[str, list[float]]] = [defaultdict(lambda: [0.0, 0.0, 0.0]), defaultdict(lambda: [0.0, 0.0, 0.0])]
     # per direction, receiver and resource: (serialisation of its pieces there, latency)
     own: list[dict[tuple[str, str], list[float]]] = [defaultdict(lambda: [0.0, 0.0]), defaultdict(lambda: [0.0, 0.0])]
-    ahead: dict[tuple[int, int, int], float] = {}
     for i, j, lo, hi in share_overlaps(src.shares, dst.shares):
         for d, a, b in ((0, src.devices[i], dst.devices[j]), (1, dst.devices[j], src.devices[i])):
             link = cluster.link(a, b)
             bw = link.bandwidth_at(at_s)
             r = per[d][link.resource]
             t = (hi - lo) * bytes_per_sample / bw
-            if r[0] > 0:  # pieces ahead of this one on its pipe ([Note: pipe lag] in deepcee.planner.lanes)
-                ahead[d, i, j] = r[0]
             r[0] += t
             r[1] = max(r[1], link.latency_s)
             r[2] = bw
@@ -220,7 +213,7 @@ def boundary_cost(cluster: Cluster, src: StagePlan, dst: StagePlan, bytes_per_sa
     busiest = max(per[0].values(), key=lambda r: r[0])
     return BoundaryCost(forward=pairs[0], backward=pairs[1],
                         bytes_per_microbatch=src.microbatch_size * bytes_per_sample,
-                        busiest_bytes=busiest[0] * busiest[2], resources=len(per[0]), ahead=ahead,
+                        busiest_bytes=busiest[0] * busiest[2], resources=len(per[0]),
                         link=f"{worst[0]} ({fmt_rate(worst[1][2])}, {worst[1][1] * 1e3:.3g} ms)")
 
 
@@ -304,43 +297,6 @@ def stage_device_passes(st: StagePlan, cluster: Cluster, model: ModelProfile) ->
             same[key] = stage_pass_s(model, cluster, replace(st, devices=(dev,), shares=(share,)))
         row.append(same[key])
     return row
-
-
-def lane_passes(plan: Plan, cluster: Cluster, model: ModelProfile,
-                per_stage: Sequence[Sequence[tuple[float, ...]]] | None = None,
-                bounds: Sequence[BoundaryCost] | None = None) -> list[tuple[Lane, float]]:
-    """Per lane that no other lane dominates, each stage's ``(F, I, W, B)`` on the lane's device and
-    its lag behind other lanes' pieces on a shared pipe ([Note: sample lanes], [Note: pipe lag] in
-    :mod:`deepcee.planner.lanes`), the largest summed passes first. ``per_stage``:
-    :func:`device_passes`; ``bounds``: each boundary's :func:`boundary_cost`."""
-    per_stage = device_passes(plan, cluster, model) if per_stage is None else per_stage
-    if bounds is None:
-        bounds = [boundary_cost(cluster, a, b, model.boundary_bytes(a.layer_stop))
-                  for a, b in zip(plan.stages, plan.stages[1:], strict=False)]
-    ahead = {(s, *k): v for s, b in enumerate(bounds) for k, v in b.ahead.items()}
-    return undominated_lanes(plan, per_stage, ahead)
-
-
-def lanes_timing(lowered: Schedule, lanes: Sequence[tuple[Lane, float]], comm_forward: Sequence[LinkCost],
-                 comm_backward: Sequence[LinkCost], *, num_microbatches: int | None = None,
-                 runtime: RuntimeModel | None = None) -> PipelineTiming:
-    """:func:`pipeline_timing` of every lane (per stage ``(F, I, W, B)``, and its lag: the lane
-    starts that much later); each stage ends with its last lane ([Note: sample lanes]);
-    ``busy_s`` is the stages' maxima. One lane: the interpreter; several: all at once ([Note:
-    lanes at once] in :mod:`deepcee.planner.lanes`)."""
-    if len(lanes) == 1:
-        lane, lag = lanes[0]
-        t = pipeline_timing(lowered, [p[0] for p in lane], [p[1] for p in lane], [p[2] for p in lane],
-                            comm_forward, comm_backward, [p[3] for p in lane],
-                            num_microbatches=num_microbatches, runtime=runtime)
-        return t if lag == 0 else replace(t, stage_end_s=tuple(e + lag for e in t.stage_end_s))
-    dur = np.array([lane for lane, _ in lanes], dtype=float)  # lane x stage x (F, I, W, B)
-    ends = lanes_at_once(lowered, dur, comm_forward, comm_backward, runtime)
-    ends = ends + np.array([lag for _, lag in lanes])[:, None]
-    counts = np.array([[sum(1 for a in row if a.kind is k) for k in PASSES] for row in lowered], dtype=float)
-    busy = (dur * counts[None]).sum(axis=2).max(axis=0)
-    return PipelineTiming(stage_end_s=tuple(float(x) for x in ends.max(axis=0)),
-                          busy_s=tuple(float(x) for x in busy))
 
 
 def devices_timing(lowered: Schedule, per_device: Sequence[Sequence[tuple[float, ...]]],

@@ -1,149 +1,50 @@
-"""Sample lanes of a plan for the cost model (torch-free): which device chains to time, and
-timing many of them at once on the stage-level tables.
-
-See [Note: sample lanes] and [Note: lanes at once]; :mod:`deepcee.planner.cost_model` uses both.
+"""Every device of a plan timed at once for the cost model (torch-free): the simulator's pipeline,
+one numpy vector per stage (see [Note: devices at once]); :mod:`deepcee.planner.cost_model` uses it.
 """
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from deepcee.cluster import Cluster
 from deepcee.errors import ScheduleError
-from deepcee.plan import Plan, StagePlan, share_overlaps
+from deepcee.plan import StagePlan, share_overlaps
 from deepcee.profile import ModelProfile
-from deepcee.schedule.interpreter import LinkCost
 from deepcee.schedule.ir import ActionKind, Schedule
 from deepcee.simulator.engine import wire_bytes
 from deepcee.simulator.runtime_model import RuntimeModel
-
-Lane = tuple[tuple[float, ...], ...]
-"""Per stage, ``(F, I, W, B)`` of one microbatch on the lane's device."""
-
-# [Note: sample lanes]
-# In the simulator every device of a stage runs on its own: a device waits only for the pieces
-# of its own samples, from the devices of the neighbouring stages that hold them (see [Note:
-# share-based resharding] in :mod:`deepcee.plan`). Sample position ``x`` of a microbatch goes
-# through one device per stage: its lane. Where stages mix device kinds with one sample each
-# (the best plans at 256 and 512 devices: 16-64 devices of three kinds per stage, a microbatch
-# of one sample per device), the fast lanes finish early and the iteration is the slowest lane's
-# pipeline, fill and drain included; timing every stage by its slowest device instead (one
-# pipeline of the stages' maxima) made the model 2-3.6% pessimistic at 256 devices, by an
-# amount that depended on how the kinds lined up across stages, and ranked the top 20 with
-# Kendall tau 0.47. The pipeline is timed for every lane that no other lane dominates (every
-# pass at every stage at most the other's: the interpreter is monotone in its durations, so a
-# dominated lane cannot end later; all at once, [Note: lanes at once]), with the boundary-wide
-# link costs of the cost model; a stage ends when its last lane ends. With one device per
-# stage, or one lane through every stage's slowest device, this is the single pipeline of the
-# stages' maxima, and lanes whose pieces share a pipe start late by their lag ([Note: pipe
-# lag]). What it leaves out: a device that waits for pieces of two lanes (shares that do not
-# line up) waits for both; lanes are coupled through a shared pipe only by that lag.
-
-# [Note: pipe lag]
-# Two devices of a node sending to two devices of another node share one pipe: the simulator
-# serves their pieces first in, first out, ties in device order. During the fill a pipe that is
-# slower than the stages' forward passes is busy without a gap, so the second lane gets every
-# piece one piece later than the first (at 512 devices: 67 ms, 1.2% of the iteration, the whole
-# remaining error of the lane model there). That lag is paid once, not at every hop: the late
-# lane also sends late on the next shared pipe, after the earlier lane's piece went. Charging
-# the whole pipe at every hop was 6-17% pessimistic, the same lag at every hop as well; a lane
-# here starts late by the largest, over its boundaries and directions, of the serialisation of
-# the pieces ahead of its own on its pipe in device order. Measured on the top 20 at 512
-# devices: max error 1.9% -> 0.7%; at 256 devices (pipes less often the bottleneck) it moves
-# errors within +-0.5% both ways.
-
-
-def undominated_lanes(plan: Plan, per_stage: Sequence[Sequence[tuple[float, ...]]],
-                      ahead: Mapping[tuple[int, int, int, int], float] | None = None) -> list[tuple[Lane, float]]:
-    """Per lane that no other lane dominates, each stage's ``(F, I, W, B)`` on the lane's device
-    (``per_stage``: per stage and device) and the lane's lag (``ahead``: per ``(boundary,
-    direction, sender-stage device index, receiver-stage device index)``, the pieces ahead on
-    its pipe, see [Note: pipe lag]; default none), the largest summed passes first ([Note: sample lanes])."""
-    lanes: dict[Lane, float] = {}
-    starts = sorted({a for st in plan.stages for a in itertools.accumulate(st.shares[:-1], initial=0)})
-    index = [0] * plan.num_stages
-    ends = [st.shares[0] for st in plan.stages]
-    for x in starts:  # a lane per sample position where some stage's device changes
-        for s, st in enumerate(plan.stages):
-            while ends[s] <= x:
-                index[s] += 1
-                ends[s] += st.shares[index[s]]
-        lane = tuple(per_stage[s][index[s]] for s in range(plan.num_stages))
-        lag = max((ahead.get((s, d, index[s], index[s + 1]), 0.0) for s in range(plan.num_stages - 1)
-                   for d in (0, 1)), default=0.0) if ahead else 0.0
-        lanes[lane] = max(lanes.get(lane, 0.0), lag)
-    order = list(lanes.items())
-    if len(order) == 1:
-        return order
-    mat = np.array([[x for stage in lane for x in stage] + [lag] for lane, lag in order])
-    ge = (mat[:, None, :] >= mat[None, :, :]).all(axis=2)  # ge[a, b]: lane a at least lane b everywhere
-    dominated = (ge & ~np.eye(len(mat), dtype=bool)).any(axis=0)
-    keep = sorted(np.flatnonzero(~dominated), key=lambda k: (-mat[k].sum(), k))
-    return [order[k] for k in keep]
-
 
 PASSES = (ActionKind.F, ActionKind.I, ActionKind.W, ActionKind.B)
 _PASS = {kind: k for k, kind in enumerate(PASSES)}
 _SEND = {ActionKind.SEND_F: 0, ActionKind.SEND_B: 1}
 _RECV = {ActionKind.RECV_F: 0, ActionKind.RECV_B: 1}
 
-# [Note: lanes at once]
-# The stage-level tables give every link resource one sender (a boundary direction), so each
-# resource serves its pieces in the sender's program order, and the interpreter's times are a
-# fixed recursion over the actions: a stage's clock moves on by its compute, a send's piece
-# starts at the later of the sender's clock and the end of the resource's previous piece (and,
-# with the receive handshake, the piece's latency after the pass start), a receive waits for
-# its piece, a blocking send for its delivery. :func:`lanes_at_once` walks the actions once in
-# an order where every send precedes its receive and runs that recursion on numpy vectors, one
-# entry per lane: the same additions and maxima as the interpreter's, so each lane's times are
-# the interpreter's to the bit, for the cost of one pass over the schedule.
-
-
-def lanes_at_once(lowered: Schedule, dur: np.ndarray, comm_forward: Sequence[LinkCost],
-                   comm_backward: Sequence[LinkCost], runtime: RuntimeModel | None) -> np.ndarray:
-    """Each lane's end of each stage's list (lane x stage), see [Note: lanes at once]."""
-    num_lanes, n = dur.shape[0], len(lowered)
-    blocking = runtime is not None and runtime.sends == "blocking"
-    handshake = runtime is not None and runtime.receive_handshake
-    cols = [[dur[:, s, k].copy() for k in range(len(PASSES))] for s in range(n)]  # per stage and pass
-    clock = [np.zeros(num_lanes) for _ in range(n)]
-    free = {(d, s): np.zeros(num_lanes) for d in (0, 1) for s in range(n)}  # per direction and sender
-    arrived: dict[tuple[int, int, int], np.ndarray] = {}  # (direction, receiving stage, microbatch)
-    pcs, progress = [0] * n, True
-    while progress:
-        progress = False
-        for s, row in enumerate(lowered):
-            pc, t, col = pcs[s], clock[s], cols[s]
-            while pc < len(row):
-                a = row[pc]
-                k = _PASS.get(a.kind)
-                if k is not None:
-                    t = t + col[k]
-                elif a.kind in _RECV:
-                    got = arrived.pop((_RECV[a.kind], s, a.microbatch), None)
-                    if got is None:
-                        break
-                    t = np.maximum(t, got)
-                else:
-                    d = _SEND[a.kind]
-                    lat, ser = comm_forward[s] if d == 0 else comm_backward[s - 1]
-                    go = np.maximum(t, lat) if handshake else t
-                    done = np.maximum(go, free[d, s]) + ser
-                    free[d, s] = done
-                    arrive = done + lat
-                    arrived[d, s + 1 if d == 0 else s - 1, a.microbatch] = arrive
-                    if blocking:
-                        t = np.maximum(t, arrive)
-                pc += 1
-            progress |= pc != pcs[s]
-            pcs[s], clock[s] = pc, t
-    if any(pc < len(row) for pc, row in zip(pcs, lowered, strict=True)):
-        raise ScheduleError("lanes: the schedule deadlocks (a receive without its send)")
-    return np.stack(clock, axis=1)
+# [Note: devices at once]
+# In the simulator every device of a stage runs the stage's list on its own; a send issues one
+# piece per sample overlap with the peer stage's devices ([Note: share-based resharding] in
+# :mod:`deepcee.plan`), each on its link's pipe, first in first out by issue time; a receive
+# waits for all of its device's pieces. Every device of a stage runs the same list, so the
+# simulator's times are, up to the order of a pipe's pieces, a fixed recursion over the list's
+# actions with one entry per device: :func:`devices_at_once` walks the actions once (every send
+# before its receive) on one numpy vector per stage. A compute adds the devices' durations; a
+# send computes its pieces' issue times (the senders' clocks; with the receive handshake no
+# earlier than the piece's latency), serves each pipe's pieces of this send in issue order (ties:
+# sender device order, then the sender's pieces in order, as the simulator issues them) after the
+# pipe's previous pieces, and delivers each a latency later; a receive waits for the latest of
+# its device's pieces; a blocking send holds its device until its own last delivery.
+# What differs from the simulator: a pipe serves the pieces of one send after those of the
+# sender stage's earlier sends (program order), while the simulator serves by issue time, so when
+# two devices sharing a pipe run a microbatch or more apart, the ahead device's later piece goes
+# first there (on the top 20 plans at 512 devices: 1-3% of pieces, up to 0.8% of the iteration);
+# pipes shared by two boundaries are queued apart; a bandwidth trace is taken at time 0.
+# Session 5 timed sample lanes (one device per stage, the undominated chains) apart, each on the
+# boundary-wide link costs, and charged a lane queued behind another on a shared pipe a start lag
+# once: errors of +-0.5% both ways on the top 20 plans at 256 and 512 devices (Kendall tau 0.80
+# and 0.81 on main's top 20s before this), because the pipe's order, and so which lane lags and
+# by how much, depends on the lanes' times; here it comes out of the recursion.
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,7 +81,7 @@ def boundary_pieces(cluster: Cluster, model: ModelProfile, src: StagePlan, dst: 
     for i, j, lo, hi in share_overlaps(src.shares, dst.shares):
         a, b, snd, rcv = (src.devices[i], dst.devices[j], i, j) if direction == 0 else (dst.devices[j], src.devices[i], j, i)
         link = cluster.link(a, b)
-        rows.append((snd, rcv, link.latency_s, wire_bytes(model, a, b, (hi - lo) * per_sample) / link.bandwidth_bytes_per_s,
+        rows.append((snd, rcv, link.latency_s, wire_bytes(model, a, b, (hi - lo) * per_sample) / link.bandwidth_at(0.0),
                      link.resource))
     names: dict[str, int] = {}
     res = np.array([names.setdefault(r[4], len(names)) for r in rows])
@@ -192,12 +93,10 @@ def boundary_pieces(cluster: Cluster, model: ModelProfile, src: StagePlan, dst: 
     if counts.max() > 1:
         order = np.empty(p, dtype=np.int64)
         order[np.lexsort((np.arange(p), sender))] = np.arange(p)
-    grouped = np.argsort(res, kind="stable")
     first = np.concatenate(([0], np.cumsum(counts)[:-1]))
     rank_pos = tuple(first[counts > r] + r for r in range(int(counts.max())))
     n_recv = len(dst.devices) if direction == 0 else len(src.devices)
     n_send = len(src.devices) if direction == 0 else len(dst.devices)
-    del grouped
     return Pieces(sender=sender, latency_s=np.array([r[2] for r in rows]), serialization_s=np.array([r[3] for r in rows]),
                   resource=res, num_resources=len(names), order=order, rank_pos=rank_pos, first_res=first,
                   last_pos=first + counts - 1, to_receiver=_padded(receiver, n_recv, p), to_sender=_padded(sender, n_send, p))
