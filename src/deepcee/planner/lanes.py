@@ -152,13 +152,18 @@ the previous one; see [Note: pipe order])."""
 @dataclass(slots=True)
 class _Order:
     """One boundary direction's pipe order: per piece (flat index ``microbatch x pieces + piece``)
-    its predecessor on its pipe (``-1``: the first), and per microbatch the pieces to serve
-    level by level (a level's predecessors are outside the send or in earlier levels)."""
+    its predecessor on its pipe (``-1``: the first), which predecessors are in the same send, and
+    per microbatch with such, those pieces in the order to serve them with their predecessor."""
 
     pred: np.ndarray
-    levels: list[list[tuple[np.ndarray, np.ndarray, np.ndarray]]]
-    """Per microbatch, per level: piece indices, their predecessors' flat indices (clipped to
-    ``>= 0``) and whether they have one."""
+    inside: np.ndarray
+    """Microbatch x piece: the predecessor is a piece of the same send."""
+    chains: dict[int, list[tuple[int, int]]]
+    """Sends whose pieces on some pipe are not one run of that pipe's order: the pieces after one
+    of the same send, in the order to serve them, each with that one."""
+    first_pred: np.ndarray
+    """Microbatch x pipe, for the other sends: the flat index of the piece before the send's run
+    on the pipe (``-1``: none)."""
 
 
 def _pipe_preds(pc: Pieces, go: np.ndarray, rank: np.ndarray, by_time: bool) -> np.ndarray:
@@ -178,7 +183,7 @@ def _pipe_preds(pc: Pieces, go: np.ndarray, rank: np.ndarray, by_time: bool) -> 
     return pred
 
 
-def _order(pred: np.ndarray, m: int, p: int) -> _Order:
+def _order(pred: np.ndarray, m: int, p: int, res: np.ndarray, num_res: int) -> _Order:
     """:class:`_Order` of predecessors ``pred``."""
     flat = np.arange(m * p)
     inside = (pred >= 0) & (pred // p == flat // p)
@@ -188,16 +193,17 @@ def _order(pred: np.ndarray, m: int, p: int) -> _Order:
         if np.array_equal(nxt, level):
             break
         level = nxt
-    levels = []
-    for mb in range(m):
+    group = (flat // p) * num_res + np.tile(res, m)  # (send, pipe)
+    heads = np.bincount(group[~inside], minlength=m * num_res)  # runs per (send, pipe)
+    first_pred = np.full(m * num_res, -1, dtype=np.int64)
+    first_pred[group[~inside]] = pred[~inside]
+    chains = {}
+    for mb in np.flatnonzero((heads.reshape(m, num_res) > 1).any(axis=1)):
         row = level[mb * p:(mb + 1) * p]
-        out = []
-        for lv in range(int(row.max()) + 1):
-            ids = np.flatnonzero(row == lv)
-            pf = pred[mb * p + ids]
-            out.append((ids, np.maximum(pf, 0), pf >= 0))
-        levels.append(out)
-    return _Order(pred=pred, levels=levels)
+        ids = np.flatnonzero(row)
+        ids = ids[np.argsort(row[ids], kind="stable")]
+        chains[int(mb)] = [(int(i), int(pred[mb * p + i] - mb * p)) for i in ids]
+    return _Order(pred=pred, inside=inside.reshape(m, p), chains=chains, first_pred=first_pred.reshape(m, num_res))
 
 
 def devices_at_once(lowered: Schedule, dur: Sequence[np.ndarray], pieces: Sequence[tuple[Pieces, Pieces]],
@@ -214,20 +220,20 @@ def devices_at_once(lowered: Schedule, dur: Sequence[np.ndarray], pieces: Sequen
         rank[b, d] = np.zeros(m, dtype=np.int64)
         rank[b, d][sends] = np.arange(len(sends))
     orders: dict[tuple[int, int], _Order] = {}
-    done: dict[tuple[int, int], np.ndarray] = {}
     clock: list[np.ndarray] = []
     go: dict[tuple[int, int], np.ndarray] = {}
     for _ in range(max_passes):
-        before = done
-        clock, go, done = _one_pass(lowered, dur, pieces, runtime, orders, go, m)
+        before = go
+        clock, go, _ = _one_pass(lowered, dur, pieces, runtime, orders, before, m)
         new = {}
         for b, d in shared:
-            pc, mb_count = pieces[b][d], m
+            pc = pieces[b][d]
             pred = _pipe_preds(pc, go[b, d], rank[b, d], by_time=True)
             served = orders[b, d].pred if (b, d) in orders else _pipe_preds(pc, go[b, d], rank[b, d], by_time=False)
-            if not np.array_equal(pred, served) or (
-                    (b, d) in before and not np.array_equal(before[b, d], done[b, d])):
-                new[b, d] = _order(pred, mb_count, len(pc.sender))
+            if not np.array_equal(pred, served):
+                new[b, d] = _order(pred, m, len(pc.sender), pc.resource, pc.num_resources)
+            elif (b, d) in orders and not np.array_equal(before[b, d], go[b, d]):
+                new[b, d] = orders[b, d]  # same order, but a piece ahead was served at a stale issue time
         if not new:
             break
         orders.update(new)
@@ -280,10 +286,10 @@ def _one_pass(lowered: Schedule, dur: Sequence[np.ndarray], pieces: Sequence[tup
                     if (b, d) in go_all:
                         go_all[b, d][a.microbatch] = go
                         done_all[b, d][a.microbatch] = ends
-                    arrive = np.append(ends + p.latency_s, -np.inf)
-                    arrived[d, s + 1 if d == 0 else s - 1, a.microbatch] = arrive[p.to_receiver].max(axis=1)
+                    arrive = ends + p.latency_s
+                    arrived[d, s + 1 if d == 0 else s - 1, a.microbatch] = _latest(arrive, p.to_receiver)
                     if blocking:
-                        t = np.maximum(t, arrive[p.to_sender].max(axis=1))
+                        t = np.maximum(t, _latest(arrive, p.to_sender))
                 pc += 1
             progress |= pc != pcs[s]
             pcs[s], clock[s] = pc, t
@@ -292,22 +298,44 @@ def _one_pass(lowered: Schedule, dur: Sequence[np.ndarray], pieces: Sequence[tup
     return clock, go_all, done_all
 
 
+def _latest(arrive: np.ndarray, owners: np.ndarray) -> np.ndarray:
+    """Per owner (a row of ``owners``: its pieces, padded past the end), its latest piece."""
+    if owners.shape[1] == 1:
+        return arrive[owners[:, 0]]
+    return np.append(arrive, -np.inf)[owners].max(axis=1)
+
+
 def _serve_after(pc: Pieces, go: np.ndarray, done: np.ndarray, go_before: np.ndarray, order: _Order,
                  mb: int) -> np.ndarray:
     """Each piece's end of serialisation, every piece after its predecessor on its pipe ([Note: pipe
     order]); ``done`` (microbatch x piece, nan where not served yet in this pass) takes this send's.
     A predecessor not served yet is served at its previous issue time (``go_before``) after its own
     predecessor, if that one was."""
-    flat, row, pred, p = done.reshape(-1), done[mb], order.pred, len(pc.sender)
-    for ids, pf, has in order.levels[mb]:
-        prev = np.where(has, flat[pf], 0.0)
-        ahead = np.isnan(prev)
-        if ahead.any():
-            y = pf[ahead]
-            yp = pred[y]
-            before = np.where(yp >= 0, flat[np.maximum(yp, 0)], np.nan)
-            start = go_before.reshape(-1)[y]
-            start = np.where(np.isnan(before), start, np.maximum(start, before))
-            prev[ahead] = start + pc.serialization_s[y % p]
-        row[ids] = np.maximum(go[ids], prev) + pc.serialization_s[ids]
+    flat, pred, p, ser = done.reshape(-1), order.pred, len(pc.sender), pc.serialization_s
+    chain = order.chains.get(mb)
+    if chain is None:  # each pipe's pieces of this send are one run: served in issue order after its predecessor
+        free = _ends(flat, go_before, pred, ser, order.first_pred[mb], p)
+        done[mb] = _serve(pc, go, free)
+        return done[mb].copy()
+    row = done[mb]
+    pf = pred[mb * p:(mb + 1) * p]
+    prev = _ends(flat, go_before, pred, ser, np.where(order.inside[mb], -1, pf), p)
+    row[:] = np.maximum(go, prev) + ser
+    for i, j in chain:
+        row[i] = max(go[i], row[j]) + ser[i]
     return row.copy()
+
+
+def _ends(flat: np.ndarray, go_before: np.ndarray, pred: np.ndarray, ser: np.ndarray, at: np.ndarray,
+          p: int) -> np.ndarray:
+    """Ends of serialisation of the pieces ``at`` (flat indices; ``-1``: none, 0), those not served yet
+    in this pass at their previous issue time after their own predecessor if that one was."""
+    out = np.where(at >= 0, flat[np.maximum(at, 0)], 0.0)
+    ahead = np.isnan(out)
+    if ahead.any():
+        y = at[ahead]
+        yp = pred[y]
+        before = np.where(yp >= 0, flat[np.maximum(yp, 0)], np.nan)
+        start = go_before.reshape(-1)[y]
+        out[ahead] = np.where(np.isnan(before), start, np.maximum(start, before)) + ser[y % p]
+    return out
