@@ -132,129 +132,16 @@ def _serve(pc: Pieces, go: np.ndarray, free: np.ndarray) -> np.ndarray:
     return done
 
 
-MAX_PASSES = 3
-"""Passes of :func:`devices_at_once` at most (each pass re-serves the pipes in the issue order of
-the previous one; see [Note: pipe order])."""
-
-# [Note: pipe order]
-# One pass serves a shared pipe's pieces send by send (program order). Where two devices of a
-# stage that share a pipe run a microbatch or more apart, the simulator serves the ahead
-# device's later piece first (it was issued first). After a pass, each shared pipe's pieces are
-# sorted by their issue times (ties: program order, then device order) into one sequence per
-# pipe, each piece's predecessor there; where that differs from the order the pass served, the
-# next pass serves every piece after its predecessor in that sequence: a predecessor from a
-# later send (not yet reached in this pass) with its end from the previous pass, one from this
-# or an earlier send with this pass's. The passes stop when a pass's issue order is the order it
-# served and no piece's end changed: then each pipe serves in issue order, the simulator's own
-# rule, and the times are the simulator's. Otherwise :data:`MAX_PASSES` ends it.
-
-
-@dataclass(slots=True)
-class _Order:
-    """One boundary direction's pipe order: per piece (flat index ``microbatch x pieces + piece``)
-    its predecessor on its pipe (``-1``: the first), which predecessors are in the same send, and
-    per microbatch with such, those pieces in the order to serve them with their predecessor."""
-
-    pred: np.ndarray
-    inside: np.ndarray
-    """Microbatch x piece: the predecessor is a piece of the same send."""
-    chains: dict[int, list[tuple[int, int]]]
-    """Sends whose pieces on some pipe are not one run of that pipe's order: the pieces after one
-    of the same send, in the order to serve them, each with that one."""
-    first_pred: np.ndarray
-    """Microbatch x pipe, for the other sends: the flat index of the piece before the send's run
-    on the pipe (``-1``: none)."""
-
-
-def _pipe_preds(pc: Pieces, go: np.ndarray, rank: np.ndarray, by_time: bool) -> np.ndarray:
-    """Each piece's predecessor on its pipe (flat indices) for issue times ``go`` (microbatch x
-    piece), serving in issue order (``by_time``) or send by send in program order (``rank``: a
-    microbatch's position among its stage's sends)."""
-    m, p = go.shape
-    res = np.tile(pc.resource, m)
-    tie = np.tile(pc.order, m)
-    occ = np.repeat(rank, p)
-    flat = go.ravel()
-    keys = (tie, occ, flat, res) if by_time else (tie, flat, occ, res)
-    idx = np.lexsort(keys)
-    pred = np.full(m * p, -1, dtype=np.int64)
-    same = res[idx[1:]] == res[idx[:-1]]
-    pred[idx[1:][same]] = idx[:-1][same]
-    return pred
-
-
-def _order(pred: np.ndarray, m: int, p: int, res: np.ndarray, num_res: int) -> _Order:
-    """:class:`_Order` of predecessors ``pred``."""
-    flat = np.arange(m * p)
-    inside = (pred >= 0) & (pred // p == flat // p)
-    level = np.zeros(m * p, dtype=np.int64)
-    while True:
-        nxt = np.where(inside, level[np.maximum(pred, 0)] + 1, 0)
-        if np.array_equal(nxt, level):
-            break
-        level = nxt
-    group = (flat // p) * num_res + np.tile(res, m)  # (send, pipe)
-    heads = np.bincount(group[~inside], minlength=m * num_res)  # runs per (send, pipe)
-    first_pred = np.full(m * num_res, -1, dtype=np.int64)
-    first_pred[group[~inside]] = pred[~inside]
-    chains = {}
-    for mb in np.flatnonzero((heads.reshape(m, num_res) > 1).any(axis=1)):
-        row = level[mb * p:(mb + 1) * p]
-        ids = np.flatnonzero(row)
-        ids = ids[np.argsort(row[ids], kind="stable")]
-        chains[int(mb)] = [(int(i), int(pred[mb * p + i] - mb * p)) for i in ids]
-    return _Order(pred=pred, inside=inside.reshape(m, p), chains=chains, first_pred=first_pred.reshape(m, num_res))
-
-
 def devices_at_once(lowered: Schedule, dur: Sequence[np.ndarray], pieces: Sequence[tuple[Pieces, Pieces]],
-                    runtime: RuntimeModel | None, *, max_passes: int = MAX_PASSES) -> list[np.ndarray]:
-    """Each device's end of its stage's list (per stage, one entry per device), see [Note: devices at
-    once] and [Note: pipe order]. ``dur``: per stage, device x (F, I, W, B); ``pieces``: per
-    boundary, forward and backward."""
-    n = len(lowered)
-    m = 1 + max((a.microbatch for row in lowered for a in row), default=0)
-    shared = [(b, d) for b in range(n - 1) for d in (0, 1) if pieces[b][d].order is not None]
-    rank = {}
-    for b, d in shared:
-        sends = [a.microbatch for a in lowered[b if d == 0 else b + 1] if a.kind in _SEND and _SEND[a.kind] == d]
-        rank[b, d] = np.zeros(m, dtype=np.int64)
-        rank[b, d][sends] = np.arange(len(sends))
-    orders: dict[tuple[int, int], _Order] = {}
-    clock: list[np.ndarray] = []
-    go: dict[tuple[int, int], np.ndarray] = {}
-    for _ in range(max_passes):
-        before = go
-        clock, go, _ = _one_pass(lowered, dur, pieces, runtime, orders, before, m)
-        new = {}
-        for b, d in shared:
-            pc = pieces[b][d]
-            pred = _pipe_preds(pc, go[b, d], rank[b, d], by_time=True)
-            served = orders[b, d].pred if (b, d) in orders else _pipe_preds(pc, go[b, d], rank[b, d], by_time=False)
-            if not np.array_equal(pred, served):
-                new[b, d] = _order(pred, m, len(pc.sender), pc.resource, pc.num_resources)
-            elif (b, d) in orders and not np.array_equal(before[b, d], go[b, d]):
-                new[b, d] = orders[b, d]  # same order, but a piece ahead was served at a stale issue time
-        if not new:
-            break
-        orders.update(new)
-    return clock
-
-
-def _one_pass(lowered: Schedule, dur: Sequence[np.ndarray], pieces: Sequence[tuple[Pieces, Pieces]],
-              runtime: RuntimeModel | None, orders: dict[tuple[int, int], _Order],
-              go_before: dict[tuple[int, int], np.ndarray], m: int,
-              ) -> tuple[list[np.ndarray], dict[tuple[int, int], np.ndarray], dict[tuple[int, int], np.ndarray]]:
-    """One pass of :func:`devices_at_once`: the devices' clocks, and per shared boundary direction
-    its pieces' issue times and ends of serialisation (microbatch x piece)."""
+                    runtime: RuntimeModel | None) -> list[np.ndarray]:
+    """Each device's end of its stage's list (per stage, one entry per device), see [Note: devices at once].
+    ``dur``: per stage, device x (F, I, W, B); ``pieces``: per boundary, forward and backward."""
     n = len(lowered)
     blocking = runtime is not None and runtime.sends == "blocking"
     handshake = runtime is not None and runtime.receive_handshake
     cols = [[np.ascontiguousarray(dur[s][:, k]) for k in range(len(PASSES))] for s in range(n)]
     clock = [np.zeros(len(dur[s])) for s in range(n)]
-    free = {(b, d): np.zeros(pieces[b][d].num_resources) for b in range(n - 1) for d in (0, 1)}
-    go_all = {(b, d): np.zeros((m, len(pieces[b][d].sender))) for b in range(n - 1) for d in (0, 1)
-              if pieces[b][d].order is not None}
-    done_all = {k: np.full_like(v, np.nan) for k, v in go_all.items()}  # nan: not served yet in this pass
+    free = {(d, b): np.zeros(pieces[b][d].num_resources) for b in range(n - 1) for d in (0, 1)}
     arrived: dict[tuple[int, int, int], np.ndarray] = {}
     pcs, progress = [0] * n, True
     while progress:
@@ -278,15 +165,7 @@ def _one_pass(lowered: Schedule, dur: Sequence[np.ndarray], pieces: Sequence[tup
                     go = t[p.sender]
                     if handshake:
                         go = np.maximum(go, p.latency_s)
-                    order = orders.get((b, d))
-                    if order is None:
-                        ends = _serve(p, go, free[b, d])
-                    else:
-                        ends = _serve_after(p, go, done_all[b, d], go_before[b, d], order, a.microbatch)
-                    if (b, d) in go_all:
-                        go_all[b, d][a.microbatch] = go
-                        done_all[b, d][a.microbatch] = ends
-                    arrive = ends + p.latency_s
+                    arrive = _serve(p, go, free[d, b]) + p.latency_s
                     arrived[d, s + 1 if d == 0 else s - 1, a.microbatch] = _latest(arrive, p.to_receiver)
                     if blocking:
                         t = np.maximum(t, _latest(arrive, p.to_sender))
@@ -295,7 +174,7 @@ def _one_pass(lowered: Schedule, dur: Sequence[np.ndarray], pieces: Sequence[tup
             pcs[s], clock[s] = pc, t
     if any(pc < len(row) for pc, row in zip(pcs, lowered, strict=True)):
         raise ScheduleError("devices at once: the schedule deadlocks (a receive without its send)")
-    return clock, go_all, done_all
+    return clock
 
 
 def _latest(arrive: np.ndarray, owners: np.ndarray) -> np.ndarray:
@@ -303,39 +182,3 @@ def _latest(arrive: np.ndarray, owners: np.ndarray) -> np.ndarray:
     if owners.shape[1] == 1:
         return arrive[owners[:, 0]]
     return np.append(arrive, -np.inf)[owners].max(axis=1)
-
-
-def _serve_after(pc: Pieces, go: np.ndarray, done: np.ndarray, go_before: np.ndarray, order: _Order,
-                 mb: int) -> np.ndarray:
-    """Each piece's end of serialisation, every piece after its predecessor on its pipe ([Note: pipe
-    order]); ``done`` (microbatch x piece, nan where not served yet in this pass) takes this send's.
-    A predecessor not served yet is served at its previous issue time (``go_before``) after its own
-    predecessor, if that one was."""
-    flat, pred, p, ser = done.reshape(-1), order.pred, len(pc.sender), pc.serialization_s
-    chain = order.chains.get(mb)
-    if chain is None:  # each pipe's pieces of this send are one run: served in issue order after its predecessor
-        free = _ends(flat, go_before, pred, ser, order.first_pred[mb], p)
-        done[mb] = _serve(pc, go, free)
-        return done[mb].copy()
-    row = done[mb]
-    pf = pred[mb * p:(mb + 1) * p]
-    prev = _ends(flat, go_before, pred, ser, np.where(order.inside[mb], -1, pf), p)
-    row[:] = np.maximum(go, prev) + ser
-    for i, j in chain:
-        row[i] = max(go[i], row[j]) + ser[i]
-    return row.copy()
-
-
-def _ends(flat: np.ndarray, go_before: np.ndarray, pred: np.ndarray, ser: np.ndarray, at: np.ndarray,
-          p: int) -> np.ndarray:
-    """Ends of serialisation of the pieces ``at`` (flat indices; ``-1``: none, 0), those not served yet
-    in this pass at their previous issue time after their own predecessor if that one was."""
-    out = np.where(at >= 0, flat[np.maximum(at, 0)], 0.0)
-    ahead = np.isnan(out)
-    if ahead.any():
-        y = at[ahead]
-        yp = pred[y]
-        before = np.where(yp >= 0, flat[np.maximum(yp, 0)], np.nan)
-        start = go_before.reshape(-1)[y]
-        out[ahead] = np.where(np.isnan(before), start, np.maximum(start, before)) + ser[y % p]
-    return out
