@@ -143,6 +143,7 @@ def devices_at_once(lowered: Schedule, dur: Sequence[np.ndarray], pieces: Sequen
     clock = [np.zeros(len(dur[s])) for s in range(n)]
     free = {(d, b): np.zeros(pieces[b][d].num_resources) for b in range(n - 1) for d in (0, 1)}
     arrived: dict[tuple[int, int, int], np.ndarray] = {}
+    held: dict[tuple[int, int], list[_Held]] = {}  # per (direction, boundary): sends with pieces not served yet
     pcs, progress = [0] * n, True
     while progress:
         progress = False
@@ -165,16 +166,89 @@ def devices_at_once(lowered: Schedule, dur: Sequence[np.ndarray], pieces: Sequen
                     go = t[p.sender]
                     if handshake:
                         go = np.maximum(go, p.latency_s)
-                    arrive = _serve(p, go, free[d, b]) + p.latency_s
-                    arrived[d, s + 1 if d == 0 else s - 1, a.microbatch] = _latest(arrive, p.to_receiver)
-                    if blocking:
-                        t = np.maximum(t, _latest(arrive, p.to_sender))
+                    to = (d, s + 1 if d == 0 else s - 1, a.microbatch)
+                    if p.order is None or blocking:
+                        arrive = _serve(p, go, free[d, b]) + p.latency_s
+                        arrived[to] = _latest(arrive, p.to_receiver)
+                        if blocking:
+                            t = np.maximum(t, _latest(arrive, p.to_sender))
+                    else:  # [Note: pipe order]
+                        queue = held.setdefault((d, b), [])
+                        queue.append(_Held(to, go, np.full(len(go), np.nan)))
+                        limit = np.full(p.num_resources, np.inf)
+                        np.minimum.at(limit, p.resource, go)
+                        _release(p, queue, free[d, b], limit, arrived)
                 pc += 1
             progress |= pc != pcs[s]
             pcs[s], clock[s] = pc, t
+        if not progress and any(held.values()):
+            # every stage waits, some for a send held back: serve those sends' pieces (and the pieces
+            # issued before them on their pipes)
+            wanted = {(_RECV[row[pc].kind], s, row[pc].microbatch) for s, (pc, row) in enumerate(zip(pcs, lowered, strict=True))
+                      if pc < len(row) and row[pc].kind in _RECV}
+            for (d, b), queue in held.items():
+                p = pieces[b][d]
+                for h in [h for h in queue if h.to in wanted]:
+                    limit = np.full(p.num_resources, -np.inf)
+                    np.maximum.at(limit, p.resource, h.go)
+                    _release(p, queue, free[d, b], limit, arrived)
+                    progress = True
+            if not progress:
+                for (d, b), queue in held.items():
+                    if queue:
+                        _release(pieces[b][d], queue, free[d, b], None, arrived)
+                progress = True
     if any(pc < len(row) for pc, row in zip(pcs, lowered, strict=True)):
         raise ScheduleError("devices at once: the schedule deadlocks (a receive without its send)")
     return clock
+
+
+@dataclass(slots=True)
+class _Held:
+    """A send on shared pipes whose pieces are not all served yet ([Note: pipe order])."""
+
+    to: tuple[int, int, int]
+    """``(direction, receiving stage, microbatch)``."""
+    go: np.ndarray
+    ends: np.ndarray
+    """Each piece's end of serialisation; nan while held."""
+
+
+def _release(pc: Pieces, queue: list[_Held], free: np.ndarray, limit: np.ndarray | None,
+             arrived: dict[tuple[int, int, int], np.ndarray]) -> None:
+    """Serve the held pieces no later piece can precede (issued by ``limit``, per pipe the earliest
+    issue time of the newest send: no device sends earlier than that from now on; ``None``: all),
+    each pipe first in first out by issue time (ties: program order, then device order); a send
+    whose pieces are all served is delivered to ``arrived`` and leaves ``queue``."""
+    p = len(pc.sender)
+    go = np.concatenate([h.go for h in queue]) if len(queue) > 1 else queue[0].go
+    ends = np.concatenate([h.ends for h in queue]) if len(queue) > 1 else queue[0].ends
+    res = np.tile(pc.resource, len(queue))
+    ready = np.isnan(ends) if limit is None else np.isnan(ends) & (go <= limit[res])
+    idx = np.flatnonzero(ready)
+    if len(idx):
+        idx = idx[np.lexsort((np.tile(pc.order, len(queue))[idx], idx // p, go[idx], res[idx]))]
+        r, g, ser = res[idx], go[idx], pc.serialization_s[idx % p]
+        head = np.concatenate(([True], r[1:] != r[:-1]))
+        start = np.maximum.accumulate(np.where(head, np.arange(len(idx)), 0))
+        rank = np.arange(len(idx)) - start
+        done = np.empty(len(idx))
+        for k in range(int(rank.max()) + 1):
+            pos = np.flatnonzero(rank == k)
+            before = free[r[pos]] if k == 0 else done[pos - 1]
+            done[pos] = np.maximum(g[pos], before) + ser[pos]
+        tail = np.concatenate((r[1:] != r[:-1], [True]))
+        free[r[tail]] = done[tail]
+        ends[idx] = done
+        for j, h in enumerate(queue):
+            h.ends = ends[j * p:(j + 1) * p]
+    keep = []
+    for h in queue:
+        if np.isnan(h.ends).any():
+            keep.append(h)
+        else:
+            arrived[h.to] = _latest(h.ends + pc.latency_s, pc.to_receiver)
+    queue[:] = keep
 
 
 def _latest(arrive: np.ndarray, owners: np.ndarray) -> np.ndarray:
