@@ -220,28 +220,30 @@ def _release(pc: Pieces, queue: list[_Held], free: np.ndarray, limit: np.ndarray
     issue time of the newest send: no device sends earlier than that from now on; ``None``: all),
     each pipe first in first out by issue time (ties: program order, then device order); a send
     whose pieces are all served is delivered to ``arrived`` and leaves ``queue``."""
-    p = len(pc.sender)
-    go = np.concatenate([h.go for h in queue]) if len(queue) > 1 else queue[0].go
-    ends = np.concatenate([h.ends for h in queue]) if len(queue) > 1 else queue[0].ends
-    res = np.tile(pc.resource, len(queue))
-    ready = np.isnan(ends) if limit is None else np.isnan(ends) & (go <= limit[res])
+    p, n = len(pc.sender), len(queue)
+    if n == 1:
+        go, ends = queue[0].go, queue[0].ends
+    else:
+        go, ends = np.concatenate([h.go for h in queue]), np.concatenate([h.ends for h in queue])
+    res = pc.resource if n == 1 else np.tile(pc.resource, n)
+    ready = np.isnan(ends)
+    if limit is not None:
+        ready &= go <= limit[res]
     idx = np.flatnonzero(ready)
     if len(idx):
-        idx = idx[np.lexsort((np.tile(pc.order, len(queue))[idx], idx // p, go[idx], res[idx]))]
-        r, g, ser = res[idx], go[idx], pc.serialization_s[idx % p]
-        head = np.concatenate(([True], r[1:] != r[:-1]))
-        start = np.maximum.accumulate(np.where(head, np.arange(len(idx)), 0))
-        rank = np.arange(len(idx)) - start
-        done = np.empty(len(idx))
-        for k in range(int(rank.max()) + 1):
-            pos = np.flatnonzero(rank == k)
-            before = free[r[pos]] if k == 0 else done[pos - 1]
-            done[pos] = np.maximum(g[pos], before) + ser[pos]
-        tail = np.concatenate((r[1:] != r[:-1], [True]))
-        free[r[tail]] = done[tail]
+        tie = pc.order if n == 1 else np.tile(pc.order, n) + np.repeat(np.arange(n) * p, p)
+        idx = idx[np.lexsort((tie[idx], go[idx], res[idx]))]
+        r, g, ser = res[idx], go[idx], pc.serialization_s[idx % p if n > 1 else idx]
+        step = r[1:] != r[:-1]
+        if step.all():  # one piece per pipe
+            done = np.maximum(g, free[r]) + ser
+            free[r] = done
+        else:
+            done = _fifo(r, g, ser, step, free)
         ends[idx] = done
-        for j, h in enumerate(queue):
-            h.ends = ends[j * p:(j + 1) * p]
+        if n > 1:
+            for j, h in enumerate(queue):
+                h.ends = ends[j * p:(j + 1) * p]
     keep = []
     for h in queue:
         if np.isnan(h.ends).any():
@@ -249,6 +251,22 @@ def _release(pc: Pieces, queue: list[_Held], free: np.ndarray, limit: np.ndarray
         else:
             arrived[h.to] = _latest(h.ends + pc.latency_s, pc.to_receiver)
     queue[:] = keep
+
+
+def _fifo(r: np.ndarray, g: np.ndarray, ser: np.ndarray, step: np.ndarray, free: np.ndarray) -> np.ndarray:
+    """Ends of serialisation of pieces sorted by pipe ``r`` and issue time ``g``, each pipe from
+    ``free`` (updated)."""
+    count = len(r)
+    head = np.concatenate(([True], step))
+    rank = np.arange(count) - np.maximum.accumulate(np.where(head, np.arange(count), 0))
+    done = np.empty(count)
+    for k in range(int(rank.max()) + 1):
+        pos = np.flatnonzero(rank == k)
+        before = free[r[pos]] if k == 0 else done[pos - 1]
+        done[pos] = np.maximum(g[pos], before) + ser[pos]
+    tail = np.concatenate((step, [True]))
+    free[r[tail]] = done[tail]
+    return done
 
 
 def _latest(arrive: np.ndarray, owners: np.ndarray) -> np.ndarray:
