@@ -303,7 +303,13 @@ def devices_timing(lowered: Schedule, per_device: Sequence[Sequence[tuple[float,
                    pieces: Sequence[tuple[Pieces, Pieces]], runtime: RuntimeModel | None) -> PipelineTiming:
     """Each stage's finish with every device timed ([Note: devices at once] in :mod:`deepcee.planner.lanes`):
     ``per_device``: per stage and device ``(F, I, W, B)``; ``pieces``: per boundary, both directions'
-    :func:`~deepcee.planner.lanes.boundary_pieces`. ``busy_s``: each stage's busiest device."""
+    :func:`~deepcee.planner.lanes.boundary_pieces`. ``busy_s``: each stage's busiest device.
+    One device per stage: the interpreter on the stage tables of those devices and their one piece
+    per boundary direction (the same recursion, cheaper on scalars)."""
+    if all(len(row) == 1 for row in per_device):
+        f, i, w, b = (tuple(row[0][k] for row in per_device) for k in range(4))
+        comm = [[(float(pc[d].latency_s[0]), float(pc[d].serialization_s[0])) for pc in pieces] for d in (0, 1)]
+        return pipeline_timing(lowered, f, i, w, comm[0], comm[1], b, runtime=runtime)
     dur = [np.array(row, dtype=float) for row in per_device]
     ends = devices_at_once(lowered, dur, pieces, runtime)
     counts = [np.array([sum(1 for a in row if a.kind is k) for k in PASSES], dtype=float) for row in lowered]
