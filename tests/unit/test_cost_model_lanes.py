@@ -139,22 +139,27 @@ def _random_plan(rng: random.Random, cluster: Cluster, width: int) -> Plan:
                 num_microbatches=m, stages=tuple(stages), schedule=rng.choice(["gpipe", "1f1b", "zb-h1", "zb-h2"]))
 
 
-def test_devices_at_once_are_the_simulator_where_pipes_keep_program_order():
+def test_devices_at_once_are_the_simulator_on_random_plans():
     # mixed kinds, mismatched shares (receivers waiting for several pieces), shared pipes: every
-    # stage's end of its list is the simulator's wherever no pipe crossed program order
+    # stage's end of its list is the simulator's wherever no pipe served a later send's piece before
+    # an earlier one's; where one did, holding pieces back ([Note: pipe order] in
+    # deepcee.planner.lanes) gets the simulator's times on most plans (25 of 27 here; serving each
+    # send's pieces when it is reached, in program order: 23)
     rng = random.Random(7)
     cluster = _pair_cluster(3, ("gpu", "slow"))
-    checked = 0
+    plain = crossed = crossed_exact = 0
     for _ in range(60):
         plan = _random_plan(rng, cluster, 3)
         model = _model(plan.num_stages)
-        rt = runtime_for(cluster, model)
-        if _crossed(plan, cluster, model):
-            continue
         cost = AnalyticCostModel().breakdown(plan, cluster, model)
-        sim = _Simulation(plan, cluster, model, rt)
+        if _crossed(plan, cluster, model):
+            crossed += 1
+            crossed_exact += cost.iteration_s == pytest.approx(simulate(plan, cluster, model).iteration_s, rel=1e-12)
+            continue
+        sim = _Simulation(plan, cluster, model, runtime_for(cluster, model))
         ends, _ = Execution(sim.tables, record=False).pipeline([0.0] * len(sim.devices), [-1] * len(sim.devices))
         want = [max(e for e, s in zip(ends, sim.stage_of, strict=True) if s == k) for k in range(plan.num_stages)]
         assert cost.pipeline.stage_end_s == pytest.approx(tuple(want), rel=1e-12)
-        checked += 1
-    assert checked >= 30
+        plain += 1
+    assert plain >= 25 and crossed >= 20
+    assert crossed_exact >= 0.9 * crossed

@@ -31,20 +31,34 @@ _RECV = {ActionKind.RECV_F: 0, ActionKind.RECV_B: 1}
 # actions with one entry per device: :func:`devices_at_once` walks the actions once (every send
 # before its receive) on one numpy vector per stage. A compute adds the devices' durations; a
 # send computes its pieces' issue times (the senders' clocks; with the receive handshake no
-# earlier than the piece's latency), serves each pipe's pieces of this send in issue order (ties:
-# sender device order, then the sender's pieces in order, as the simulator issues them) after the
-# pipe's previous pieces, and delivers each a latency later; a receive waits for the latest of
-# its device's pieces; a blocking send holds its device until its own last delivery.
-# What differs from the simulator: a pipe serves the pieces of one send after those of the
-# sender stage's earlier sends (program order), while the simulator serves by issue time, so when
-# two devices sharing a pipe run a microbatch or more apart, the ahead device's later piece goes
-# first there (on the top 20 plans at 512 devices: 1-3% of pieces, up to 0.8% of the iteration);
-# pipes shared by two boundaries are queued apart; a bandwidth trace is taken at time 0.
+# earlier than the piece's latency) and serves them ([Note: pipe order]); a piece is delivered a
+# latency after its serialisation; a receive waits for the latest of its device's pieces; a
+# blocking send holds its device until its own last delivery.
 # Session 5 timed sample lanes (one device per stage, the undominated chains) apart, each on the
 # boundary-wide link costs, and charged a lane queued behind another on a shared pipe a start lag
 # once: errors of +-0.5% both ways on the top 20 plans at 256 and 512 devices (Kendall tau 0.80
-# and 0.81 on main's top 20s before this), because the pipe's order, and so which lane lags and
+# and 0.81 on main's top 20s of session 7), because the pipe's order, and so which lane lags and
 # by how much, depends on the lanes' times; here it comes out of the recursion.
+# What differs from the simulator: [Note: pipe order]'s forced serving; pipes shared by two
+# boundaries are queued apart; a bandwidth trace is taken at time 0.
+
+# [Note: pipe order]
+# A pipe shared by several devices of the sending stage (two devices of a node sending to two of
+# another) serves by issue time, and devices that share it can run a microbatch or more apart:
+# the ahead device's later piece goes before the other's earlier one (at 512 devices, 1-3% of
+# the pieces of the top 20 plans). Serving each send's pieces as the send is reached (program
+# order) put them the other way round there: up to 0.8% off per plan, both ways. A send's piece
+# on a pipe with several senders is therefore held until no piece issued earlier can still come:
+# every device on the pipe has a clock at least the piece's issue time (a device's later pieces
+# are issued no earlier than its clock, which is its issue time of the newest send); held pieces
+# are served by issue time (ties: program order, then the simulator's issue order of one send:
+# sender device order, then the sender's pieces in order). The vectors move a stage's devices
+# together, so a device ahead cannot issue its next piece while the stage waits for a receive;
+# when every stage waits and some wait for a held send, that send's pieces are served (with every
+# piece issued before them on their pipes) as they stand: the one place this differs from the
+# simulator's order. Tried and dropped: re-running the pass with each pipe served in the previous
+# pass's issue order; the orders oscillated (Kendall tau at 512 devices 0.85, 0.95, 0.88 after 2,
+# 3, 4 passes, never a fixed point), each pass costing a full one.
 
 
 @dataclass(frozen=True, slots=True)
