@@ -24,11 +24,11 @@ The model, per plan (``S`` stages, ``M`` microbatches):
    (:func:`devices_timing`, [Note: devices at once] in :mod:`deepcee.planner.lanes`): each
    device with its own ``F``/``I``/``W``/``B`` (1, taken per device), each send's pieces over
    their own pipes as the simulator issues them (the pieces of 2, not the boundary-wide pair),
-   a stage ending with its last device. It is the simulator's own recursion except for the
-   order a pipe shared by several senders serves their pieces in (per send, not strictly by
-   issue time), so exact with one device per stage, or whenever no pipe carries two devices'
-   pieces out of program order; zero-bubble schedules get their bubble filled by ``W``
-   because their ``W`` actions are in the list. :func:`pipeline_timing` is the stage-level
+   a stage ending with its last device. It is the simulator's own recursion except where a pipe
+   shared by several senders is served out of the simulator's order ([Note: pipe order]), so
+   exact with one device per stage, or wherever every shared pipe serves in the simulator's
+   order; zero-bubble schedules get their bubble filled by ``W`` because their ``W`` actions
+   are in the list. :func:`pipeline_timing` is the stage-level
    dry run on the costs of 1 and 2 (what the compact builder and tests use).
 4. **Synchronisation.** Conservatively, a stage's gradient all-reduce
    (:func:`deepcee.simulator.engine.allreduce_time_s`: the ring model plus the runtime's
@@ -51,9 +51,9 @@ For the planner's layer-split search, :class:`~deepcee.planner.ranges.RangeCosts
 the same terms for every contiguous layer range ``[a, b)`` of one device set at once (numpy
 matrices; see [Note: range times] in :mod:`deepcee.planner.ranges`).
 
-What is approximate against the simulator: a pipe shared by several devices of a stage serves
-the pieces of one send after those of earlier sends, while the simulator serves by issue time
-([Note: devices at once]); transfers of different boundaries that share one resource are not
+What is approximate against the simulator: a pipe shared by several devices of a stage can serve
+a piece before one issued earlier where the stage waits on it ([Note: pipe order] in
+:mod:`deepcee.planner.lanes`); transfers of different boundaries that share one resource are not
 queued behind each other; bandwidth traces are read at time 0 for the pipeline.
 """
 
