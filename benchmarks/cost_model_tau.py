@@ -7,7 +7,7 @@ clusters of 64, 256 and 512 devices of :mod:`planning_time` (same models and bat
 (:func:`planner_at_scale.kendall_tau`) and the largest relative error of the cost model.
 
 ``--breakdown`` prints, per plan, where the two differ: each stage's end of its action list
-(cost model: the stage-level dry run; simulator: the stage's last device), the all-reduce and
+(cost model: its pipeline timing, per device; simulator: the stage's last device), the all-reduce and
 optimizer tail after it. ``--cache DIR`` keeps each instance's top plans (pickled) so the
 breakdown can be re-run on the same plans after a cost-model change (``--rescore``: do not plan,
 score the cached plans with the current cost model).
