@@ -14,17 +14,27 @@ the values at which the island's chunk count changes). Two steps, both scored by
 form of step 1 (every microbatch size, :meth:`~deepcee.planner.steps.SearchState.evaluate_layout`):
 
 - :func:`feasible_grains`: when no uniform layout of a chain fits, the finest grains whose
-  stage count does not exceed the layers (islands coarsened one step at a time in turn, those
-  with the most memory per device first: they can hold the extra layers), so the chain still
-  gets a value;
-- :func:`climb_grains`: from the best uniform layout of one of the best chains, change one
-  island's granularity one step finer or coarser, take the best improving move, until none
-  improves or ``grain_budget`` layouts are evaluated. Deterministic (fixed move order, ties
-  keep the earlier).
+  stage count does not exceed the layers (islands coarsened one step at a time in rounds), so
+  the chain still gets a value. Two picks, the better closed form kept: coarsening first the
+  islands with the most memory per device (they can hold the extra layers), and coarsening
+  first those with the slowest devices (near one layer per stage a stage's speed is its device
+  count x device speed, so the fast islands should keep one device per stage and the slow ones
+  pair up). Memory alone picked wrong on planner_at_scale seed 32: it kept eu-north's 12 slowest
+  devices (8 GiB) at one per stage, closed form 1,074 s on the reference's chain reversed, where
+  keeping uk-south's 8 fast ones fine gives 218.7 s; the best chain's value was 258.9 s (195.5 s
+  with both picks), and the climb below, on the two best chains, never reached such layouts;
+- :func:`climb_grains`: from the best uniform layout and both feasible picks of one of the best
+  chains, change one island's granularity one step finer or coarser and take the best improving
+  move; when no such step improves, trade one island's step coarser for another's step finer
+  (the stage count stays near the layers, where single steps either exceed it or leave a small
+  island unable to hold its layers); until none improves or ``grain_budget`` layouts with at
+  most ``max_stages`` stages are evaluated. Deterministic (fixed move order, ties keep the
+  earlier).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 
 from deepcee.planner.space import Chain, island_grains, mixed_layout
@@ -40,66 +50,105 @@ def _layout_value(search: SearchState, chain: Chain, grains: tuple[int, ...], si
     return search.evaluate_layout(lay, sizes)[0]
 
 
-def _feasible_pick(search: SearchState, chain: Chain, choices: list[list[int]]) -> tuple[int, ...] | None:
-    """Indices into ``choices`` of the finest grains with at most ``max_stages`` stages (module docstring)."""
+def _feasible_pick(search: SearchState, chain: Chain, choices: list[list[int]],
+                   first: list[float]) -> tuple[int, ...] | None:
+    """Indices into ``choices`` of the finest grains with at most ``max_stages`` stages: islands
+    coarsened one step at a time in rounds, within a round the highest ``first`` first (module
+    docstring); ``None`` if even the coarsest has too many stages."""
     pick = [0] * len(chain)
-    mem = []
-    for i, keep in chain:
-        devs = [d for g in search.grouping.islands[i].groups[:keep] for d in g.devices]
-        mem.append(sum(search.cluster.memory_bytes(d) for d in devs) / len(devs))
     while len(mixed_layout(search.grouping, chain, [c[p] for c, p in zip(choices, pick, strict=True)],
-                            memo=search.pieces).slots) \
-            > search.max_stages:
+                            memo=search.pieces).slots) > search.max_stages:
         up = [k for k in range(len(chain)) if pick[k] + 1 < len(choices[k])]
         if not up:
             return None
-        k = max(up, key=lambda k: (-pick[k], mem[k], -k))
+        k = max(up, key=lambda k: (-pick[k], first[k], -k))
         pick[k] += 1
     return tuple(pick)
 
 
+def _feasible_picks(search: SearchState, chain: Chain, choices: list[list[int]]) -> list[tuple[int, ...]]:
+    """The finest grains with at most ``max_stages`` stages, coarsening first the islands with the
+    most memory per device, then (a second pick) those with the slowest devices (module docstring);
+    distinct, in that order."""
+    mem, slow = [], []
+    for i, keep in chain:
+        devs = [d for g in search.grouping.islands[i].groups[:keep] for d in g.devices]
+        mem.append(sum(search.cluster.memory_bytes(d) for d in devs) / len(devs))
+        slow.append(sum(search.marginal_s(d) for d in devs) / len(devs))
+    picks = (_feasible_pick(search, chain, choices, first) for first in (mem, slow))
+    return list(dict.fromkeys(p for p in picks if p is not None))
+
+
+def _grains(choices: list[list[int]], pick: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(c[p] for c, p in zip(choices, pick, strict=True))
+
+
 def feasible_grains(search: SearchState, chain: Chain, sizes: list[int] | None = None) -> float:
-    """The closed form of the finest mixed layout of ``chain`` with at most ``max_stages`` stages
-    (module docstring); ``inf`` if it does not fit either."""
+    """The best closed form of the finest mixed layouts of ``chain`` with at most ``max_stages``
+    stages (module docstring); ``inf`` if none fits either."""
     choices = island_grains(search.grouping, chain)
-    pick = _feasible_pick(search, chain, choices) if any(len(c) > 1 for c in choices) else None
-    if pick is None:
+    if all(len(c) == 1 for c in choices):
         return _INF
-    return _layout_value(search, chain, tuple(c[p] for c, p in zip(choices, pick, strict=True)), sizes)
+    return min((_layout_value(search, chain, _grains(choices, p), sizes)
+                for p in _feasible_picks(search, chain, choices)), default=_INF)
+
+
+def _moves(cur: tuple[int, ...], choices: list[list[int]], swaps: bool) -> list[tuple[int, ...]]:
+    """One island one step finer or coarser; with ``swaps``, one island one step coarser and
+    another one step finer (the stage count then stays about the same)."""
+    def step(pick: tuple[int, ...], k: int, d: int) -> tuple[int, ...] | None:
+        return pick[:k] + (pick[k] + d,) + pick[k + 1:] if 0 <= pick[k] + d < len(choices[k]) else None
+
+    if not swaps:
+        return [mv for k in range(len(cur)) for d in (-1, 1) if (mv := step(cur, k, d)) is not None]
+    out = []
+    for k, j in itertools.permutations(range(len(cur)), 2):
+        up = step(cur, k, 1)
+        mv = step(up, j, -1) if up is not None else None
+        if mv is not None:
+            out.append(mv)
+    return out
 
 
 def climb_grains(search: SearchState, chain: Chain) -> float:
-    """Local search over ``chain``'s grains from its best uniform layout (module docstring);
-    returns the best closed form found."""
+    """Local search over ``chain``'s grains from its best uniform or finest feasible layout (module
+    docstring); returns the best closed form found."""
     choices = island_grains(search.grouping, chain)
     if all(len(c) == 1 for c in choices):
         return _INF
     budget = search.options.grain_budget
     seen: dict[tuple[int, ...], float] = {}
-    near: list[int] | None = None  # the uniform starts with every microbatch size, the moves near the best's
+    spent = 0  # layouts evaluated (a layout with more stages than allowed costs nothing)
+    near: list[int] | None = None  # the starts with every microbatch size, the moves near the best's
 
     def value(pick: tuple[int, ...]) -> float:
+        nonlocal spent
         if pick not in seen:
-            seen[pick] = _layout_value(search, chain, tuple(c[p] for c, p in zip(choices, pick, strict=True)), near)
+            grains = _grains(choices, pick)
+            spent += len(mixed_layout(search.grouping, chain, grains, memo=search.pieces).slots) <= search.max_stages
+            seen[pick] = _layout_value(search, chain, grains, near)
         return seen[pick]
 
     top = max(len(c) for c in choices)
     starts = [tuple(max(p for p, g in enumerate(c) if g <= 2 ** u or p == 0) for c in choices) for u in range(top)]
-    starts = list(dict.fromkeys(starts + [p for p in (_feasible_pick(search, chain, choices),) if p is not None]))
+    starts = list(dict.fromkeys(starts + _feasible_picks(search, chain, choices)))
     best, cur = min(((value(s), s) for s in starts), default=(_INF, ()))
     if not math.isfinite(best):
         return best
     near = search.sizes_near(4)
-    while len(seen) < budget:
-        moves = [cur[:k] + (cur[k] + d,) + cur[k + 1:] for k in range(len(cur)) for d in (-1, 1)
-                 if 0 <= cur[k] + d < len(choices[k])]
+    swaps = False
+    while spent < budget:
         step = None
-        for mv in moves:
-            if mv in seen or len(seen) < budget:
+        for mv in _moves(cur, choices, swaps):
+            if mv in seen or spent < budget:
                 got = value(mv)
                 if got < best * (1 - 1e-9) and (step is None or got < step[0]):
                     step = (got, mv)
         if step is None:
-            break
+            if swaps:
+                break
+            swaps = True  # no single step improves: try trading one island's stages for another's
+            continue
         best, cur = step
+        swaps = False
     return best
