@@ -476,7 +476,7 @@ def reference_search(cluster: Cluster, model: ModelProfile, batch: int, *, budge
     tick = itertools.count()
     for bound, order in ref.chain_bounds():
         if bound >= ref.best[0] or ref.over():
-            ref.exhausted = ref.exhausted and bound >= ref.best[0]
+            ref.exhausted = bool(ref.exhausted and bound >= ref.best[0])  # a numpy bool is no JSON
             break
         ref.chains += 1
         local: list = []
