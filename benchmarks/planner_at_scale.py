@@ -658,11 +658,20 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     count, budget = (10, 20.0) if args.quick else (args.instances, args.budget_s)
     seeds = args.scenarios.split(",") if args.scenarios else range(args.first, args.first + count)
+    for case in seeds if args.scenarios else ():
+        try:
+            instance(case)
+        except (ValueError, DeepceeError) as err:
+            ap.error(f"--scenarios: {case!r} is not scenario/model/batch of built-in names ({err})")
     earlier: dict[int, dict] = {}
     if args.reference_from:
         import json
 
-        for r in json.loads(Path(args.reference_from).read_text()).get("instances", []):
+        try:
+            rows_before = json.loads(Path(args.reference_from).read_text()).get("instances", [])
+        except (OSError, ValueError, AttributeError) as err:
+            ap.error(f"--reference-from: cannot read {args.reference_from!r} as an earlier run's JSON ({err})")
+        for r in rows_before:
             if r.get("reference_budget_cpu_s") == budget and "reference_plan" in r:
                 earlier[r["seed"]] = r
         missing = [s for s in seeds if s not in earlier]
