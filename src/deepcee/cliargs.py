@@ -130,12 +130,13 @@ def split_name_pair(text: str, names: Collection[str]) -> tuple[str, str]:
     """``a,b`` as two different names of ``names``, at the one comma where both sides are names;
     else the first comma (the caller's check of the names then says which is unknown). Raises
     ``ValueError`` when two commas both split ``text`` into known names."""
-    cuts = [(text[:i], text[i + 1:]) for i, ch in enumerate(text) if ch == ","]
-    known = [c for c in cuts if c[0] in names and c[1] in names]
+    from deepcee.cluster.outages import name_cuts
+
+    known = name_cuts(text, ",", names)
     if len(known) > 1:
         raise ValueError(f"{show(text)} splits into two known names in {len(known)} ways: "
                          f"{' or '.join(repr(a) + ' and ' + repr(b) for a, b in known)}")
-    a, b = known[0] if known else cuts[0]
+    a, b = known[0] if known else text.split(",", 1)
     if a == b:
         raise ValueError(f"expected two different names as a,b, got {show(text)}")
     return a, b

@@ -13,10 +13,18 @@ form is ``NODE_A:NODE_B@START[:STOP]``.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from deepcee.errors import ClusterSpecError
+
+
+def name_cuts(text: str, sep: str, names: Collection[str]) -> list[tuple[str, str]]:
+    """Every way to cut ``text`` at one ``sep`` into two names of ``names`` (names may hold
+    ``sep`` themselves), first cut first."""
+    parts = text.split(sep)
+    return [(a, b) for k in range(1, len(parts))
+            if (a := sep.join(parts[:k])) in names and (b := sep.join(parts[k:])) in names]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -52,9 +60,7 @@ class LinkOutage:
         the link from 5 s on for good, ``cloud0:end0@5:20`` from 5 s to 20 s. Node names may hold
         colons and ``@`` (the times hold neither): the pair is cut where both halves are nodes."""
         pair, _, window = text.rpartition("@")
-        parts = pair.split(":")
-        cuts = [(a, b) for k in range(1, len(parts))
-                if (a := ":".join(parts[:k])) in nodes and (b := ":".join(parts[k:])) in nodes]
+        cuts = name_cuts(pair, ":", nodes)
         names = list(cuts[0]) if len(cuts) == 1 else []
         try:
             times = [float(x) for x in window.split(":")] if window else []

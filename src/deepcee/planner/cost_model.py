@@ -282,14 +282,9 @@ def pipeline_timing(lowered: Schedule, forward_s: Sequence[float], input_grad_s:
     return PipelineTiming(stage_end_s=tuple(ends), busy_s=tuple(run.busy_s))
 
 
-def device_passes(plan: Plan, cluster: Cluster, model: ModelProfile) -> list[list[tuple[float, ...]]]:
-    """Per stage and device, ``(F, I, W, B)`` of one microbatch with its share (devices of one kind,
-    slowdown and share computed once)."""
-    return [stage_device_passes(st, cluster, model) for st in plan.stages]
-
-
 def stage_device_passes(st: StagePlan, cluster: Cluster, model: ModelProfile) -> list[tuple[float, ...]]:
-    """:func:`device_passes` of one stage."""
+    """Per device of ``st``, ``(F, I, W, B)`` of one microbatch with its share (devices of one kind,
+    slowdown and share computed once)."""
     same: dict[tuple, tuple[float, ...]] = {}
     row = []
     for dev, share in zip(st.devices, st.shares, strict=True):
