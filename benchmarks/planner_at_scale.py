@@ -657,6 +657,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="reports/planner_at_scale.json")
     args = ap.parse_args(argv)
     count, budget = (10, 20.0) if args.quick else (args.instances, args.budget_s)
+    if not (math.isfinite(budget) and budget > 0) or count < 1:
+        ap.error(f"--budget-s must be a positive number and --instances at least 1, got {budget!r} and {count!r}")
     seeds = args.scenarios.split(",") if args.scenarios else range(args.first, args.first + count)
     for case in seeds if args.scenarios else ():
         try:
