@@ -67,12 +67,13 @@ class PlannerOptions:
     """Stages x microbatches timed by the cost model in total (one evaluation times each stage's
     list once); past it the search stops scoring new plans (the best are scored first)."""
     screen_top: int = 32
-    """Configurations (closed-form order) screened by the cost model with one schedule; the best
-    ``screen_keep`` of them are scored in full first (see [Note: screening] in
-    :mod:`deepcee.planner.search`)."""
+    """Configurations (closed-form order) screened by the cost model with each fixed schedule
+    they admit before step 3; the best ``screen_keep`` of them are scored in full first (see
+    [Note: screening] in :mod:`deepcee.planner.search`)."""
     screen_keep: int = 4
     screen_budget: int = 150_000
-    """Stages x microbatches of the shortened plans the screening times in total."""
+    """Stages x microbatches of the shortened plans the screening times in total (past it, the
+    screens of step 3 come out of ``score_budget``)."""
     chain_budget: int = 150
     """Most island chains evaluated in full (closed form for every layout and microbatch size);
     chains are taken in increasing lower bound, so the budget only matters when many chains

@@ -41,16 +41,25 @@ Every public name of those modules that callers used from here is importable fro
 The closed form ranks configurations for step 3, whose cost-model budget (``score_budget``,
 stages x microbatches) holds only a handful of plans with a thousand microbatches. On the
 random WAN instances of ``benchmarks/planner_at_scale.py`` the closed form was off by up to
-1.8x and not in order (seed 82: its best, 398 s, was 744 s by the cost model; its fourth, 418 s,
-was 539 s), so the budget went to the wrong plans. Before step 3, the closed form's best
-configuration of each layout in turn (``screen_top`` of them) is timed by the cost model with
-one fixed schedule; when a plan has more than ``8 S`` microbatches (``S`` stages) it is timed
-with ``2 S`` and ``4 S`` microbatches and the time extrapolated linearly (a pipeline's time is
-affine in the microbatch count once it is full; ``screen_budget`` caps this work). The
-``screen_keep`` best take turns with the closed form's best at the score budget (the screen's
-first, then the closed form's first, ...): the closed form is right often enough (seed 60:
-putting the screen's picks first cost 8%). The screen only orders work: every plan
-returned is still scored in full by the cost model and confirmed by the simulator.
+3.7x and not in order (seed 82: its best, 398 s, was 744 s by the cost model; its fourth, 418 s,
+was 539 s), so the budget went to the wrong plans. So the cost model screens first: a plan with
+more than ``8 S`` microbatches (``S`` stages) is timed with ``2 S`` and ``4 S`` microbatches and
+its time extrapolated linearly (a pipeline's time is affine in the microbatch count once it is
+full; within 4.4% of the full figure, mean 0.6%, on 5 WAN seeds x 10 configurations), at about
+``6 S / M`` of the full cost; a shorter plan is scored in full instead.
+- Before step 3, the closed form's best configuration of each layout in turn (``screen_top`` of
+  them) is screened with **every** fixed schedule it admits (``screen_budget``). The schedule
+  matters as much as the split there: over 130 ms links ZB-H2 hides round trips that ZB-H1 waits
+  on (seed 3: 819 s with ZB-H1, 549 s with ZB-H2, same split). The ``screen_keep`` best take
+  turns with the closed form's best at the score budget (the screen's first, then the closed
+  form's first, ...): the closed form is right often enough (seed 60: putting the screen's picks
+  first cost 8%; with every schedule screened, seed 15 lost 10.8% that way).
+- In step 3 every schedule of a configuration that was not screened yet is screened (from the
+  screen budget, then the score budget), and only the schedules the screen rates within
+  :data:`~deepcee.planner.steps.SCREEN_MARGIN` of both the configuration's best and the best
+  plan scored so far are scored in full, best first.
+The screen only orders and prunes work: every plan returned is still scored in full by the cost
+model and confirmed by the simulator where ``confirm_max_work`` allows.
 
 With at most ``exhaustive_islands`` islands every island subset, every prefix of groups, and
 the best island order (by slow-link cost) and its reverse are tried; above that, the chain
@@ -106,10 +115,16 @@ from deepcee.planner.space import (
     island_distances,
     island_orders,
     microbatch_sizes,
-    schedule_in_flight,
 )
 from deepcee.planner.split import split_layers
-from deepcee.planner.steps import Candidate, Config, SearchState, final_rank_key, rank_key
+from deepcee.planner.steps import (
+    SCREEN_SCHEDULES,
+    Candidate,
+    Config,
+    SearchState,
+    final_rank_key,
+    rank_key,
+)
 from deepcee.profile import ModelProfile
 from deepcee.simulator.runtime_model import RuntimeModel, runtime_for
 from deepcee.units import GIB
@@ -218,14 +233,8 @@ def plan_training(cluster: Cluster, model: ModelProfile, global_batch: int, *,
     if not isinstance(global_batch, int) or global_batch < 1:
         raise PlanError(f"global batch must be an integer >= 1, got {global_batch!r}", field="global_batch")
     check_planning(cluster, model, global_batch)
-    grouping = group_devices(cluster, island_threshold_s=options.island_threshold_s, speed_ratio=options.speed_ratio)
-    max_stages = min(model.num_layers, options.max_stages or model.num_layers)
-    search = SearchState(cluster=cluster, model=model, global_batch=global_batch, options=options, grouping=grouping,
-                     tables=RangeTables(cluster, model, options.syncs, runtime=_runtime_of(options, cluster, model)),
-                     cost_model=options.cost_model or AnalyticCostModel(), sizes=microbatch_sizes(global_batch, options), max_stages=max_stages)
-    search.min_boundary_bytes = min((model.boundary_bytes(b) for b in range(1, model.num_layers)), default=0.0)
-    dist = island_distances(cluster, grouping)
-    _search_chains(search, dist)
+    search = new_search(cluster, model, global_batch, options)
+    _search_chains(search, island_distances(cluster, search.grouping))
     _progress(options, "layer splits", 0.0)
     ranked = sorted(search.configs.values(), key=lambda c: c.key)
     for k, cfg in enumerate(ranked[: options.sweep_top]):
@@ -234,6 +243,7 @@ def plan_training(cluster: Cluster, model: ModelProfile, global_batch: int, *,
     ranked = sorted(search.configs.values(), key=lambda c: c.key)
     cands: list[Candidate] = []
     picked: set[int] = set()
+    # the screen's best and the closed form's best take turns at the score budget
     # the screen's best and the closed form's best take turns at the score budget
     first = [c for pair in itertools.zip_longest(_screened(search, ranked), ranked[: options.model_top])
              for c in pair if c is not None]
@@ -273,8 +283,19 @@ def plan_training(cluster: Cluster, model: ModelProfile, global_batch: int, *,
     log.info("planned %s on %s in %.3f s (%d candidates): %.4g s per iteration", model.name, cluster.name,
              elapsed, search.evaluated, best.score_s)
     return PlanResult(plan=plan, explanation=tuple(explanation), candidates_evaluated=search.evaluated,
-                      planning_s=elapsed, top=tuple(top), grouping=grouping, counterfactuals=tuple(counterfactuals),
+                      planning_s=elapsed, top=tuple(top), grouping=search.grouping, counterfactuals=tuple(counterfactuals),
                       scored=tuple(sorted(_dedupe(c for c in search.scored.values() if c is not None), key=rank_key)))
+
+
+def new_search(cluster: Cluster, model: ModelProfile, global_batch: int, options: PlannerOptions) -> SearchState:
+    """The search state before step 1: devices grouped, range tables and cost model ready."""
+    grouping = group_devices(cluster, island_threshold_s=options.island_threshold_s, speed_ratio=options.speed_ratio)
+    search = SearchState(cluster=cluster, model=model, global_batch=global_batch, options=options, grouping=grouping,
+                         tables=RangeTables(cluster, model, options.syncs, runtime=_runtime_of(options, cluster, model)),
+                         cost_model=options.cost_model or AnalyticCostModel(), sizes=microbatch_sizes(global_batch, options),
+                         max_stages=min(model.num_layers, options.max_stages or model.num_layers))
+    search.min_boundary_bytes = min((model.boundary_bytes(b) for b in range(1, model.num_layers)), default=0.0)
+    return search
 
 
 def _runtime_of(options: PlannerOptions, cluster: Cluster, model: ModelProfile) -> RuntimeModel:
@@ -292,49 +313,16 @@ def _dedupe(cands: Iterable[Candidate]) -> list[Candidate]:
 
 
 def _screened(search: SearchState, ranked: list[Config]) -> list[Config]:
-    """The ``screen_keep`` best of the closed form's ``screen_top`` by the cost model with one
-    schedule ([Note: screening]), best first."""
+    """The ``screen_keep`` best of the closed form's ``screen_top`` configurations that admit a
+    fixed schedule, by the cost model's screen of each such schedule ([Note: screening]), best
+    first."""
     opts = search.options
     if opts.screen_keep == 0:
         return []
-    got = [(_screen(search, cfg), k, cfg) for k, cfg in enumerate(_by_layout(ranked)[: opts.screen_top])]
+    pool = [cfg for cfg in _by_layout(ranked) if any(x in cfg.schedules for x in SCREEN_SCHEDULES)]
+    got = [(min(search.screen(cfg, x) for x in SCREEN_SCHEDULES if x in cfg.schedules), k, cfg)
+           for k, cfg in enumerate(pool[: opts.screen_top])]
     return [cfg for value, _, cfg in sorted(got, key=lambda x: x[:2])[: opts.screen_keep] if math.isfinite(value)]
-
-
-_SCREEN_SCHEDULES = ("zb-h1", "1f1b", "zb-h2", "gpipe")
-"""The fixed schedule a configuration is screened with: the first of these it admits."""
-
-
-def _screen(search: SearchState, cfg: Config) -> float:
-    """The cost model's iteration time of ``cfg``'s plan with one schedule (the first of
-    :data:`_SCREEN_SCHEDULES` it admits), extrapolated from two shorter iterations when it
-    has many microbatches ([Note: screening]); ``inf`` if it admits no fixed schedule, does
-    not fit, or ``screen_budget`` is spent."""
-    sched = next((x for x in _SCREEN_SCHEDULES if x in cfg.schedules), None)
-    if sched is None:
-        return _INF
-    tab = search.dp_inputs(cfg.layout, cfg.n)
-    stages = len(cfg.layout.slots)
-    flags = cfg.recompute or tab.recompute_flags(cfg.split, schedule_in_flight(sched, stages, tab.m))
-    plan = build_plan(cfg.layout, cfg.split, cluster=search.cluster, model=search.model,
-                      global_batch=search.global_batch, microbatch_size=cfg.n, schedule=sched, sync=search.options.syncs[0],
-                      system=search.options.system, recompute=flags)
-    short = (2 * stages, 4 * stages)
-    work = stages * sum(short)
-    if tab.m <= 2 * short[1]:
-        got = search.score(plan)  # about as cheap as the two short ones: the real figure
-        return _INF if got is None else got.estimate.iteration_s
-    if search.screen_used + work > search.options.screen_budget:
-        return _INF
-    search.screen_used += work
-    times = []
-    for m in short:
-        est = search.cost_model.estimate(plan.replace(global_batch=cfg.n * m, num_microbatches=m),
-                                         search.cluster, search.model)
-        if est.exceeds_memory(search.cluster.memory_bytes):
-            return _INF
-        times.append(est.iteration_s)
-    return times[0] + (tab.m - short[0]) * (times[1] - times[0]) / (short[1] - short[0])
 
 
 def _by_layout(ranked: list[Config]) -> list[Config]:

@@ -41,6 +41,12 @@ from deepcee.planner.split import (
 from deepcee.profile import ModelProfile
 
 _INF = math.inf
+SCREEN_MARGIN = 0.05
+"""A screened configuration is scored in full only with the schedules the screen rates within this
+of its best and of the best plan scored so far ([Note: screening]; the extrapolation was within
+4.4% of the full figure on the WAN instances of ``benchmarks/planner_at_scale.py``)."""
+SCREEN_SCHEDULES = ("zb-h1", "1f1b", "zb-h2", "gpipe")
+"""The fixed schedules a configuration is screened with (those it admits)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -71,6 +77,9 @@ class Config:
     key: tuple = ()
     recompute: tuple[bool, ...] = ()
     """Per stage, activation recomputation (empty: only where a stage does not fit without it)."""
+    screened: dict[str, float] = field(default_factory=dict)
+    """Per fixed schedule, the screen's extrapolated iteration time ([Note: screening]; empty: not
+    screened, or screened by scoring in full)."""
 
 
 @dataclass(slots=True)
@@ -107,6 +116,8 @@ class SearchState:
     refine_used: int = 0
     screen_used: int = 0
     """Stages x microbatches of the shortened plans the screening timed ([Note: screening])."""
+    best_scored_s: float = math.inf
+    """The cost model's best iteration time of the plans scored so far."""
     swept: set[tuple] = field(default_factory=set)
     """Configurations step 2 ran on (the explanation's constrained searches come back to them)."""
     compacts: dict[tuple, Plan | None] = field(default_factory=dict)
@@ -317,25 +328,79 @@ class SearchState:
                 self.add_config(cfg.layout, cfg.n, got[1], tuple(scheds), cf, got[2])
 
     # -- step 3 ---------------------------------------------------------------------------
-    def score(self, plan: Plan) -> Candidate | None:
+    def score(self, plan: Plan, *, screen: bool = False) -> Candidate | None:
+        """The cost model's figure of ``plan`` (``None``: does not fit memory, or over budget),
+        charged to ``score_budget`` (``screen``: to ``screen_budget``, never over it)."""
         key = (plan.stages, plan.schedule, plan.sync, plan.actions)
         if key in self.scored:
             return self.scored[key]
         work = plan.num_stages * plan.num_microbatches
-        if self.score_used + work > self.options.score_budget and self.scored:
+        if screen:
+            if self.screen_used + work > self.options.screen_budget:
+                return None
+            self.screen_used += work
+        elif self.score_used + work > self.options.score_budget and self.scored:
             return None  # over budget: not scored (and not cached, a cheaper path may come back)
-        self.score_used += work
+        else:
+            self.score_used += work
         self.evaluated += 1
         est = self.cost_model.estimate(plan, self.cluster, self.model)
         fits = all(b <= self.cluster.memory_bytes(d) for d, b in est.peak_memory_bytes.items())
         cand = Candidate(plan=plan, estimate=est) if fits else None
         self.scored[key] = cand
+        if cand is not None:
+            self.best_scored_s = min(self.best_scored_s, est.iteration_s)
         return cand
 
+    def screen(self, cfg: Config, sched: str) -> float:
+        """The cost model's iteration time of ``cfg``'s plan with schedule ``sched``; with many
+        microbatches extrapolated from two shorter iterations and kept in ``cfg.screened``
+        ([Note: screening]). ``inf``: does not fit, or over budget (``screen_budget``, then
+        ``score_budget``: a screen costs a fraction of the full score it can save)."""
+        if sched in cfg.screened:
+            return cfg.screened[sched]
+        tab = self.dp_inputs(cfg.layout, cfg.n)
+        stages = len(cfg.layout.slots)
+        flags = cfg.recompute or tab.recompute_flags(cfg.split, schedule_in_flight(sched, stages, tab.m))
+        plan = build_plan(cfg.layout, cfg.split, cluster=self.cluster, model=self.model,
+                          global_batch=self.global_batch, microbatch_size=cfg.n, schedule=sched,
+                          sync=self.options.syncs[0], system=self.options.system, recompute=flags)
+        short = (2 * stages, 4 * stages)
+        if tab.m <= 2 * short[1]:
+            got = self.score(plan, screen=True)  # about as cheap as the two short ones: the real figure
+            return _INF if got is None else got.estimate.iteration_s
+        work = stages * sum(short)
+        if self.screen_used + work <= self.options.screen_budget:
+            self.screen_used += work
+        elif self.score_used + work <= self.options.score_budget:
+            self.score_used += work
+        else:
+            return _INF
+        times = []
+        for m in short:
+            est = self.cost_model.estimate(plan.replace(global_batch=cfg.n * m, num_microbatches=m),
+                                           self.cluster, self.model)
+            times.append(_INF if est.exceeds_memory(self.cluster.memory_bytes) else est.iteration_s)
+        got = times[0] + (tab.m - short[0]) * (times[1] - times[0]) / (short[1] - short[0])
+        cfg.screened[sched] = got if all(map(math.isfinite, times)) else _INF
+        return cfg.screened[sched]
+
     def plans_for(self, cfg: Config, *, full: bool = True) -> list[Candidate]:
-        """Score ``cfg`` for each of its schedules and syncs (``full=False``: one of each)."""
+        """Score ``cfg`` for each of its schedules and syncs (``full=False``: one of each). With
+        many microbatches (``full``) each schedule is screened first, and only those the screen
+        rates within :data:`SCREEN_MARGIN` of the configuration's best and of the best plan scored
+        so far are scored in full ([Note: screening])."""
         out = []
         scheds = [x for x in cfg.schedules if x != "compact"]
+        if full:
+            for x in scheds:
+                self.screen(cfg, x)
+            known = {x: cfg.screened[x] for x in scheds if x in cfg.screened}  # extrapolated ones
+            if known:
+                bar = min(min(known.values()), self.best_scored_s) * (1 + SCREEN_MARGIN)
+                # best first; a schedule the budget left unscreened is scored after them
+                scheds = sorted((x for x in scheds if known.get(x, -_INF) <= bar),
+                                key=lambda x: (x not in known, known.get(x, 0.0)))
         if not full:
             scheds = [x for x in ("zb-h1", "1f1b", "zb-h2", "gpipe") if x in scheds][:1]
         tab = self.dp_inputs(cfg.layout, cfg.n)
