@@ -34,7 +34,13 @@ through the store, which outlives any member:
   (``g<g>/decision``); a member left out of it (e.g. one end of a dead link) must rejoin;
 - rejoin: a device that comes back (a restarted process finds its own heartbeat key; a stopped
   one finds it was left out) writes ``rejoin/<device>``; rank 0 takes it in at a step boundary
-  with a transition like a fault's, handed over as ``admit/<device>``; ``done`` ends waiting.
+  with a transition like a fault's, handed over as ``admit/<device>``; ``done`` ends waiting,
+  and so does an error once no device of the run is left that could admit it (every other one
+  lost, finished or waiting to rejoin itself, for ``lost_after_s``).
+
+Every wait here ends: with the awaited key, with a fault, or with a one-line error naming this
+device and what it waited for (the operation's timeout; for the leader's decision, its roll call
+and its deciding; for an admission, the run's end or nobody left to admit).
 """
 
 from __future__ import annotations
@@ -132,19 +138,37 @@ class Session:
                 log.debug("heartbeat of %s stopped: %s", self.me, exc)
                 return
 
+    # [Note: one generation's fault flag]
+    # The in-process flag ``fault`` stands for ``g<gen>/fault`` of the generation this rank is in
+    # now. The heartbeat thread reads the generation, then looks at the store, while the main
+    # thread may enter the next generation in between (:meth:`enter` clears the flag). Were the
+    # thread to set the flag for what it saw of the old generation, the new one would start
+    # with a fault no member reported: the rank's next wait raised "fault (reported by ?)", and
+    # its recovery, finding the flag set, wrote nothing to the store, so the other members
+    # waited out their timeout, the leader's roll call counted them lost, and the run fell
+    # apart (seen as a rejoin test's 300 s hang under load). So the flag is set only under the
+    # lock and only for the generation in force (:meth:`_flag`), a fault the thread finds is
+    # reported in the generation whose members it watched, and :meth:`recover` writes the fault
+    # to the store whenever none is there.
     def _watch(self) -> None:
         with self._lock:
             gen, members = self.gen, self.members
         if self.store.check([f"g{gen}/fault"]):
-            self.fault.set()
+            self._flag(gen)
             return
         for d in members:
             # a member never heard from is still starting (imports take seconds): a start that
             # fails shows as the process group not forming
             reason = None if d == self.me else self.lost_reason(d, started=True)
             if reason is not None:
-                self.report(f"device {d} is lost: {reason}", suspect=d)
+                self.report(f"device {d} is lost: {reason}", suspect=d, gen=gen)
                 return
+
+    def _flag(self, gen: int) -> None:
+        """Set the fault flag if generation ``gen`` is still this rank's ([Note: one generation's fault flag])."""
+        with self._lock:
+            if gen == self.gen:
+                self.fault.set()
 
     def lost_reason(self, device: str, *, started: bool = False) -> str | None:
         """Why ``device`` counts as lost now, or ``None`` while it lives (``started``: only once
@@ -167,11 +191,12 @@ class Session:
             return f"no heartbeat for {now - seen[1]:.1f} s"
         return None
 
-    def report(self, reason: str, *, suspect: str | None = None) -> Fault:
-        """Flag this generation's fault (the first report wins); returns the one that stands."""
+    def report(self, reason: str, *, suspect: str | None = None, gen: int | None = None) -> Fault:
+        """Flag generation ``gen``'s fault (default: this one's; the first report wins); returns the one that stands."""
+        gen = self.gen if gen is None else gen
         mine = Fault(by=self.me, suspect=suspect, reason=reason, at_s=time.time())
-        raw = self.store.compare_set(f"g{self.gen}/fault", "", pickle.dumps(mine))
-        self.fault.set()
+        raw = self.store.compare_set(f"g{gen}/fault", "", pickle.dumps(mine))
+        self._flag(gen)
         return _loads(raw)
 
     def first_fault(self) -> Fault | None:
@@ -321,7 +346,7 @@ class Session:
     def recover(self, join: JoinRecord, decide: Decide) -> Transition:
         """Agree with the other survivors on the next generation (see the module's note)."""
         gen = self.gen
-        if not self.fault.is_set():
+        if self.first_fault() is None:  # the flag alone tells no other member ([Note: one generation's fault flag])
             self.report(f"{self.me}: its step failed", suspect=None)
         self.store.set(f"g{gen}/join/{self.me}", pickle.dumps(join))
         leader = self.store.compare_set(f"g{gen}/leader", "", self.me).decode()
@@ -370,10 +395,16 @@ class Session:
 
     def _await_decision(self, gen: int, leader: str) -> bytes:
         key = f"g{gen}/decision"
+        # the leader's roll call takes up to timeout_s, its deciding (a re-plan) as long again at most
+        bound_s = 2 * self.timeout_s + self.cfg.lost_after_s
+        t_end = time.monotonic() + bound_s
         while not self.store.check([key]):
             if leader != self.me and self.lost_reason(leader) is not None:
                 raise RuntimeSetupError(f"{self.me}: the leader of the recovery of generation {gen}, {leader}, "
                                         f"was lost too ({self.lost_reason(leader)})")
+            if time.monotonic() > t_end:
+                raise RuntimeSetupError(f"{self.me}: no decision from {leader}, the leader of the recovery of "
+                                        f"generation {gen}, within {bound_s:g} s (it is alive)")
             time.sleep(self.cfg.heartbeat_s / 5)
         raw = self.store.get(key)
         verdict = _loads(raw)
@@ -390,10 +421,10 @@ class Session:
 
     def enter(self, tr: Transition) -> int:
         """Form generation ``tr.gen`` with its members; returns this rank's new rank."""
-        with self._lock:
+        with self._lock:  # [Note: one generation's fault flag]
             self.gen, self.members = tr.gen, tr.devices
-        self.fault.clear()
-        self._seen.clear()
+            self.fault.clear()
+            self._seen.clear()
         rank = tr.devices.index(self.me)
         kwargs = {"device_id": self.torch_device} if self.torch_device.type == "cuda" else {}
         try:
@@ -426,15 +457,45 @@ class Session:
         return self.store.get(f"rejoin/{device}").decode()
 
     def await_admission(self) -> Transition | None:
-        """Ask to come back and wait until a transition takes this device in (``None``: the run ended)."""
+        """Ask to come back and wait until a transition takes this device in (``None``: the run
+        ended); :class:`RuntimeSetupError` once no device of the run could admit it for
+        ``lost_after_s`` (each lost, finished, or waiting to rejoin itself)."""
         rid = f"{os.getpid()}-{time.time():.6f}"
+        with self._lock:
+            self.members = ()  # in no generation while it waits: its heartbeat watches nobody
         self.store.set(f"rejoin/{self.me}", rid)
         key = f"admit/{self.me}/{rid}"
+        alone_since = None
         while not self.store.check([key]):
             if self.store.check(["done"]):
                 return None
+            why = self._none_to_admit()
+            now = time.monotonic()
+            if why is None:
+                alone_since = None
+            elif alone_since is None:
+                alone_since = now
+            elif now - alone_since > self.cfg.lost_after_s:
+                raise RuntimeSetupError(f"{self.me}: waited to rejoin, but for {self.cfg.lost_after_s:g} s no device "
+                                        f"of the run could admit it ({why})")
             time.sleep(self.cfg.heartbeat_s)
         return _loads(self.store.get(key))
+
+    def _none_to_admit(self) -> str | None:
+        """Why no other device of the launch can admit this one now (``None``: some device may)."""
+        why = []
+        for d in self.launch_devices:
+            if d == self.me:
+                continue
+            if self.store.check([f"rejoin/{d}"]):
+                why.append(f"{d}: waits to rejoin too")
+            elif self.store.check([f"finished/{d}"]):
+                why.append(f"{d}: finished")
+            elif (lost := self.lost_reason(d)) is not None:
+                why.append(f"{d}: {lost}")
+            else:
+                return None
+        return "; ".join(why) if why else "it is the only device"
 
     def finish(self) -> None:
         """The run is over: a device still waiting to rejoin stops waiting."""
