@@ -50,7 +50,8 @@ class HoldForRejoin(AdaptSpec):
     machine. It watches for faults while it holds."""
 
     from_step: int
-    hold_s: float = 120.0
+    hold_s: float = 45.0
+    """Per boundary; below the run's timeout (60 s), which the others' wait for rank 0's decision has."""
 
     def hooks(self, job, worker) -> AdaptiveHooks:
         return _HoldingHooks(self, job, worker)

@@ -139,17 +139,15 @@ class Session:
                 return
 
     # [Note: one generation's fault flag]
-    # The in-process flag ``fault`` stands for ``g<gen>/fault`` of the generation this rank is in
-    # now. The heartbeat thread reads the generation, then looks at the store, while the main
-    # thread may enter the next generation in between (:meth:`enter` clears the flag). Were the
-    # thread to set the flag for what it saw of the old generation, the new one would start
-    # with a fault no member reported: the rank's next wait raised "fault (reported by ?)", and
-    # its recovery, finding the flag set, wrote nothing to the store, so the other members
-    # waited out their timeout, the leader's roll call counted them lost, and the run fell
-    # apart (seen as a rejoin test's 300 s hang under load). So the flag is set only under the
-    # lock and only for the generation in force (:meth:`_flag`), a fault the thread finds is
-    # reported in the generation whose members it watched, and :meth:`recover` writes the fault
-    # to the store whenever none is there.
+    # The flag ``fault`` stands for ``g<gen>/fault`` of the generation in force. The heartbeat
+    # thread reads the generation, then looks at the store; meanwhile the main thread may enter
+    # the next one (clearing the flag). Setting the flag for the old generation's fault then
+    # started the new one with a fault nobody had reported: the rank's recovery, finding the flag
+    # set, wrote nothing to the store, the other members waited out their timeout, and the run
+    # fell apart (with the window widened on purpose: a rejoin test's 300 s hang). So the flag is
+    # set only under the lock and for the generation in force (:meth:`_flag`), a fault the thread
+    # finds is reported in the generation it watched, and :meth:`recover` publishes a fault
+    # whenever the store has none.
     def _watch(self) -> None:
         with self._lock:
             gen, members = self.gen, self.members
