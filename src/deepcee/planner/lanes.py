@@ -86,6 +86,10 @@ class Pieces:
     """Per receiver device, its pieces' indices (padded with the index of an always-earliest slot)."""
     to_sender: np.ndarray
     """Per sender device, its pieces' indices (padded likewise)."""
+    by_pipe: np.ndarray
+    """The pieces' indices in pipe-major order (each pipe's in piece order)."""
+    index: np.ndarray
+    """``0 .. pieces - 1``."""
 
 
 def boundary_pieces(cluster: Cluster, model: ModelProfile, src: StagePlan, dst: StagePlan, direction: int) -> Pieces:
@@ -113,7 +117,8 @@ def boundary_pieces(cluster: Cluster, model: ModelProfile, src: StagePlan, dst: 
     n_send = len(src.devices) if direction == 0 else len(dst.devices)
     return Pieces(sender=sender, latency_s=np.array([r[2] for r in rows]), serialization_s=np.array([r[3] for r in rows]),
                   resource=res, num_resources=len(names), order=order, rank_pos=rank_pos, first_res=first,
-                  last_pos=first + counts - 1, to_receiver=_padded(receiver, n_recv, p), to_sender=_padded(sender, n_send, p))
+                  last_pos=first + counts - 1, to_receiver=_padded(receiver, n_recv, p), to_sender=_padded(sender, n_send, p),
+                  by_pipe=np.argsort(res, kind="stable"), index=np.arange(p))
 
 
 def _padded(owner: np.ndarray, n: int, pad: int) -> np.ndarray:
@@ -157,114 +162,161 @@ def devices_at_once(lowered: Schedule, dur: Sequence[np.ndarray], pieces: Sequen
     clock = [np.zeros(len(dur[s])) for s in range(n)]
     free = {(d, b): np.zeros(pieces[b][d].num_resources) for b in range(n - 1) for d in (0, 1)}
     arrived: dict[tuple[int, int, int], np.ndarray] = {}
-    held: dict[tuple[int, int], list[_Held]] = {}  # per (direction, boundary): sends with pieces not served yet
+    held: dict[tuple[int, int], _Pool] = {}  # per (direction, boundary): sends with pieces not served yet
+    rows = _compiled(lowered)
     pcs, progress = [0] * n, True
     while progress:
         progress = False
-        for s, row in enumerate(lowered):
+        for s, row in enumerate(rows):
             pc, t, col = pcs[s], clock[s], cols[s]
             while pc < len(row):
-                a = row[pc]
-                k = _PASS.get(a.kind)
-                if k is not None:
-                    t = t + col[k]
-                elif a.kind in _RECV:
-                    got = arrived.pop((_RECV[a.kind], s, a.microbatch), None)
+                op, arg = row[pc]
+                if op == _COMPUTE:
+                    t = t + col[arg]
+                elif op == _RECEIVE:
+                    got = arrived.pop(arg, None)
                     if got is None:
                         break
                     t = np.maximum(t, got)
                 else:
-                    d = _SEND[a.kind]
-                    b = s if d == 0 else s - 1
+                    d, b, to = arg
                     p = pieces[b][d]
                     go = t[p.sender]
                     if handshake:
                         go = np.maximum(go, p.latency_s)
-                    to = (d, s + 1 if d == 0 else s - 1, a.microbatch)
                     if p.order is None or blocking:
                         arrive = _serve(p, go, free[d, b]) + p.latency_s
                         arrived[to] = _latest(arrive, p.to_receiver)
                         if blocking:
                             t = np.maximum(t, _latest(arrive, p.to_sender))
                     else:  # [Note: pipe order]
-                        queue = held.setdefault((d, b), [])
-                        queue.append(_Held(to, go, np.full(len(go), np.nan)))
-                        limit = np.full(p.num_resources, np.inf)
-                        np.minimum.at(limit, p.resource, go)
-                        _release(p, queue, free[d, b], limit, arrived)
+                        pool = held.get((d, b))
+                        if pool is None:
+                            pool = held[d, b] = _Pool(p)
+                        pool.push(to, go)
+                        pool.release(free[d, b], np.minimum.reduceat(go[p.by_pipe], p.first_res), arrived)
                 pc += 1
             progress |= pc != pcs[s]
             pcs[s], clock[s] = pc, t
-        if not progress and any(held.values()):
+        if not progress and any(pool.open for pool in held.values()):
             # every stage waits, some for a send held back: serve those sends' pieces (and the pieces
             # issued before them on their pipes)
-            wanted = {(_RECV[row[pc].kind], s, row[pc].microbatch) for s, (pc, row) in enumerate(zip(pcs, lowered, strict=True))
-                      if pc < len(row) and row[pc].kind in _RECV}
-            for (d, b), queue in held.items():
-                p = pieces[b][d]
-                for h in [h for h in queue if h.to in wanted]:
-                    limit = np.full(p.num_resources, -np.inf)
-                    np.maximum.at(limit, p.resource, h.go)
-                    _release(p, queue, free[d, b], limit, arrived)
+            wanted = {row[pc][1] for pc, row in zip(pcs, rows, strict=True) if pc < len(row) and row[pc][0] == _RECEIVE}
+            for pool in held.values():
+                p = pool.pieces
+                for go in [go for to, go in pool.open.values() if to in wanted]:
+                    pool.release(free[pool.key_db], np.maximum.reduceat(go[p.by_pipe], p.first_res), arrived)
                     progress = True
             if not progress:
-                for (d, b), queue in held.items():
-                    if queue:
-                        _release(pieces[b][d], queue, free[d, b], None, arrived)
+                for pool in held.values():
+                    if pool.open:
+                        pool.release(free[pool.key_db], None, arrived)
                 progress = True
-    if any(pc < len(row) for pc, row in zip(pcs, lowered, strict=True)):
+    if any(pc < len(row) for pc, row in zip(pcs, rows, strict=True)):
         raise ScheduleError("devices at once: the schedule deadlocks (a receive without its send)")
     return clock
 
 
-@dataclass(slots=True)
-class _Held:
-    """A send on shared pipes whose pieces are not all served yet ([Note: pipe order])."""
-
-    to: tuple[int, int, int]
-    """``(direction, receiving stage, microbatch)``."""
-    go: np.ndarray
-    ends: np.ndarray
-    """Each piece's end of serialisation; nan while held."""
+_COMPUTE, _RECEIVE, _SEND_OP = 0, 1, 2
+_COMPILED: dict[int, tuple[Schedule, list[list[tuple[int, object]]]]] = {}
 
 
-def _release(pc: Pieces, queue: list[_Held], free: np.ndarray, limit: np.ndarray | None,
-             arrived: dict[tuple[int, int, int], np.ndarray]) -> None:
-    """Serve the held pieces no later piece can precede (issued by ``limit``, per pipe the earliest
-    issue time of the newest send: no device sends earlier than that from now on; ``None``: all),
-    each pipe first in first out by issue time (ties: program order, then device order); a send
-    whose pieces are all served is delivered to ``arrived`` and leaves ``queue``."""
-    p, n = len(pc.sender), len(queue)
-    if n == 1:
-        go, ends = queue[0].go, queue[0].ends
-    else:
-        go, ends = np.concatenate([h.go for h in queue]), np.concatenate([h.ends for h in queue])
-    res = pc.resource if n == 1 else np.tile(pc.resource, n)
-    ready = np.isnan(ends)
-    if limit is not None:
-        ready &= go <= limit[res]
-    idx = np.flatnonzero(ready)
-    if len(idx):
-        tie = pc.order if n == 1 else np.tile(pc.order, n) + np.repeat(np.arange(n) * p, p)
-        idx = idx[np.lexsort((tie[idx], go[idx], res[idx]))]
-        r, g, ser = res[idx], go[idx], pc.serialization_s[idx % p if n > 1 else idx]
-        step = r[1:] != r[:-1]
-        if step.all():  # one piece per pipe
-            done = np.maximum(g, free[r]) + ser
-            free[r] = done
+def _compiled(lowered: Schedule) -> list[list[tuple[int, object]]]:
+    """Per stage, its actions as ``(op, argument)``: a compute's pass column, a receive's key in
+    ``arrived``, a send's ``(direction, boundary, receiver's key)`` (kept for the last 64 schedules,
+    which the planner's :func:`~deepcee.schedule.program.lowered_schedule` hands out again)."""
+    got = _COMPILED.get(id(lowered))
+    if got is not None and got[0] is lowered:
+        return got[1]
+    rows: list[list[tuple[int, object]]] = []
+    for s, row in enumerate(lowered):
+        ops: list[tuple[int, object]] = []
+        for a in row:
+            k = _PASS.get(a.kind)
+            if k is not None:
+                ops.append((_COMPUTE, k))
+            elif a.kind in _RECV:
+                ops.append((_RECEIVE, (_RECV[a.kind], s, a.microbatch)))
+            else:
+                d = _SEND[a.kind]
+                ops.append((_SEND_OP, (d, s if d == 0 else s - 1, (d, s + 1 if d == 0 else s - 1, a.microbatch))))
+        rows.append(ops)
+    if len(_COMPILED) >= 64:
+        _COMPILED.clear()
+    _COMPILED[id(lowered)] = (lowered, rows)
+    return rows
+
+
+class _Pool:
+    """The pieces not served yet of one boundary direction's sends on shared pipes ([Note: pipe order]),
+    as flat arrays: issue time, tie key (program order, then the simulator's order in a send), place
+    in ``ends``, pipe, serialisation."""
+
+    __slots__ = ("ends", "go", "key", "key_db", "open", "pieces", "place", "res", "ser", "seq")
+
+    def __init__(self, pieces: Pieces) -> None:
+        self.pieces = pieces
+        self.key_db: tuple[int, int] = (0, 0)
+        self.seq = 0
+        self.open: dict[int, tuple[tuple[int, int, int], np.ndarray]] = {}
+        """Per send not delivered yet (by program order), its receiver's key and its pieces' issue times."""
+        self.ends = np.empty(8 * len(pieces.sender))
+        """Per send (``seq * pieces``), each piece's end of serialisation once served."""
+        self.go = self.key = self.place = self.res = self.ser = _EMPTY
+
+    def push(self, to: tuple[int, int, int], go: np.ndarray) -> None:
+        """Add a send's pieces (issued at ``go``)."""
+        pc, slot = self.pieces, self.seq
+        p = len(pc.sender)
+        if slot == 0:
+            self.key_db = (to[0], to[1] - 1 if to[0] == 0 else to[1])
+        self.seq += 1
+        if (slot + 1) * p > len(self.ends):
+            self.ends = np.concatenate((self.ends, np.empty(len(self.ends))))
+        self.open[slot] = (to, go)
+        key, place = pc.order + slot * p, pc.index + slot * p
+        if len(self.go):
+            self.go, self.key = np.concatenate((self.go, go)), np.concatenate((self.key, key))
+            self.place = np.concatenate((self.place, place))
+            self.res = np.concatenate((self.res, pc.resource))
+            self.ser = np.concatenate((self.ser, pc.serialization_s))
         else:
-            done = _fifo(r, g, ser, step, free)
-        ends[idx] = done
-        if n > 1:
-            for j, h in enumerate(queue):
-                h.ends = ends[j * p:(j + 1) * p]
-    keep = []
-    for h in queue:
-        if np.isnan(h.ends).any():
-            keep.append(h)
-        else:
-            arrived[h.to] = _latest(h.ends + pc.latency_s, pc.to_receiver)
-    queue[:] = keep
+            self.go, self.key, self.place, self.res, self.ser = go, key, place, pc.resource, pc.serialization_s
+
+    def release(self, free: np.ndarray, limit: np.ndarray | None, arrived: dict[tuple[int, int, int], np.ndarray]) -> None:
+        """Serve the pieces no later piece can precede (issued by ``limit``, per pipe the earliest
+        issue time of the newest send: no device sends earlier than that from now on; ``None``: all),
+        each pipe first in first out by issue time (ties: program order, then device order) from
+        ``free`` (updated); a send whose pieces are all served is delivered to ``arrived``."""
+        go, res = self.go, self.res
+        if len(go):
+            ready = None if limit is None else go <= limit[res]
+            idx = np.arange(len(go)) if ready is None else ready.nonzero()[0]
+            if len(idx):
+                idx = idx[np.lexsort((self.key[idx], go[idx], res[idx]))]
+                r, g, ser = res[idx], go[idx], self.ser[idx]
+                step = r[1:] != r[:-1]
+                if step.all():  # one piece per pipe
+                    done = np.maximum(g, free[r]) + ser
+                    free[r] = done
+                else:
+                    done = _fifo(r, g, ser, step, free)
+                self.ends[self.place[idx]] = done
+                if len(idx) == len(go):
+                    self.go = self.key = self.place = self.res = self.ser = _EMPTY
+                else:
+                    keep = ~ready
+                    self.go, self.key, self.place, self.res, self.ser = (
+                        go[keep], self.key[keep], self.place[keep], res[keep], self.ser[keep])
+        pc = self.pieces
+        p = len(pc.sender)
+        pending = set((self.place // p).tolist()) if len(self.place) else ()
+        for slot in [slot for slot in self.open if slot not in pending]:
+            to, _ = self.open.pop(slot)
+            arrived[to] = _latest(self.ends[slot * p:(slot + 1) * p] + pc.latency_s, pc.to_receiver)
+
+
+_EMPTY = np.empty(0)
 
 
 def _fifo(r: np.ndarray, g: np.ndarray, ser: np.ndarray, step: np.ndarray, free: np.ndarray) -> np.ndarray:
