@@ -194,7 +194,7 @@ def devices_at_once(lowered: Schedule, dur: Sequence[np.ndarray], pieces: Sequen
                         if pool is None:
                             pool = held[d, b] = _Pool(p)
                         pool.push(to, go)
-                        pool.release(free[d, b], np.minimum.reduceat(go[p.by_pipe], p.first_res), arrived)
+                        pool.release(free[d, b], np.minimum.reduceat(go[p.by_pipe], p.first_res), arrived, every_pipe=True)
                 pc += 1
             progress |= pc != pcs[s]
             pcs[s], clock[s] = pc, t
@@ -283,16 +283,22 @@ class _Pool:
         else:
             self.go, self.key, self.place, self.res, self.ser = go, key, place, pc.resource, pc.serialization_s
 
-    def release(self, free: np.ndarray, limit: np.ndarray | None, arrived: dict[tuple[int, int, int], np.ndarray]) -> None:
+    def release(self, free: np.ndarray, limit: np.ndarray | None, arrived: dict[tuple[int, int, int], np.ndarray], *,
+                every_pipe: bool = False) -> None:
         """Serve the pieces no later piece can precede (issued by ``limit``, per pipe the earliest
         issue time of the newest send: no device sends earlier than that from now on; ``None``: all),
         each pipe first in first out by issue time (ties: program order, then device order) from
-        ``free`` (updated); a send whose pieces are all served is delivered to ``arrived``."""
+        ``free`` (updated); a send whose pieces are all served is delivered to ``arrived``.
+        ``every_pipe``: ``limit`` lets at least one piece of every pipe go (the newest send's own)."""
         go, res = self.go, self.res
         if len(go):
             ready = None if limit is None else go <= limit[res]
             idx = np.arange(len(go)) if ready is None else ready.nonzero()[0]
-            if len(idx):
+            if every_pipe and len(idx) == len(free):  # one piece per pipe: their order does not matter
+                r = res[idx]
+                done = np.maximum(go[idx], free[r]) + self.ser[idx]
+                free[r] = done
+            elif len(idx):
                 idx = idx[np.lexsort((self.key[idx], go[idx], res[idx]))]
                 r, g, ser = res[idx], go[idx], self.ser[idx]
                 step = r[1:] != r[:-1]
@@ -301,6 +307,9 @@ class _Pool:
                     free[r] = done
                 else:
                     done = _fifo(r, g, ser, step, free)
+            else:
+                done = None
+            if done is not None:
                 self.ends[self.place[idx]] = done
                 if len(idx) == len(go):
                     self.go = self.key = self.place = self.res = self.ser = _EMPTY
@@ -321,16 +330,21 @@ _EMPTY = np.empty(0)
 
 def _fifo(r: np.ndarray, g: np.ndarray, ser: np.ndarray, step: np.ndarray, free: np.ndarray) -> np.ndarray:
     """Ends of serialisation of pieces sorted by pipe ``r`` and issue time ``g``, each pipe from
-    ``free`` (updated)."""
+    ``free`` (updated); ``step``: where ``r`` changes. Each round serves the next piece of every
+    pipe that has one left."""
     count = len(r)
-    head = np.concatenate(([True], step))
-    rank = np.arange(count) - np.maximum.accumulate(np.where(head, np.arange(count), 0))
+    head = np.concatenate(([0], step.nonzero()[0] + 1))
+    tail = np.concatenate((head[1:], [count])) - 1
+    left = tail - head
     done = np.empty(count)
-    for k in range(int(rank.max()) + 1):
-        pos = np.flatnonzero(rank == k)
-        before = free[r[pos]] if k == 0 else done[pos - 1]
-        done[pos] = np.maximum(g[pos], before) + ser[pos]
-    tail = np.concatenate((step, [True]))
+    pos, before = head, free[r[head]]
+    while True:
+        now = np.maximum(g[pos], before) + ser[pos]
+        done[pos] = now
+        more = left > 0
+        if not more.any():
+            break
+        pos, before, left = pos[more] + 1, now[more], left[more] - 1
     free[r[tail]] = done[tail]
     return done
 
