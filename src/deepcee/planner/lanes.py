@@ -101,16 +101,16 @@ def boundary_pieces(cluster: Cluster, model: ModelProfile, src: StagePlan, dst: 
         link = cluster.link(a, b)
         rows.append((snd, rcv, link.latency_s, wire_bytes(model, a, b, (hi - lo) * per_sample) / link.bandwidth_at(0.0),
                      link.resource))
+    # the simulator issues a send's pieces by sender device, then each sender's in order: the
+    # pieces' own order (share_overlaps is a merge, so the senders already ascend; [Note: pipe order])
+    rows.sort(key=lambda r: r[0])
     names: dict[str, int] = {}
     res = np.array([names.setdefault(r[4], len(names)) for r in rows])
     sender = np.array([r[0] for r in rows])
     receiver = np.array([r[1] for r in rows])
     p = len(rows)
-    order = None
     counts = np.bincount(res, minlength=len(names))
-    if counts.max() > 1:
-        order = np.empty(p, dtype=np.int64)
-        order[np.lexsort((np.arange(p), sender))] = np.arange(p)
+    order = np.arange(p) if counts.max() > 1 else None
     first = np.concatenate(([0], np.cumsum(counts)[:-1]))
     rank_pos = tuple(first[counts > r] + r for r in range(int(counts.max())))
     n_recv = len(dst.devices) if direction == 0 else len(src.devices)
@@ -249,10 +249,10 @@ def _compiled(lowered: Schedule) -> list[list[tuple[int, object]]]:
 
 class _Pool:
     """The pieces not served yet of one boundary direction's sends on shared pipes ([Note: pipe order]),
-    as flat arrays: issue time, tie key (program order, then the simulator's order in a send), place
-    in ``ends``, pipe, serialisation."""
+    as flat arrays in program order (then the simulator's order in a send, which is the pieces'
+    order: :func:`boundary_pieces`): issue time, place in ``ends``, pipe, serialisation."""
 
-    __slots__ = ("ends", "go", "key", "key_db", "open", "pieces", "place", "res", "ser", "seq")
+    __slots__ = ("ends", "go", "key_db", "open", "pieces", "place", "res", "ser", "seq")
 
     def __init__(self, pieces: Pieces) -> None:
         self.pieces = pieces
@@ -262,7 +262,7 @@ class _Pool:
         """Per send not delivered yet (by program order), its receiver's key and its pieces' issue times."""
         self.ends = np.empty(8 * len(pieces.sender))
         """Per send (``seq * pieces``), each piece's end of serialisation once served."""
-        self.go = self.key = self.place = self.res = self.ser = _EMPTY
+        self.go = self.place = self.res = self.ser = _EMPTY
 
     def push(self, to: tuple[int, int, int], go: np.ndarray) -> None:
         """Add a send's pieces (issued at ``go``)."""
@@ -274,14 +274,13 @@ class _Pool:
         if (slot + 1) * p > len(self.ends):
             self.ends = np.concatenate((self.ends, np.empty(len(self.ends))))
         self.open[slot] = (to, go)
-        key, place = pc.order + slot * p, pc.index + slot * p
+        place = pc.index + slot * p
         if len(self.go):
-            self.go, self.key = np.concatenate((self.go, go)), np.concatenate((self.key, key))
-            self.place = np.concatenate((self.place, place))
+            self.go, self.place = np.concatenate((self.go, go)), np.concatenate((self.place, place))
             self.res = np.concatenate((self.res, pc.resource))
             self.ser = np.concatenate((self.ser, pc.serialization_s))
         else:
-            self.go, self.key, self.place, self.res, self.ser = go, key, place, pc.resource, pc.serialization_s
+            self.go, self.place, self.res, self.ser = go, place, pc.resource, pc.serialization_s
 
     def release(self, free: np.ndarray, limit: np.ndarray | None, arrived: dict[tuple[int, int, int], np.ndarray], *,
                 every_pipe: bool = False) -> None:
@@ -298,29 +297,34 @@ class _Pool:
                 r = res[idx]
                 done = np.maximum(go[idx], free[r]) + self.ser[idx]
                 free[r] = done
-            elif len(idx):
-                idx = idx[np.lexsort((self.key[idx], go[idx], res[idx]))]
-                r, g, ser = res[idx], go[idx], self.ser[idx]
+            else:
+                g, r = go[idx], res[idx]
+                o = np.lexsort((g, r))  # stable: ties in program order, then device order (the pool's)
+                idx, g, r = idx[o], g[o], r[o]
+                ser = self.ser[idx]
                 step = r[1:] != r[:-1]
                 if step.all():  # one piece per pipe
                     done = np.maximum(g, free[r]) + ser
                     free[r] = done
                 else:
                     done = _fifo(r, g, ser, step, free)
+            self.ends[self.place[idx]] = done
+            if len(idx) == len(go):
+                self.go = self.place = self.res = self.ser = _EMPTY
             else:
-                done = None
-            if done is not None:
-                self.ends[self.place[idx]] = done
-                if len(idx) == len(go):
-                    self.go = self.key = self.place = self.res = self.ser = _EMPTY
-                else:
-                    keep = ~ready
-                    self.go, self.key, self.place, self.res, self.ser = (
-                        go[keep], self.key[keep], self.place[keep], res[keep], self.ser[keep])
-        pc = self.pieces
+                keep = ~ready
+                self.go, self.place, self.res, self.ser = go[keep], self.place[keep], res[keep], self.ser[keep]
+        self._deliver(arrived)
+
+    def _deliver(self, arrived: dict[tuple[int, int, int], np.ndarray]) -> None:
+        """Deliver the sends with no piece left in the pool (``place`` ascends: its first and last
+        entries bound the sends still pending)."""
+        pc, place = self.pieces, self.place
         p = len(pc.sender)
-        pending = set((self.place // p).tolist()) if len(self.place) else ()
-        for slot in [slot for slot in self.open if slot not in pending]:
+        lo, hi = (int(place[0]) // p, int(place[-1]) // p) if len(place) else (self.seq, -1)
+        for slot in list(self.open):
+            if lo <= slot <= hi and (slot in (lo, hi) or place[np.searchsorted(place, slot * p)] < (slot + 1) * p):
+                continue
             to, _ = self.open.pop(slot)
             arrived[to] = _latest(self.ends[slot * p:(slot + 1) * p] + pc.latency_s, pc.to_receiver)
 
