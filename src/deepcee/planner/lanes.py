@@ -337,7 +337,11 @@ def _fifo(r: np.ndarray, g: np.ndarray, ser: np.ndarray, step: np.ndarray, free:
     ``free`` (updated); ``step``: where ``r`` changes. Each round serves the next piece of every
     pipe that has one left."""
     count = len(r)
-    head = np.concatenate(([0], step.nonzero()[0] + 1))
+    cuts = step.nonzero()[0] + 1
+    k = count // (len(cuts) + 1)
+    if k * (len(cuts) + 1) == count and (len(cuts) == 0 or cuts[0] == k and (cuts[1:] - cuts[:-1] == k).all()):
+        return _fifo_even(r, g, ser, k, free)
+    head = np.concatenate(([0], cuts))
     tail = np.concatenate((head[1:], [count])) - 1
     left = tail - head
     done = np.empty(count)
@@ -351,6 +355,19 @@ def _fifo(r: np.ndarray, g: np.ndarray, ser: np.ndarray, step: np.ndarray, free:
         pos, before, left = pos[more] + 1, now[more], left[more] - 1
     free[r[tail]] = done[tail]
     return done
+
+
+def _fifo_even(r: np.ndarray, g: np.ndarray, ser: np.ndarray, k: int, free: np.ndarray) -> np.ndarray:
+    """:func:`_fifo` where every pipe has ``k`` pieces: the same rounds on a pipe x piece matrix."""
+    g2, s2 = g.reshape(-1, k), ser.reshape(-1, k)
+    done = np.empty(g2.shape)
+    pipes = r[::k]
+    before = free[pipes]
+    for j in range(k):
+        before = np.maximum(g2[:, j], before) + s2[:, j]
+        done[:, j] = before
+    free[pipes] = before
+    return done.ravel()
 
 
 def _latest(arrive: np.ndarray, owners: np.ndarray) -> np.ndarray:
