@@ -262,7 +262,7 @@ class _Pool:
         """Per send not delivered yet (by program order), its receiver's key and its pieces' issue times."""
         self.ends = np.empty(8 * len(pieces.sender))
         """Per send (``seq * pieces``), each piece's end of serialisation once served."""
-        self.go = self.place = self.res = self.ser = _EMPTY
+        self.go, self.place, self.res, self.ser = _EMPTY, _NONE, _NONE, _EMPTY
 
     def push(self, to: tuple[int, int, int], go: np.ndarray) -> None:
         """Add a send's pieces (issued at ``go``)."""
@@ -290,15 +290,17 @@ class _Pool:
         ``free`` (updated); a send whose pieces are all served is delivered to ``arrived``.
         ``every_pipe``: ``limit`` lets at least one piece of every pipe go (the newest send's own)."""
         go, res = self.go, self.res
-        if len(go):
-            ready = None if limit is None else go <= limit[res]
-            idx = np.arange(len(go)) if ready is None else ready.nonzero()[0]
-            if every_pipe and len(idx) == len(free):  # one piece per pipe: their order does not matter
-                r = res[idx]
+        ready = None if limit is None else go <= limit[res]
+        idx = np.arange(len(go)) if ready is None else ready.nonzero()[0]
+        if len(idx):
+            r = res[idx]
+            if len(idx) <= len(free) and (every_pipe or np.bincount(r).max() == 1):
+                # at most one piece per pipe (a release that lets one piece of every pipe go and
+                # serves as many has one on each): their order does not matter
                 done = np.maximum(go[idx], free[r]) + self.ser[idx]
                 free[r] = done
             else:
-                g, r = go[idx], res[idx]
+                g = go[idx]
                 o = np.lexsort((g, r))  # stable: ties in program order, then device order (the pool's)
                 idx, g, r = idx[o], g[o], r[o]
                 ser = self.ser[idx]
@@ -310,7 +312,7 @@ class _Pool:
                     done = _fifo(r, g, ser, step, free)
             self.ends[self.place[idx]] = done
             if len(idx) == len(go):
-                self.go = self.place = self.res = self.ser = _EMPTY
+                self.go, self.place, self.res, self.ser = _EMPTY, _NONE, _NONE, _EMPTY
             else:
                 keep = ~ready
                 self.go, self.place, self.res, self.ser = go[keep], self.place[keep], res[keep], self.ser[keep]
@@ -330,6 +332,7 @@ class _Pool:
 
 
 _EMPTY = np.empty(0)
+_NONE = np.empty(0, dtype=np.int64)
 
 
 def _fifo(r: np.ndarray, g: np.ndarray, ser: np.ndarray, step: np.ndarray, free: np.ndarray) -> np.ndarray:
