@@ -16,7 +16,6 @@ import pytest
 from deepcee.cluster import Cluster, Device, DeviceKind, Island, LinkEntry, LinkSpec, Node
 from deepcee.plan import Plan, StagePlan
 from deepcee.planner.cost_model import (
-    DEVICE_RUN_PER_STAGE,
     AnalyticCostModel,
     devices_timing,
     pipeline_timing,
@@ -180,24 +179,3 @@ def test_devices_at_once_are_the_simulator_on_random_plans():
         plain += 1
     assert plain >= 25 and crossed >= 20
     assert crossed_exact >= 0.9 * crossed
-
-
-def test_lower_bound_never_exceeds_the_estimate():
-    # the crossover sweeps skip a candidate whose bound is above the best estimates found
-    # ([Note: sweep pool bound] in deepcee.planner.sweep_pool): it must hold on every plan it bounds
-    rng = random.Random(11)
-    cluster = _pair_cluster(10, ("gpu", "slow"))
-    cm = AnalyticCostModel(exact_work=0)
-    bounded = 0
-    for _ in range(30):
-        plan = _random_plan(rng, cluster, 10)
-        model = _model(plan.num_stages)
-        bound = cm.lower_bound_s(plan, cluster, model)
-        if bound is None:  # timed by the simulator's device-level run: no bound
-            assert len(plan.devices) <= DEVICE_RUN_PER_STAGE * plan.num_stages
-            continue
-        bounded += 1
-        assert 0 < bound <= cm.estimate(plan, cluster, model).iteration_s
-        assert AnalyticCostModel(exact_work=len(plan.devices) * plan.num_microbatches).lower_bound_s(
-            plan, cluster, model) is None
-    assert bounded >= 10

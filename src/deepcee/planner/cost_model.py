@@ -383,21 +383,6 @@ class AnalyticCostModel:
                         peak_memory_bytes=dict(cost.memory_bytes), bottleneck=cost.bottleneck,
                         source=self.name)
 
-    def lower_bound_s(self, plan: Plan, cluster: Cluster, model: ModelProfile) -> float | None:
-        """A lower bound on :meth:`estimate`'s iteration time, or ``None``: the busiest device's
-        compute (its passes times their counts in its stage's list), for the plans timed by
-        :func:`devices_at_once` (there a device's end is the float sum of its durations, or more,
-        then an all-reduce and a step are added); less one part in a million for the order of
-        the sums. Other plans (timed by the simulator) get ``None``."""
-        if (len(plan.devices) * plan.num_microbatches <= self.exact_work
-                or len(plan.devices) <= DEVICE_RUN_PER_STAGE * plan.num_stages
-                or all(len(st.devices) == 1 for st in plan.stages)):
-            return None
-        memo = self.terms(cluster, model)
-        counts = _pass_counts(lowered_schedule(plan))
-        busy = max(float((np.array(memo.passes(st), dtype=float) @ c).max()) for st, c in zip(plan.stages, counts, strict=True))
-        return busy * (1 - 1e-6)
-
     def breakdown(self, plan: Plan, cluster: Cluster, model: ModelProfile) -> PlanCost:
         """Every term of the estimate (see the module docstring)."""
         plan.check_against(num_layers=model.num_layers, device_names=cluster.device_names)
@@ -433,21 +418,6 @@ class AnalyticCostModel:
         per_mb = [f[s] + (b_[s] if any(a.kind is ActionKind.B for a in row) else i[s] + w[s])
                   for s, row in enumerate(lowered)]
         return _with_bottleneck(cost, plan, per_mb)
-
-
-_COUNTS: dict[int, tuple[Schedule, list[np.ndarray]]] = {}
-
-
-def _pass_counts(lowered: Schedule) -> list[np.ndarray]:
-    """Per stage, how many of each of :data:`~deepcee.planner.lanes.PASSES` its list runs (kept for
-    the last 64 schedules)."""
-    got = _COUNTS.get(id(lowered))
-    if got is None or got[0] is not lowered:
-        if len(_COUNTS) >= 64:
-            _COUNTS.clear()
-        got = _COUNTS[id(lowered)] = (lowered, [np.array([sum(1 for a in row if a.kind is k) for k in PASSES], dtype=float)
-                                                for row in lowered])
-    return got[1]
 
 
 def _with_bottleneck(cost: PlanCost, plan: Plan, compute_per_microbatch_s: Sequence[float]) -> PlanCost:

@@ -21,10 +21,7 @@ search would find there. Estimates of one (links, batch) are shared by the calls
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
-from functools import partial
+from collections.abc import Iterable, Sequence
 
 from deepcee.cluster import Cluster
 from deepcee.plan import Plan
@@ -79,7 +76,7 @@ class PoolPlanner:
         self.confirm = confirm
         self.cost_model = AnalyticCostModel()
         self.point: tuple = ()
-        self.scored: dict[tuple, tuple[float, Plan] | _Unscored | None] = {}
+        self.scored: dict[tuple, tuple[float, Plan] | None] = {}
         self.simulated: dict[tuple, Plan] = {}
 
     def __call__(self, cluster: Cluster, model: ModelProfile, global_batch: int, *,
@@ -88,7 +85,7 @@ class PoolPlanner:
         point = (cluster.device_names, cluster.links, model.name, global_batch)
         if point != self.point:
             self.point, self.scored = point, {}
-        found, best = [], [math.inf] * self.confirm  # best: the ``confirm`` lowest estimates so far
+        scored, found = self.scored, []
         for slots, split, sync, recompute, n, schedule, actions, m in self.entries:
             used = {d for devs in slots for d in devs}
             if not used <= names or (use_all_devices and used != names):
@@ -98,63 +95,22 @@ class PoolPlanner:
                 # a compact action list is kept where the microbatch count is its own
                 same = actions and size * m == global_batch
                 for sched in _schedules(schedule, bool(same)):
-                    got = self._score((slots, split, sync, recompute, size, sched), best[-1], cluster, model, partial(
-                        build_plan, layout, split, cluster=cluster, model=model, global_batch=global_batch,
-                        microbatch_size=size, schedule=sched, sync=sync, recompute=recompute,
-                        actions=actions if sched == "compact" else ()))
-                    if got is not None:
-                        found.append(got)
-                        best = sorted([*best, got[0]])[: self.confirm]
+                    key = (slots, split, sync, recompute, size, sched)
+                    if key in scored:
+                        found += [scored[key]] if scored[key] is not None else []
+                        continue
+                    scored[key] = None
+                    try:
+                        plan = build_plan(layout, split, cluster=cluster, model=model, global_batch=global_batch,
+                                          microbatch_size=size, schedule=sched, sync=sync, recompute=recompute,
+                                          actions=actions if sched == "compact" else ())
+                    except ValueError:  # fewer samples per microbatch than devices on a stage
+                        continue
+                    est = self.cost_model.estimate(plan, cluster, model)
+                    if all(need <= cluster.memory_bytes(d) for d, need in est.peak_memory_bytes.items()):
+                        scored[key] = (est.iteration_s, plan)
+                        found.append(scored[key])
         return _best_simulated(sorted(found, key=lambda x: x[0])[: self.confirm], cluster, model, self.simulated)
-
-
-    def _score(self, key: tuple, worst_s: float, cluster: Cluster, model: ModelProfile,
-               build: Callable[[], Plan]) -> tuple[float, Plan] | None:
-        """A candidate's ``(estimate, plan)`` at the point (scored once), ``None`` where it does not fit
-        memory, cannot be built, or its bound is above ``worst_s`` ([Note: sweep pool bound])."""
-        got = self.scored.get(key, _NEW)
-        if isinstance(got, _Unscored):
-            if got.bound_s > worst_s:
-                return None
-            plan = got.plan
-        elif got is _NEW:
-            self.scored[key] = None
-            try:
-                plan = build()
-            except ValueError:  # fewer samples per microbatch than devices on a stage
-                return None
-            bound = self.cost_model.lower_bound_s(plan, cluster, model)
-            if bound is not None and bound > worst_s:
-                self.scored[key] = _Unscored(bound_s=bound, plan=plan)
-                return None
-        else:
-            return got
-        self.scored[key] = None
-        est = self.cost_model.estimate(plan, cluster, model)
-        if all(need <= cluster.memory_bytes(d) for d, need in est.peak_memory_bytes.items()):
-            self.scored[key] = (est.iteration_s, plan)
-        return self.scored[key]
-
-
-# [Note: sweep pool bound]
-# Most of a point's candidates are far from its best (at 512 devices a third of the estimates
-# were 1.5x or more the point's best). The cost model's lower bound (the busiest device's compute,
-# :meth:`~deepcee.planner.cost_model.AnalyticCostModel.lower_bound_s`) above the ``confirm``-th
-# lowest estimate found so far at the point means the candidate is not among the ``confirm``
-# lowest: it is not scored, and stays marked with its bound (a later call at the same point,
-# with all devices, has its own best and scores it where the bound no longer rules it out).
-# The candidates scored keep their order, so the plans simulated are those without the bound.
-
-
-@dataclass(frozen=True, slots=True)
-class _Unscored:
-    """A candidate the bound left out (see [Note: sweep pool bound])."""
-
-    bound_s: float
-    plan: Plan
-
-
-_NEW = object()
 
 
 def _best_simulated(cands: Sequence[tuple[float, Plan]], cluster: Cluster, model: ModelProfile,
