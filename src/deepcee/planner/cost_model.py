@@ -346,8 +346,8 @@ by the simulator's device-level run (see :class:`AnalyticCostModel`)."""
 
 
 class AnalyticCostModel:
-    """The analytic model of the module docstring. It keeps only a memo of the last cluster and
-    model's stage terms (:class:`StageTerms`); safe to share.
+    """The analytic model of the module docstring. It keeps only memos of the last few clusters and
+    models' stage terms (:class:`StageTerms`); safe to share.
 
     [Note: cost model = simulator] Where the stage-level model is approximate (a stage with
     several devices, boundaries over several link resources, resources shared by boundaries)
@@ -361,13 +361,20 @@ class AnalyticCostModel:
         self.exact_work = exact_work
         self.runtime = runtime
         """How the plan is run; ``None``: the cluster's (:func:`~deepcee.simulator.runtime_model.runtime_for`)."""
-        self._terms: StageTerms | None = None
+        self._terms: list[StageTerms] = []
 
     def terms(self, cluster: Cluster, model: ModelProfile) -> StageTerms:
-        """The memo of per-stage and per-boundary terms for ``cluster`` and ``model`` (the last pair asked)."""
-        got = self._terms
-        if got is None or got.cluster is not cluster or got.model is not model:
-            got = self._terms = StageTerms(cluster, model)
+        """The memo of per-stage and per-boundary terms for ``cluster`` and ``model`` (kept for the
+        last :data:`TERMS_KEPT` pairs asked: the crossover sweeps alternate between the cluster and
+        its kept devices, and a batch sweep keeps most stages)."""
+        for k, got in enumerate(self._terms):
+            if got.cluster is cluster and got.model is model:
+                if k:
+                    self._terms.insert(0, self._terms.pop(k))
+                return got
+        got = StageTerms(cluster, model)
+        self._terms[TERMS_KEPT - 1:] = []
+        self._terms.insert(0, got)
         return got
 
     def estimate(self, plan: Plan, cluster: Cluster, model: ModelProfile) -> Estimate:
@@ -450,6 +457,9 @@ def _with_bottleneck(cost: PlanCost, plan: Plan, compute_per_microbatch_s: Seque
     return PlanCost(**{**{f: getattr(cost, f) for f in cost.__dataclass_fields__},
                        "bottleneck": f"{text} ({top:.4g} s of {it:.4g} s){mem}"})
 
+
+TERMS_KEPT = 3
+"""How many (cluster, model) pairs' :class:`StageTerms` an :class:`AnalyticCostModel` keeps."""
 
 TIMINGS_KEPT = 4_096
 """Pipeline timings :class:`StageTerms` keeps (then starts afresh): a few MB at 512 devices."""
