@@ -16,6 +16,7 @@ import pytest
 from deepcee.cluster import Cluster, Device, DeviceKind, Island, LinkEntry, LinkSpec, Node
 from deepcee.plan import Plan, StagePlan
 from deepcee.planner.cost_model import (
+    DEVICE_RUN_PER_STAGE,
     AnalyticCostModel,
     devices_timing,
     pipeline_timing,
@@ -179,3 +180,16 @@ def test_devices_at_once_are_the_simulator_on_random_plans():
         plain += 1
     assert plain >= 25 and crossed >= 20
     assert crossed_exact >= 0.9 * crossed
+
+
+def test_kept_timings_are_the_timings():
+    # StageTerms keeps a pipeline timing per schedule and stages: a plan that differs only in its
+    # sync gets the same one, and it equals a timing made afresh
+    rng, cluster = random.Random(3), _pair_cluster(10, ("gpu", "slow"))
+    plan = next(p for p in (_random_plan(rng, cluster, 10) for _ in range(50))
+                if len(p.devices) > DEVICE_RUN_PER_STAGE * p.num_stages)
+    model = _model(plan.num_stages)
+    cm = AnalyticCostModel(exact_work=0)
+    first = cm.breakdown(plan, cluster, model).pipeline
+    assert cm.breakdown(plan.replace(sync="zero2"), cluster, model).pipeline is first
+    assert first.stage_end_s == _vector_ends(plan, cluster, model, runtime_for(cluster, model))
