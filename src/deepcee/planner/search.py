@@ -254,6 +254,8 @@ def plan_training(cluster: Cluster, model: ModelProfile, global_batch: int, *,
             if id(cfg) not in picked:
                 picked.add(id(cfg))
                 cands += search.plans_for(cfg, full=full)
+    # every plan scored in full counts, also those the screen scored (short ones) and no list reached
+    cands += [c for c in search.scored.values() if c is not None]
     if not cands:
         raise _infeasible(search)
     cands = sorted(_dedupe(cands), key=rank_key)

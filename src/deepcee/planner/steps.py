@@ -339,8 +339,11 @@ class SearchState:
             if self.screen_used + work > self.options.screen_budget:
                 return None
             self.screen_used += work
-        elif self.score_used + work > self.options.score_budget and self.scored:
-            return None  # over budget: not scored (and not cached, a cheaper path may come back)
+        elif self.score_used + work > self.options.score_budget and math.isfinite(self.best_scored_s):
+            # over budget: not scored (and not cached, a cheaper path may come back); until a plan
+            # that fits is scored the budget does not bind (WAN seed 23: screens of plans that did
+            # not fit spent it all, and the search said no plan fits)
+            return None
         else:
             self.score_used += work
         self.evaluated += 1
@@ -352,11 +355,12 @@ class SearchState:
             self.best_scored_s = min(self.best_scored_s, est.iteration_s)
         return cand
 
-    def screen(self, cfg: Config, sched: str) -> float:
+    def screen(self, cfg: Config, sched: str, *, lazy: bool = False) -> float:
         """The cost model's iteration time of ``cfg``'s plan with schedule ``sched``; with many
         microbatches extrapolated from two shorter iterations and kept in ``cfg.screened``
-        ([Note: screening]). ``inf``: does not fit, or over budget (``screen_budget``, then
-        ``score_budget``: a screen costs a fraction of the full score it can save)."""
+        ([Note: screening]). ``inf``: does not fit, or over budget (``screen_budget``; ``lazy``,
+        in step 3: then ``score_budget``, as a screen costs a fraction of the full score it can
+        save)."""
         if sched in cfg.screened:
             return cfg.screened[sched]
         tab = self.dp_inputs(cfg.layout, cfg.n)
@@ -372,7 +376,7 @@ class SearchState:
         work = stages * sum(short)
         if self.screen_used + work <= self.options.screen_budget:
             self.screen_used += work
-        elif self.score_used + work <= self.options.score_budget:
+        elif lazy and self.score_used + work <= self.options.score_budget:
             self.score_used += work
         else:
             return _INF
@@ -394,7 +398,7 @@ class SearchState:
         scheds = [x for x in cfg.schedules if x != "compact"]
         if full:
             for x in scheds:
-                self.screen(cfg, x)
+                self.screen(cfg, x, lazy=True)
             known = {x: cfg.screened[x] for x in scheds if x in cfg.screened}  # extrapolated ones
             if known:
                 bar = min(min(known.values()), self.best_scored_s) * (1 + SCREEN_MARGIN)
