@@ -78,3 +78,19 @@ def test_only_the_schedules_the_screen_rates_near_the_best_are_scored_in_full() 
     search.best_scored_s = min(full.values()) / 2  # as if a plan twice as fast had been scored
     search.scored.clear()
     assert search.plans_for(cfg) == [] and search.score_used == 4 * BATCH
+
+
+def test_a_plan_only_the_screen_scored_is_still_a_candidate(monkeypatch) -> None:
+    """The screen scores short plans in full; one no list of step 3 reaches must still count (WAN
+    seed 23 of planner_at_scale said no plan fits when those were its only fitting plans)."""
+    import deepcee.planner.search as search_module
+
+    screened = search_module._screened
+    monkeypatch.setattr(search_module, "_screened", lambda search, ranked: screened(search, ranked) and [])
+    c, m = _cluster(), _model()
+    # 32 microbatches: every plan is short (at most 8 per stage), so the screen scores them in full
+    opts = PlannerOptions(microbatch_sizes=(1,), schedules=("1f1b", "zb-h1", "zb-h2"), model_top=0,
+                          explain_counterfactuals=False)
+    result = search_module.plan_training(c, m, 32, options=opts)
+    best = min(result.scored, key=lambda x: x.estimate.iteration_s)
+    assert best.estimate.iteration_s in [t.estimate.iteration_s for t in result.top]
