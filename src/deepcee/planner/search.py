@@ -26,8 +26,9 @@ Every public name of those modules that callers used from here is importable fro
    bottleneck staying under ``tau`` for a few ``tau`` above the optimum (trading a slightly
    worse bottleneck for a shorter pipeline when there are few microbatches).
 3. The best ranked (the cost model's pick of the closed form's best first, [Note: screening])
-   are built as plans for every schedule and sync (ring and hierarchical
-   only when a stage spans nodes: otherwise they coincide) and scored by the analytic cost
+   are built as plans for every schedule the screen rates near the best, and every sync (ring
+   and hierarchical only when a stage spans nodes: otherwise they coincide) and scored by the
+   analytic cost
    model (:class:`~deepcee.planner.cost_model.AnalyticCostModel`), plus, with one schedule,
    the best for every stage count and every island (for the explanation); plans that do
    not fit memory are dropped. The best few are refined by moving stage boundaries one
@@ -35,7 +36,8 @@ Every public name of those modules that callers used from here is importable fro
    (:func:`~deepcee.schedule.compact.build_compact`, memory limit = what device memory
    allows per stage) within a budget of stages x microbatches, the builder's cost.
 4. The best ``confirm_top`` plans (distinct) are simulated, within a work budget; the lowest
-   simulated iteration time wins (ties: cost model, then a stable key).
+   simulated iteration time wins (ties: cost model, then a stable key). Every plan scored in
+   full along the way (also a short one the screen scored) is a candidate.
 
 [Note: screening]
 The closed form ranks configurations for step 3, whose cost-model budget (``score_budget``,
