@@ -341,8 +341,8 @@ class SearchState:
             self.screen_used += work
         elif self.score_used + work > self.options.score_budget and math.isfinite(self.best_scored_s):
             # over budget: not scored (and not cached, a cheaper path may come back); until a plan
-            # that fits is scored the budget does not bind (WAN seed 23: screens of plans that did
-            # not fit spent it all, and the search said no plan fits)
+            # that fits is scored the budget does not bind (scores of plans that do not fit could
+            # otherwise spend it all, and the search would say that no plan fits)
             return None
         else:
             self.score_used += work
