@@ -365,10 +365,7 @@ class SearchState:
             return cfg.screened[sched]
         tab = self.dp_inputs(cfg.layout, cfg.n)
         stages = len(cfg.layout.slots)
-        flags = cfg.recompute or tab.recompute_flags(cfg.split, schedule_in_flight(sched, stages, tab.m))
-        plan = build_plan(cfg.layout, cfg.split, cluster=self.cluster, model=self.model,
-                          global_batch=self.global_batch, microbatch_size=cfg.n, schedule=sched,
-                          sync=self.options.syncs[0], system=self.options.system, recompute=flags)
+        plan = self._plan(cfg, sched, self.options.syncs[0])
         short = (2 * stages, 4 * stages)
         if tab.m <= 2 * short[1]:
             got = self.score(plan, screen=True)  # about as cheap as the two short ones: the real figure
@@ -389,6 +386,15 @@ class SearchState:
         cfg.screened[sched] = got if all(map(math.isfinite, times)) else _INF
         return cfg.screened[sched]
 
+    def _plan(self, cfg: Config, sched: str, sync: str, flags: tuple[bool, ...] | None = None) -> Plan:
+        """``cfg``'s plan with ``sched`` and ``sync``, recomputing where ``flags`` say (default: where
+        ``cfg`` says, else where the schedule's microbatches in flight need it)."""
+        if flags is None:
+            tab = self.dp_inputs(cfg.layout, cfg.n)
+            flags = cfg.recompute or tab.recompute_flags(cfg.split, schedule_in_flight(sched, len(cfg.split) - 1, tab.m))
+        return build_plan(cfg.layout, cfg.split, cluster=self.cluster, model=self.model, global_batch=self.global_batch,
+                          microbatch_size=cfg.n, schedule=sched, sync=sync, system=self.options.system, recompute=flags)
+
     def plans_for(self, cfg: Config, *, full: bool = True) -> list[Candidate]:
         """Score ``cfg`` for each of its schedules and syncs (``full=False``: one of each). With
         many microbatches (``full``) each schedule is screened first, and only those the screen
@@ -405,29 +411,21 @@ class SearchState:
                 # best first; a schedule the budget left unscreened is scored after them
                 scheds = sorted((x for x in scheds if known.get(x, -_INF) <= bar),
                                 key=lambda x: (x not in known, known.get(x, 0.0)))
-        if not full:
-            scheds = [x for x in ("zb-h1", "1f1b", "zb-h2", "gpipe") if x in scheds][:1]
-        tab = self.dp_inputs(cfg.layout, cfg.n)
+        else:
+            scheds = [x for x in SCREEN_SCHEDULES if x in scheds][:1]
+        # ring and hierarchical all-reduce coincide when no stage spans nodes
+        spans = any(len({self.cluster.device(d).node for d in s}) > 1 for s in cfg.layout.slots)
         for sched in scheds:
-            flags = cfg.recompute or tab.recompute_flags(cfg.split, schedule_in_flight(
-                sched, len(cfg.split) - 1, tab.m))
-            # ring and hierarchical all-reduce coincide when no stage spans nodes
-            spans = any(len({self.cluster.device(d).node for d in s}) > 1 for s in cfg.layout.slots)
             for sync in self.options.syncs if spans and full else self.options.syncs[:1]:
-                plan = build_plan(cfg.layout, cfg.split, cluster=self.cluster, model=self.model,
-                                  global_batch=self.global_batch, microbatch_size=cfg.n, schedule=sched, sync=sync,
-                                  system=self.options.system, recompute=flags)
-                cand = self.score(plan)
+                cand = self.score(self._plan(cfg, sched, sync))
                 if cand is not None:
                     out.append(cand)
         if full and not scheds and cfg.schedules == ("compact",) and self.forced_compacts < 2 \
                 and len(cfg.layout.slots) > 1:
             # memory admits no fixed schedule here, only a compact one with fewer microbatches in flight
             self.forced_compacts += 1
-            flags = cfg.recompute or tab.recompute_flags(cfg.split, None)
-            base = build_plan(cfg.layout, cfg.split, cluster=self.cluster, model=self.model,
-                              global_batch=self.global_batch, microbatch_size=cfg.n, schedule="zb-h1",
-                              sync=self.options.syncs[0], system=self.options.system, recompute=flags)
+            flags = cfg.recompute or self.dp_inputs(cfg.layout, cfg.n).recompute_flags(cfg.split, None)
+            base = self._plan(cfg, "zb-h1", self.options.syncs[0], flags)
             built = self.compact(base, screen=base.num_stages * base.num_microbatches
                                  > self.options.compact_max_actions, force=True)
             cand = self.score(built) if built is not None else None
