@@ -17,6 +17,7 @@ with ``strict=True`` and give the reference's loss.
 from __future__ import annotations
 
 import copy
+import importlib.util
 import itertools
 import shutil
 import time
@@ -191,7 +192,10 @@ def test_tied_model_clipping_counts_the_tie_once(runs):
 def test_export_loads_into_the_plain_model_strictly_with_the_same_loss(runs):
     root, _, _, _, _ = runs
     out = export_checkpoint(root / "straight-A", root / "straight-A.pt")
-    assert out.step == 6 and len(out.files) == 2  # .pt and .safetensors
+    # .pt, and .safetensors beside it when that package is installed (CI installs without it)
+    has_st = importlib.util.find_spec("safetensors") is not None
+    assert out.step == 6 and len(out.files) == (2 if has_st else 1)
+    assert out.files[0].endswith(".pt")
     ref = cached_reference("A6", "gpt-tiny", PLAN_A, 6, eval_every=3)
     for f in out.files:
         model = builtin_model("gpt-tiny", dtype=torch.float64)
