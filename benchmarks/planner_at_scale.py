@@ -280,6 +280,29 @@ def _note(r: dict) -> str:
     return "; ".join(out)
 
 
+def _summary(rows: list[dict], t0: float) -> dict:
+    """The run's summary over ``rows`` (so far)."""
+    both = [r for r in rows if r["gap"] is not None]
+    return {
+        "instances": len(rows), "comparable": len(both),
+        "within_2pct": sum(1 for r in both if r["gap"] <= 0.02),
+        "global_reference_failures": [r["seed"] for r in rows
+                                      if r["global_gap"] is not None and r["global_gap"] < -0.005],
+        "polish_improved": [r["seed"] for r in rows if r["polish_moves"]],
+        "misses": [r["seed"] for r in both if r["gap"] > 0.02],
+        "worst_gap": max((r["gap"] for r in both), default=None),
+        "median_planning_s": float(np.median([r["planning_s"] for r in rows])) if rows else None,
+        "median_planning_cpu_s": float(np.median([r["planning_cpu_s"] for r in rows])) if rows else None,
+        "kendall_tau_top20": [r["kendall_tau_top20"] for r in rows if r["kendall_tau_top20"] is not None],
+        "max_planning_s": max((r["planning_s"] for r in rows), default=None),
+        "max_planning_cpu_s": max((r["planning_cpu_s"] for r in rows), default=None),
+        "no_plan_in_either": [r["seed"] for r in rows if r["planner_s"] is None and r["global_reference_s"] is None],
+        "feasibility_differs": [r["seed"] for r in rows
+                                if (r["planner_s"] is None) != (r["global_reference_s"] is None)],
+        "total_s": time.perf_counter() - t0,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--instances", type=int, default=100)
@@ -342,26 +365,11 @@ def main(argv: list[str] | None = None) -> int:
                   f"{str(r['planner_regions']) + '/' + str(r['reference_regions']):>12}"
                   f"{fmt(r['kendall_tau_top20'], '6.2f')}"
                   f"  {note}", flush=True)
-    both = [r for r in rows if r["gap"] is not None]
-    summary = {
-        "instances": len(rows), "comparable": len(both),
-        "within_2pct": sum(1 for r in both if r["gap"] <= 0.02),
-        "global_reference_failures": [r["seed"] for r in rows
-                                      if r["global_gap"] is not None and r["global_gap"] < -0.005],
-        "polish_improved": [r["seed"] for r in rows if r["polish_moves"]],
-        "misses": [r["seed"] for r in both if r["gap"] > 0.02],
-        "worst_gap": max((r["gap"] for r in both), default=None),
-        "median_planning_s": float(np.median([r["planning_s"] for r in rows])) if rows else None,
-        "median_planning_cpu_s": float(np.median([r["planning_cpu_s"] for r in rows])) if rows else None,
-        "kendall_tau_top20": [r["kendall_tau_top20"] for r in rows if r["kendall_tau_top20"] is not None],
-        "max_planning_s": max((r["planning_s"] for r in rows), default=None),
-        "max_planning_cpu_s": max((r["planning_cpu_s"] for r in rows), default=None),
-        "no_plan_in_either": [r["seed"] for r in rows if r["planner_s"] is None and r["global_reference_s"] is None],
-        "feasibility_differs": [r["seed"] for r in rows
-                                if (r["planner_s"] is None) != (r["global_reference_s"] is None)],
-        "total_s": time.perf_counter() - t0,
-    }
-    print(f"\n{summary['within_2pct']} of {len(both)} comparable instances within 2% of the reference; misses: "
+            # written after every instance, marked partial, so a cut-off run keeps what it measured
+            save_json_atomic(Path(args.out), {"schema_version": 1, "format": "deepcee.bench.planner_at_scale",
+                                              "partial": True, "summary": _summary(rows, t0), "instances": rows})
+    summary = _summary(rows, t0)
+    print(f"\n{summary['within_2pct']} of {summary['comparable']} comparable instances within 2% of the reference; misses: "
           f"{summary['misses'] or 'none'}; polish improved deepcee's plan on {len(summary['polish_improved'])}; "
           f"global reference failures (deepcee better): {len(summary['global_reference_failures'])}; "
           f"no plan in either: {len(summary['no_plan_in_either'])}; feasibility differs: "
@@ -370,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
           f"(CPU {summary['max_planning_cpu_s']:.1f} s); "
           f"total {summary['total_s']:.0f} s")
     save_json_atomic(Path(args.out), {"schema_version": 1, "format": "deepcee.bench.planner_at_scale",
-                                      "summary": summary, "instances": rows})
+                                      "partial": False, "summary": summary, "instances": rows})
     print(f"wrote {args.out}")
     return 0 if not summary["misses"] else 1
 

@@ -63,7 +63,7 @@ from deepcee.simulator.runtime_model import runtime_for
 LATER = 2000
 """At most this many configurations are kept for the reference's later phase."""
 SCHEDULES = ("gpipe", "1f1b", "zb-h1", "zb-h2")
-POLISH_SIMULATIONS = 120
+POLISH_SIMULATIONS = 80
 """Most simulations one polish spends (a count, so the polish is the same on any machine)."""
 POLISH_MIN_GAIN = 1e-3
 """A neighbour is taken when it simulates faster by more than this fraction (smaller gains cost
@@ -481,17 +481,20 @@ def _laid_out(ref: _Reference, plan: Plan, segments: list[_Segment]) -> Iterator
                              shares=_shares(ref.c, devs, plan.microbatch_size), recompute=flags[k])
                    for k, devs in enumerate(slots))
     for rc in (None, True):
-        trial = plan.replace(stages=stages if rc is None else tuple(
-            dataclasses.replace(st, recompute=True) for st in stages), actions=())
-        built = _with_schedule(trial, plan.schedule, ref)
+        built = _with_schedule(plan, plan.schedule, ref, stages=stages if rc is None else tuple(
+            dataclasses.replace(st, recompute=True) for st in stages))
         if built is not None:
             yield built
 
 
-def _with_schedule(plan: Plan, schedule: str, ref: _Reference) -> Plan | None:
+def _with_schedule(plan: Plan, schedule: str, ref: _Reference, **changes) -> Plan | None:
+    """``plan`` with ``changes`` and ``schedule``; the changes are made on a zb-h1 copy (a compact
+    plan's actions name its own microbatches and stages, so a changed compact plan is invalid
+    until its schedule is built anew)."""
+    base = plan.replace(schedule="zb-h1", actions=(), **changes)
     if schedule != "compact":
-        return plan.replace(schedule=schedule, actions=())
-    return _compact(plan.replace(schedule="zb-h1", actions=()), ref.c, ref.m) if plan.num_stages > 1 else None
+        return base.replace(schedule=schedule)
+    return _compact(base, ref.c, ref.m) if base.num_stages > 1 else None
 
 
 def _neighbours(ref: _Reference, plan: Plan) -> Iterator[tuple[str, Plan]]:
@@ -500,21 +503,21 @@ def _neighbours(ref: _Reference, plan: Plan) -> Iterator[tuple[str, Plan]]:
     for sched in (*SCHEDULES, "compact"):
         for stages in dict.fromkeys((plan.stages, every)):
             if sched != plan.schedule or stages != plan.stages:
-                built = _with_schedule(plan.replace(stages=stages), sched, ref)
+                built = _with_schedule(plan, sched, ref, stages=stages)
                 if built is not None:
                     yield f"schedule {sched}{', every stage recomputing' if stages is every else ''}", built
     sizes = [n for n in range(1, ref.batch + 1) if ref.batch % n == 0 and n >= max(len(s.devices) for s in plan.stages)]
     k = sizes.index(plan.microbatch_size) if plan.microbatch_size in sizes else None
     for n in ([] if k is None else [sizes[j] for j in (k - 1, k + 1) if 0 <= j < len(sizes)]):
         stages = tuple(dataclasses.replace(st, shares=_shares(ref.c, st.devices, n)) for st in plan.stages)
-        built = _with_schedule(plan.replace(stages=stages, microbatch_size=n, num_microbatches=ref.batch // n),
-                               plan.schedule, ref)
+        built = _with_schedule(plan, plan.schedule, ref, stages=stages, microbatch_size=n,
+                               num_microbatches=ref.batch // n)
         if built is not None:
             yield f"microbatch size {plan.microbatch_size} -> {n}", built
     yield from _region_moves(ref, plan)
     for s, st in enumerate(plan.stages):
         stages = plan.stages[:s] + (dataclasses.replace(st, recompute=not st.recompute),) + plan.stages[s + 1:]
-        built = _with_schedule(plan.replace(stages=stages), plan.schedule, ref)
+        built = _with_schedule(plan, plan.schedule, ref, stages=stages)
         if built is not None:
             yield f"stage {s} recompute {'off' if st.recompute else 'on'}", built
     for s, step in itertools.product(range(1, plan.num_stages), (-1, 1)):
@@ -522,7 +525,7 @@ def _neighbours(ref: _Reference, plan: Plan) -> Iterator[tuple[str, Plan]]:
         if plan.stages[s - 1].layer_start < cut < plan.stages[s].layer_stop:
             stages = (plan.stages[:s - 1] + (dataclasses.replace(plan.stages[s - 1], layer_stop=cut),
                                              dataclasses.replace(plan.stages[s], layer_start=cut)) + plan.stages[s + 1:])
-            built = _with_schedule(plan.replace(stages=stages), plan.schedule, ref)
+            built = _with_schedule(plan, plan.schedule, ref, stages=stages)
             if built is not None:
                 yield f"boundary {s} {step:+d} layer", built
 
