@@ -85,6 +85,11 @@ class PlannerOptions:
     """The best chains (closed form) whose per-island granularities are searched. 10, not 2: on
     WAN seeds 11, 27 and 47 of ``benchmarks/planner_at_scale.py`` the best plan mixes
     granularities on a chain the closed form ranks below its second (session 8)."""
+    polish_budget: int = 400_000
+    """Stages x microbatches the layout polish may time in total (see [Note: layout polish] in
+    :mod:`deepcee.planner.polish`); 0: no polish."""
+    polish_max_devices: int = 256
+    """The layout polish runs only on clusters of at most this many devices."""
     explain_counterfactuals: bool = True
     """Plan and simulate the counterfactuals the explanation prints (each island left out or
     added, one stage more or fewer)."""
@@ -108,7 +113,8 @@ class PlannerOptions:
         if self.max_stages is not None and self.max_stages < 1:
             raise PlanError(f"max_stages must be >= 1, got {self.max_stages!r}", field="max_stages")
         for name in ("sweep_top", "model_top", "refine_top", "compact_top", "confirm_top", "exhaustive_islands",
-                     "chain_budget", "refine_best_guides", "grain_budget", "grain_chains", "screen_top", "screen_keep"):
+                     "chain_budget", "refine_best_guides", "grain_budget", "grain_chains", "screen_top", "screen_keep",
+                     "polish_budget", "polish_max_devices"):
             if getattr(self, name) < 0:
                 raise PlanError(f"must be >= 0, got {getattr(self, name)!r}", field=name)
         if self.exhaustive_islands < 1:

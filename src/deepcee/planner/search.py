@@ -38,6 +38,10 @@ Every public name of those modules that callers used from here is importable fro
 4. The best ``confirm_top`` plans (distinct) are simulated, within a work budget; the lowest
    simulated iteration time wins (ties: cost model, then a stable key). Every plan scored in
    full along the way (also a short one the screen scored) is a candidate.
+   Before the compact schedules, the best fixed-schedule plan is polished: a local search over
+   its layout (an island's stage count, two islands swapped, an island left out or added, the
+   microbatch size, the schedule), screened and scored by the cost model ([Note: layout polish]
+   in :mod:`deepcee.planner.polish`).
 
 [Note: screening]
 The closed form ranks configurations for step 3, whose cost-model budget (``score_budget``,
@@ -104,6 +108,7 @@ from deepcee.planner.explain import Counterfactual, explain
 from deepcee.planner.grains import climb_grains, feasible_grains
 from deepcee.planner.grouping import Grouping, group_devices
 from deepcee.planner.options import SYNC_CHOICES, PlannerOptions
+from deepcee.planner.polish import polish_layout
 from deepcee.planner.ranges import RangeTables
 from deepcee.planner.space import (
     SCREEN_RULES,
@@ -264,6 +269,8 @@ def plan_training(cluster: Cluster, model: ModelProfile, global_batch: int, *,
     _progress(options, "refining", 0.0)
     refined = [search.refine(c) for c in cands[: options.refine_top]]
     cands = sorted(_dedupe(cands + refined), key=rank_key)
+    _progress(options, "layout polish", 0.0)
+    cands = sorted(_dedupe(cands + polish_layout(search, cands)), key=rank_key)  # [Note: layout polish]
     _progress(options, "compact schedules", 0.0)
     cands += _compacts(search, cands, ranked)
     cands = sorted(_dedupe(cands), key=rank_key)

@@ -79,14 +79,7 @@ def microbatch_sizes(global_batch: int, options: PlannerOptions) -> list[int]:
 
 
 def _chunks(devices: Sequence[str], most: int) -> list[tuple[str, ...]]:
-    q = -(-len(devices) // most)
-    base, extra = divmod(len(devices), q)
-    out, i = [], 0
-    for k in range(q):
-        size = base + (1 if k < extra else 0)
-        out.append(tuple(devices[i:i + size]))
-        i += size
-    return out
+    return split_evenly(devices, -(-len(devices) // most))
 
 
 Chain = tuple[tuple[int, int], ...]
@@ -165,6 +158,33 @@ def mixed_layout(grouping: Grouping, chain: Chain, grains: Sequence[int], merged
         parts.append(part)
     return StageLayout(slots=tuple(slots), islands=tuple(i.name for i in islands), label=" > ".join(parts),
                        merged=merged, granularity=max(grains))
+
+
+def split_evenly(devices: Sequence[str], count: int) -> list[tuple[str, ...]]:
+    """``devices`` in ``count`` contiguous chunks whose sizes differ by at most one (larger first)."""
+    base, extra = divmod(len(devices), count)
+    out, i = [], 0
+    for k in range(count):
+        size = base + (1 if k < extra else 0)
+        out.append(tuple(devices[i:i + size]))
+        i += size
+    return out
+
+
+def counted_layout(grouping: Grouping, segments: Sequence[tuple[int, tuple[str, ...], int]]) -> StageLayout:
+    """Stages of ``segments`` in order, each ``(island index, its devices, stage count)`` cut by
+    :func:`split_evenly` (any stage count per island, not only the powers of two of
+    :func:`chain_layouts`; used by [Note: layout polish] in :mod:`deepcee.planner.polish`)."""
+    slots: list[tuple[str, ...]] = []
+    parts = []
+    for i, devices, count in segments:
+        if not 1 <= count <= len(devices):
+            raise PlanError(f"cannot cut {len(devices)} devices into {count} stages", field="stages")
+        pieces = split_evenly(devices, count)
+        slots += pieces
+        parts.append(f"{grouping.islands[i].name}[{'+'.join(str(len(p)) for p in pieces)}]")
+    return StageLayout(slots=tuple(slots), islands=tuple(grouping.islands[i].name for i, _, _ in segments),
+                       label=" > ".join(parts), granularity=max(len(x) for x in slots))
 
 
 def island_distances(cluster: Cluster, grouping: Grouping) -> np.ndarray:

@@ -130,6 +130,10 @@ class SearchState:
     pieces: dict[tuple, tuple] = field(default_factory=dict)
     """Each island's stages per (island, groups kept, merged, granularity): the memo of
     :func:`~deepcee.planner.space.chain_layouts` (chains share islands)."""
+    polish_used: int = 0
+    """Stages x microbatches the layout polish timed ([Note: layout polish])."""
+    polish_steps: int = 0
+    """Moves the layout polish took."""
     confirmed: dict[tuple, Estimate] = field(default_factory=dict)
     """The confirming model's estimates so far, by plan (a plan confirmed, then explained, or
     explained twice, is simulated once)."""
@@ -328,14 +332,17 @@ class SearchState:
                 self.add_config(cfg.layout, cfg.n, got[1], tuple(scheds), cf, got[2])
 
     # -- step 3 ---------------------------------------------------------------------------
-    def score(self, plan: Plan, *, screen: bool = False) -> Candidate | None:
+    def score(self, plan: Plan, *, screen: bool = False, force: bool = False) -> Candidate | None:
         """The cost model's figure of ``plan`` (``None``: does not fit memory, or over budget),
-        charged to ``score_budget`` (``screen``: to ``screen_budget``, never over it)."""
+        charged to ``score_budget`` (``screen``: to ``screen_budget``, never over it; ``force``:
+        neither, the caller keeps its own budget, as the layout polish does)."""
         key = (plan.stages, plan.schedule, plan.sync, plan.actions)
         if key in self.scored:
             return self.scored[key]
         work = plan.num_stages * plan.num_microbatches
-        if screen:
+        if force:
+            pass
+        elif screen:
             if self.screen_used + work > self.options.screen_budget:
                 return None
             self.screen_used += work

@@ -1,0 +1,255 @@
+"""Layout polish: a local search from the search's best plan over its layout (torch-free).
+
+[Note: layout polish]
+Steps 1-3 reach a plan's layout only through the chain search (islands and their order chosen
+by the closed form) and the granularity climb (one granularity per island, powers of two). The
+independent reference of ``benchmarks/planner_at_scale.py``, polishing deepcee's own plan with
+the simulator, found better plans one move away on 9 of 100 random WAN clusters (session 9):
+one region in one stage fewer, two neighbouring regions swapped, a region left out, another
+microbatch size. Those are plans of the plan space that the closed form ranked too low to be
+scored. So, after refinement, :func:`polish_layout` climbs from the best plan with a fixed
+schedule (a plan whose stages each lie in one island, the islands contiguous):
+
+- **moves** (:func:`_moves`), each a new layout (every island's devices cut into its count of
+  stages, evenly: :func:`~deepcee.planner.space.counted_layout`) split by the bottleneck DP at the
+  plan's microbatch size for the plan's schedule: one island's stage count -2, -1, +1, +2, halved
+  or doubled; two neighbouring islands swapped; an island left out (when the rest can hold the
+  model's state and ``allow_exclusion``); an unused island added at every place (one device per
+  stage, or two); the next smaller and larger microbatch size; another fixed schedule;
+- **scoring** in three rounds, so that a step costs a few full scores: every move is timed by
+  the cost model with ``2 S`` and ``4 S`` microbatches and extrapolated (as the screen,
+  [Note: screening]); the best :data:`ACCURATE` again with ``8 S`` and ``16 S``; the best
+  :data:`TRIES` of those within :data:`SCREEN_SLACK` of the best are scored in full; the best
+  full score that improves on the current plan by more than :data:`MIN_GAIN` is the next step;
+- **budget**: ``polish_budget`` stages x microbatches timed in total, the rounds charged what
+  they time; a step starts only when the budget can screen its whole neighbourhood, so a step
+  is never judged on half its moves. Not run above ``polish_max_devices`` devices (the
+  neighbourhood grows with the islands and planning time at 512 devices has a target).
+
+The plan the climb ends on is refined (boundaries one layer at a time, as every candidate) and
+returned with the plans scored in full on the way; a compact schedule for it is built by the
+search's compact step like for every other pipeline. Deterministic: fixed move order, ties
+keep the earlier move.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from deepcee.plan import Plan
+from deepcee.planner.space import (
+    StageLayout,
+    build_plan,
+    counted_layout,
+    schedule_in_flight,
+)
+from deepcee.planner.split import split_layers
+from deepcee.planner.steps import SCREEN_SCHEDULES, Candidate, SearchState, rank_key
+
+_INF = math.inf
+ACCURATE = 8
+"""Moves re-timed with ``8 S`` and ``16 S`` microbatches after the rough screen."""
+TRIES = 4
+"""Moves scored in full per step (the accurate screen's best, within :data:`SCREEN_SLACK`)."""
+SCREEN_SLACK = 0.01
+"""A move is scored in full only if its accurate screen is within this of the best move's."""
+MIN_GAIN = 1e-3
+"""A step must improve the current plan's cost-model time by more than this fraction."""
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """One island's run of stages: the island's index in the grouping, its devices in plan order,
+    and how many stages they form."""
+
+    island: int
+    devices: tuple[str, ...]
+    stages: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Move:
+    label: str
+    segments: tuple[Segment, ...]
+    n: int
+    schedule: str
+
+
+def segments_of(search: SearchState, plan: Plan) -> tuple[Segment, ...] | None:
+    """``plan``'s stages as runs of one island each; ``None`` when a stage spans islands or an
+    island's stages are not contiguous (no layout move applies)."""
+    index = {isl.name: k for k, isl in enumerate(search.grouping.islands)}
+    out: list[Segment] = []
+    for st in plan.stages:
+        islands = {search.cluster.device(d).island for d in st.devices}
+        if len(islands) != 1:
+            return None
+        k = index[islands.pop()]
+        if out and out[-1].island == k:
+            out[-1] = Segment(k, out[-1].devices + st.devices, out[-1].stages + 1)
+        elif any(s.island == k for s in out):
+            return None
+        else:
+            out.append(Segment(k, st.devices, 1))
+    return tuple(out)
+
+
+def _moves(search: SearchState, segs: tuple[Segment, ...], n: int, schedule: str) -> Iterator[_Move]:
+    """The neighbours of a plan (module docstring), in a fixed order."""
+    islands = search.grouping.islands
+    most = min(search.max_stages, search.model.num_layers)
+    total = sum(s.stages for s in segs)
+
+    def ok(new: tuple[Segment, ...], size: int = n) -> bool:
+        if not new or not all(1 <= s.stages <= len(s.devices) for s in new):
+            return False
+        return (sum(s.stages for s in new) <= most
+                and size >= max(-(-len(s.devices) // s.stages) for s in new))  # every device gets a sample
+
+    def name(s: Segment) -> str:
+        return islands[s.island].name
+
+    for sched in SCREEN_SCHEDULES:
+        if sched != schedule and sched in search.options.schedules:
+            yield _Move(f"schedule {sched}", segs, n, sched)
+    for k, s in enumerate(segs):
+        counts = dict.fromkeys((s.stages - 2, s.stages - 1, s.stages + 1, s.stages + 2, s.stages // 2, 2 * s.stages))
+        for c in counts:
+            new = segs[:k] + (Segment(s.island, s.devices, c),) + segs[k + 1:]
+            if c != s.stages and ok(new):
+                yield _Move(f"{name(s)} in {c} stages (was {s.stages})", new, n, schedule)
+    for k in range(len(segs) - 1):
+        new = segs[:k] + (segs[k + 1], segs[k]) + segs[k + 2:]
+        yield _Move(f"{name(segs[k])} and {name(segs[k + 1])} swapped", new, n, schedule)
+    if search.options.allow_exclusion:
+        state = search.model.parameter_count * search.model.state_bytes_per_parameter
+        for k, s in enumerate(segs):
+            rest = segs[:k] + segs[k + 1:]
+            if rest and sum(search.cluster.memory_bytes(d) for r in rest for d in r.devices) >= state and ok(rest):
+                yield _Move(f"{name(s)} left out", rest, n, schedule)
+        used = {s.island for s in segs}
+        for i, isl in enumerate(islands):
+            if i in used:
+                continue
+            room = most - total
+            for c in dict.fromkeys(x for x in (min(len(isl.devices), room), min(-(-len(isl.devices) // 2), room))
+                                   if x >= 1):
+                added = Segment(i, isl.devices, c)
+                for k in range(len(segs) + 1):
+                    new = segs[:k] + (added,) + segs[k:]
+                    if ok(new):
+                        yield _Move(f"{isl.name} added at place {k} in {c} stages", new, n, schedule)
+    sizes = search.sizes
+    if n in sizes:
+        j = sizes.index(n)
+        for size in (sizes[x] for x in (j - 1, j + 1) if 0 <= x < len(sizes)):
+            if ok(segs, size):
+                yield _Move(f"microbatch size {n} -> {size}", segs, size, schedule)
+
+
+def _layout(search: SearchState, segs: tuple[Segment, ...]) -> StageLayout:
+    return counted_layout(search.grouping, [(s.island, s.devices, s.stages) for s in segs])
+
+
+class _Polish:
+    """One climb's budget and the plans it built (see the module docstring)."""
+
+    def __init__(self, search: SearchState, sync: str) -> None:
+        self.search, self.sync = search, sync
+        self.used = 0
+        self.plans: dict[tuple, Plan | None] = {}
+
+    def left(self) -> int:
+        return self.search.options.polish_budget - self.used
+
+    def plan(self, move: _Move) -> Plan | None:
+        """The move's plan: its layout split by the bottleneck DP for its schedule (``None``: no
+        split fits memory)."""
+        key = (move.segments, move.n, move.schedule)
+        if key not in self.plans:
+            search = self.search
+            lay = _layout(search, move.segments)
+            tab = search.dp_inputs(lay, move.n)
+            in_flight = schedule_in_flight(move.schedule, len(lay.slots), tab.m)
+            got = split_layers(tab.loads(in_flight), tab.link_loads())
+            self.plans[key] = None if got is None else build_plan(
+                lay, got[1], cluster=search.cluster, model=search.model, global_batch=search.global_batch,
+                microbatch_size=move.n, schedule=move.schedule, sync=self.sync, system=search.options.system,
+                recompute=tab.recompute_flags(got[1], in_flight))
+        return self.plans[key]
+
+    def timed(self, plan: Plan, short: tuple[int, int]) -> float:
+        """``plan``'s cost-model time extrapolated from ``short`` microbatch counts (in full when
+        it has few microbatches); ``inf`` when it does not fit memory. Charged to the budget."""
+        s, m = plan.num_stages, plan.num_microbatches
+        if m <= 2 * short[1]:
+            got = self.search.score(plan, force=True)
+            self.used += s * m
+            return _INF if got is None else got.estimate.iteration_s
+        self.used += s * sum(short)
+        search = self.search
+        times = []
+        for k in short:
+            est = search.cost_model.estimate(plan.replace(global_batch=plan.microbatch_size * k, num_microbatches=k),
+                                             search.cluster, search.model)
+            if est.exceeds_memory(search.cluster.memory_bytes):
+                return _INF
+            times.append(est.iteration_s)
+        return times[0] + (m - short[0]) * (times[1] - times[0]) / (short[1] - short[0])
+
+    def step(self, cur: Candidate, segs: tuple[Segment, ...]) -> Candidate | None:
+        """The best improving neighbour of ``cur`` scored in full, or ``None``."""
+        plan = cur.plan
+        moves = list(_moves(self.search, segs, plan.microbatch_size, plan.schedule))
+        built = [(m, p) for m in moves if (p := self.plan(m)) is not None]
+        worst = sum(p.num_stages * 6 * p.num_stages for _, p in built)
+        if not built or worst > self.left():
+            return None
+        rough = sorted(((self.timed(p, (2 * p.num_stages, 4 * p.num_stages)), k) for k, (_, p) in enumerate(built)))
+        rough = [(t, k) for t, k in rough if math.isfinite(t)][:ACCURATE]
+        fine = sorted((self.timed(built[k][1], (8 * built[k][1].num_stages, 16 * built[k][1].num_stages)), k)
+                      for _, k in rough if self.left() > 0)
+        fine = [(t, k) for t, k in fine if math.isfinite(t)]
+        if not fine:
+            return None
+        bar = fine[0][0] * (1 + SCREEN_SLACK)
+        best = None
+        for t, k in fine[:TRIES]:
+            if t > bar or self.left() <= 0:
+                break
+            p = built[k][1]
+            got = self.search.score(p, force=True)
+            self.used += p.num_stages * p.num_microbatches
+            if got is not None and (best is None or rank_key(got) < rank_key(best)):
+                best = got
+        if best is None or best.estimate.iteration_s >= cur.estimate.iteration_s * (1 - MIN_GAIN):
+            return None
+        return best
+
+
+def polish_layout(search: SearchState, cands: list[Candidate]) -> list[Candidate]:
+    """Climb from the best fixed-schedule plan of ``cands`` (cost-model order) over its layout
+    (module docstring); the plans on the way and the refined end, or ``[]`` (nothing to polish:
+    no such plan, a stage spanning islands, too many devices, or no budget)."""
+    opts = search.options
+    if opts.polish_budget <= 0 or len(search.cluster.device_names) > opts.polish_max_devices:
+        return []
+    start = next((c for c in cands if c.plan.schedule != "compact"), None)
+    if start is None or segments_of(search, start.plan) is None:
+        return []
+    climb = _Polish(search, start.plan.sync)
+    cur, out = start, []
+    while True:
+        segs = segments_of(search, cur.plan)
+        nxt = None if segs is None else climb.step(cur, segs)
+        if nxt is None:
+            break
+        cur = nxt
+        out.append(cur)
+        search.polish_steps += 1
+    search.polish_used += climb.used
+    if cur is not start:
+        out.append(search.refine(cur))
+    return out

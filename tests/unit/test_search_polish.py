@@ -1,0 +1,142 @@
+"""The layout polish ([Note: layout polish] in deepcee.planner.polish): a local search over the
+best plan's islands, stage counts, order, microbatch size and schedule, scored by the cost model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from deepcee import cli
+from deepcee.cluster import Cluster, Device, DeviceKind, Island, LinkEntry, LinkSpec, Node
+from deepcee.errors import PlanError
+from deepcee.planner.cost_model import AnalyticCostModel
+from deepcee.planner.polish import MIN_GAIN, _moves, polish_layout, segments_of
+from deepcee.planner.search import PlannerOptions, new_search, plan_training
+from deepcee.planner.space import build_plan, counted_layout, in_flight_counts, split_evenly
+from deepcee.planner.split import split_layers
+from deepcee.planner.steps import Candidate
+from deepcee.profile import LayerProfile, ModelProfile
+from deepcee.units import GIB
+
+FAST = LinkSpec(latency_s=50e-6, bandwidth_bytes_per_s=1.25e9)
+
+
+def _cluster() -> Cluster:
+    """Islands ``a`` and ``b`` of 4 fast devices, ``c`` of 4 slow ones; a-b 20 ms and 1 Gbit/s,
+    c 80 ms and 200 Mbit/s from both."""
+    kinds = {"fast": DeviceKind(name="fast", peak_flops_per_s=40e12, memory_bytes=8 * GIB),
+             "slow": DeviceKind(name="slow", peak_flops_per_s=8e12, memory_bytes=8 * GIB)}
+    nodes = tuple(Node(name=f"{i}0", island=i, kind="slow" if i == "c" else "fast",
+                       devices=tuple(f"{i}0:{k}" for k in range(4)), intra=FAST) for i in "abc")
+    devices = tuple(Device(name=d, kind=n.kind, node=n.name, island=n.island) for n in nodes for d in n.devices)
+    wan = LinkSpec(latency_s=0.02, bandwidth_bytes_per_s=1.25e8)
+    far = LinkSpec(latency_s=0.08, bandwidth_bytes_per_s=2.5e7)
+    return Cluster(name="three", kinds=kinds, islands=tuple(Island(name=i, intra=FAST) for i in "abc"),
+                   nodes=nodes, devices=devices,
+                   links=(LinkEntry(a="a", b="b", spec=wan), LinkEntry(a="a", b="c", spec=far),
+                          LinkEntry(a="b", b="c", spec=far)))
+
+
+def _model(layers: int = 16) -> ModelProfile:
+    return ModelProfile(name="toy", input_bytes=1e5, layers=tuple(
+        LayerProfile(name=f"l{k}", forward_flops=4e10, input_grad_flops=4e10, weight_grad_flops=4e10,
+                     parameter_count=60_000_000, activation_bytes=2e7, output_bytes=4e6) for k in range(layers)))
+
+
+def _scored(search, segments, n, schedule="zb-h1") -> Candidate:
+    """The plan of ``segments`` at microbatch size ``n`` split by the bottleneck DP, scored."""
+    lay = counted_layout(search.grouping, segments)
+    tab = search.dp_inputs(lay, n)
+    got = split_layers(tab.loads(in_flight_counts(schedule, len(lay.slots), tab.m)), tab.link_loads())
+    assert got is not None
+    plan = build_plan(lay, got[1], cluster=search.cluster, model=search.model, global_batch=search.global_batch,
+                      microbatch_size=n, schedule=schedule, sync=search.options.syncs[0])
+    cand = search.score(plan, force=True)
+    assert cand is not None
+    return cand
+
+
+def test_split_evenly_and_counted_layout() -> None:
+    assert split_evenly(tuple("abcdefg"), 3) == [("a", "b", "c"), ("d", "e"), ("f", "g")]
+    c = _cluster()
+    search = new_search(c, _model(), 64, PlannerOptions())
+    a = search.grouping.islands[0]
+    lay = counted_layout(search.grouping, [(0, a.devices, 3)])
+    assert [len(s) for s in lay.slots] == [2, 1, 1] and lay.islands == (a.name,)
+    with pytest.raises(PlanError):
+        counted_layout(search.grouping, [(0, a.devices, 5)])
+
+
+def test_segments_and_moves_cover_the_neighbourhood() -> None:
+    c = _cluster()
+    search = new_search(c, _model(), 64, PlannerOptions())
+    isl = search.grouping.islands
+    start = _scored(search, [(0, isl[0].devices, 2), (1, isl[1].devices, 2)], 4)
+    segs = segments_of(search, start.plan)
+    assert [(s.island, s.stages) for s in segs] == [(0, 2), (1, 2)]
+    labels = [m.label for m in _moves(search, segs, 4, "zb-h1")]
+    for want in ("schedule 1f1b", "in 1 stages (was 2)", "in 3 stages (was 2)", "swapped", "left out",
+                 "added at place 0", "added at place 2", "microbatch size 4 -> 2", "microbatch size 4 -> 8"):
+        assert any(want in x for x in labels), (want, labels)
+    none = new_search(c, _model(), 64, PlannerOptions(allow_exclusion=False))
+    assert not any("left out" in m.label or "added" in m.label for m in _moves(none, segs, 4, "zb-h1"))
+    # a stage over two islands: no segments, no polish
+    every = start.plan.replace(stages=(start.plan.stages[0].__class__(
+        layer_start=0, layer_stop=16, devices=isl[0].devices + isl[1].devices, shares=(1,) * 8),),
+        microbatch_size=8, num_microbatches=8)
+    assert segments_of(search, every) is None
+
+
+def test_polish_climbs_from_a_poor_layout_and_every_step_is_a_scored_plan() -> None:
+    c, m = _cluster(), _model()
+    search = new_search(c, m, 64, PlannerOptions())
+    isl = search.grouping.islands
+    # the slow island first, in one stage, and the fast ones behind it: a poor plan
+    start = _scored(search, [(2, isl[2].devices, 1), (0, isl[0].devices, 1), (1, isl[1].devices, 1)], 8)
+    got = polish_layout(search, [start])
+    assert got, "a poor layout has an improving neighbour"
+    times = [x.estimate.iteration_s for x in got]
+    assert times[0] < start.estimate.iteration_s * (1 - MIN_GAIN)
+    assert all(b < a * (1 - MIN_GAIN) for a, b in zip(times[:-2], times[1:-1], strict=True))
+    assert times[-1] <= times[-2] if len(times) > 1 else True  # the refined end
+    for x in got:
+        fresh = AnalyticCostModel().estimate(x.plan, c, m)
+        assert x.estimate.iteration_s == pytest.approx(fresh.iteration_s, rel=1e-12)
+    assert search.polish_steps == len(got) - 1 and search.polish_used > 0
+    again = new_search(c, m, 64, PlannerOptions())
+    start2 = _scored(again, [(2, isl[2].devices, 1), (0, isl[0].devices, 1), (1, isl[1].devices, 1)], 8)
+    assert [x.plan for x in polish_layout(again, [start2])] == [x.plan for x in got]  # deterministic
+
+
+def test_polish_budget_and_device_cap_switch_it_off() -> None:
+    c, m = _cluster(), _model()
+    for opts in (PlannerOptions(polish_budget=0), PlannerOptions(polish_max_devices=8)):
+        search = new_search(c, m, 64, opts)
+        isl = search.grouping.islands
+        start = _scored(search, [(2, isl[2].devices, 1), (0, isl[0].devices, 1), (1, isl[1].devices, 1)], 8)
+        assert polish_layout(search, [start]) == [] and search.polish_used == 0
+    with pytest.raises(PlanError):
+        PlannerOptions(polish_budget=-1)
+
+
+def test_plan_with_polish_is_no_worse_than_without() -> None:
+    c, m = _cluster(), _model()
+    on = plan_training(c, m, 64)
+    off = plan_training(c, m, 64, options=PlannerOptions(polish_budget=0))
+    assert on.plan.estimate.iteration_s <= off.plan.estimate.iteration_s * (1 + 1e-9)
+
+
+def test_cli_no_polish(tmp_path, monkeypatch) -> None:
+    import deepcee.planner.search as search_mod
+
+    budgets = []
+    real = search_mod.polish_layout
+    monkeypatch.setattr(search_mod, "polish_layout",
+                        lambda search, cands: budgets.append(search.options.polish_budget) or real(search, cands))
+    for flag in ((), ("--no-polish",)):
+        out = tmp_path / "p.json"
+        assert cli.main(["plan", "--scenario", "local-small", "--model", "resnet-tiny", "--global-batch", "16",
+                         *flag, "-o", str(out)]) == 0
+        assert json.loads(out.read_text())["schema_version"]
+    assert budgets == [PlannerOptions().polish_budget, 0]
