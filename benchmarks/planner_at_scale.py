@@ -201,9 +201,10 @@ def run_instance(seed: int | str, budget_s: float = 120.0, tau: bool = False, ca
         plan_time, plan_cpu = time.perf_counter() - t0, time.process_time() - c0
         planner_s = simulate(planned, cluster, model, record=False).iteration_s
         gap_note = next((x for x in result.explanation if x.startswith("island chains")), "")
+        layout_polish_steps = result.polish_steps
         tau_value = kendall_tau(result, cluster, model) if tau else None
     except InfeasiblePlanError:
-        planned, planner_s, gap_note = None, None, ""
+        planned, planner_s, gap_note, layout_polish_steps = None, None, "", 0
         plan_time, plan_cpu = time.perf_counter() - t0, time.process_time() - c0
     ref = (_cached_reference(cached, cluster, model) if cached is not None
            else reference_search(cluster, model, batch, budget_s=budget_s))
@@ -231,7 +232,7 @@ def run_instance(seed: int | str, budget_s: float = 120.0, tau: bool = False, ca
         "planner_shape": _shape(planned, cluster), "reference_shape": _shape(ref["plan"], cluster),
         "best_reference_shape": _shape(best, cluster),
         "runtime": runtime_for(cluster, model).name,
-        "planning_cpu_s": plan_cpu, "kendall_tau_top20": tau_value,
+        "planning_cpu_s": plan_cpu, "kendall_tau_top20": tau_value, "layout_polish_steps": layout_polish_steps,
         "reference_seconds": ref["seconds"], "reference_cpu_s": ref["cpu_s"], "reference_budget_cpu_s": budget_s,
         "reference_cached": bool(ref.get("cached")),
         "reference_plan": ref["plan"].to_dict() if ref["plan"] is not None else None,
@@ -289,6 +290,7 @@ def _summary(rows: list[dict], t0: float) -> dict:
         "global_reference_failures": [r["seed"] for r in rows
                                       if r["global_gap"] is not None and r["global_gap"] < -0.005],
         "polish_improved": [r["seed"] for r in rows if r["polish_moves"]],
+        "layout_polish_moved": [r["seed"] for r in rows if r.get("layout_polish_steps")],
         "misses": [r["seed"] for r in both if r["gap"] > 0.02],
         "worst_gap": max((r["gap"] for r in both), default=None),
         "median_planning_s": float(np.median([r["planning_s"] for r in rows])) if rows else None,

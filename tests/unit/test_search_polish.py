@@ -104,6 +104,7 @@ def test_polish_climbs_from_a_poor_layout_and_every_step_is_a_scored_plan() -> N
         fresh = AnalyticCostModel().estimate(x.plan, c, m)
         assert x.estimate.iteration_s == pytest.approx(fresh.iteration_s, rel=1e-12)
     assert search.polish_steps == len(got) - 1 and search.polish_used > 0
+    assert [n for n in search.notes if n.startswith("layout polish")], "the explanation says what the polish did"
     again = new_search(c, m, 64, PlannerOptions())
     start2 = _scored(again, [(2, isl[2].devices, 1), (0, isl[0].devices, 1), (1, isl[1].devices, 1)], 8)
     assert [x.plan for x in polish_layout(again, [start2])] == [x.plan for x in got]  # deterministic

@@ -199,8 +199,8 @@ class _Polish:
             times.append(est.iteration_s)
         return times[0] + (m - short[0]) * (times[1] - times[0]) / (short[1] - short[0])
 
-    def step(self, cur: Candidate, segs: tuple[Segment, ...]) -> Candidate | None:
-        """The best improving neighbour of ``cur`` scored in full, or ``None``."""
+    def step(self, cur: Candidate, segs: tuple[Segment, ...]) -> tuple[Candidate, str] | None:
+        """The best improving neighbour of ``cur`` scored in full and its move's label, or ``None``."""
         plan = cur.plan
         moves = list(_moves(self.search, segs, plan.microbatch_size, plan.schedule))
         built = [(m, p) for m in moves if (p := self.plan(m)) is not None]
@@ -222,9 +222,9 @@ class _Polish:
             p = built[k][1]
             got = self.search.score(p, force=True)
             self.used += p.num_stages * p.num_microbatches
-            if got is not None and (best is None or rank_key(got) < rank_key(best)):
-                best = got
-        if best is None or best.estimate.iteration_s >= cur.estimate.iteration_s * (1 - MIN_GAIN):
+            if got is not None and (best is None or rank_key(got) < rank_key(best[0])):
+                best = (got, built[k][0].label)
+        if best is None or best[0].estimate.iteration_s >= cur.estimate.iteration_s * (1 - MIN_GAIN):
             return None
         return best
 
@@ -240,16 +240,20 @@ def polish_layout(search: SearchState, cands: list[Candidate]) -> list[Candidate
     if start is None or segments_of(search, start.plan) is None:
         return []
     climb = _Polish(search, start.plan.sync)
-    cur, out = start, []
+    cur, out, labels = start, [], []
     while True:
         segs = segments_of(search, cur.plan)
         nxt = None if segs is None else climb.step(cur, segs)
         if nxt is None:
             break
-        cur = nxt
+        cur = nxt[0]
         out.append(cur)
+        labels.append(nxt[1])
         search.polish_steps += 1
     search.polish_used += climb.used
     if cur is not start:
         out.append(search.refine(cur))
+        search.notes.append(f"layout polish from the search's best fixed-schedule plan ({start.estimate.iteration_s:.4g} s "
+                            f"by the cost model): {'; '.join(labels)} ({out[-1].estimate.iteration_s:.4g} s after "
+                            f"refinement)")
     return out

@@ -162,6 +162,8 @@ class PlanResult:
     """The alternatives the explanation prints, each simulated (see [Note: counterfactuals])."""
     scored: tuple[Candidate, ...] = ()
     """Every plan the cost model scored that fits memory, best first (cost-model order)."""
+    polish_steps: int = 0
+    """Moves the layout polish took ([Note: layout polish]; 0: it found none or did not run)."""
 
 
 
@@ -295,7 +297,8 @@ def plan_training(cluster: Cluster, model: ModelProfile, global_batch: int, *,
              elapsed, search.evaluated, best.score_s)
     return PlanResult(plan=plan, explanation=tuple(explanation), candidates_evaluated=search.evaluated,
                       planning_s=elapsed, top=tuple(top), grouping=search.grouping, counterfactuals=tuple(counterfactuals),
-                      scored=tuple(sorted(_dedupe(c for c in search.scored.values() if c is not None), key=rank_key)))
+                      scored=tuple(sorted(_dedupe(c for c in search.scored.values() if c is not None), key=rank_key)),
+                      polish_steps=search.polish_steps)
 
 
 def new_search(cluster: Cluster, model: ModelProfile, global_batch: int, options: PlannerOptions) -> SearchState:
