@@ -52,7 +52,7 @@ from deepcee.planner.sweep_pool import PoolPlanner
 from deepcee.profile import ModelProfile
 from deepcee.schedule.ir import ActionKind
 from deepcee.schedule.program import lowered_schedule
-from deepcee.simulator.engine import simulate, to_estimate
+from deepcee.simulator.engine import SimResult, simulate, to_estimate
 from deepcee.units import GIB
 
 if TYPE_CHECKING:
@@ -206,15 +206,16 @@ def _fixed_s(model: ModelProfile, cluster: Cluster, device: str, start: int, sto
     return max(0.0, 2 * one - two)
 
 
-def breakdown(plan: Plan, cluster: Cluster, model: ModelProfile) -> dict[str, float]:
+def breakdown(plan: Plan, cluster: Cluster, model: ModelProfile, result: SimResult | None = None) -> dict[str, float]:
     """Where a plan's iteration goes, as shares of the iteration time (the worst device each).
 
     ``bubble`` is the simulator's bubble fraction; ``sync`` and ``receive_wait`` the largest
     per-device time in gradient synchronisation and blocked receives; ``per_layer_overhead``
     the largest per-device sum of fixed costs per action (per-layer and per-call overheads,
-    what the upper bound leaves out).
+    what the upper bound leaves out). ``result``: the plan's ``simulate(plan, cluster, model,
+    record=False)`` when the caller has it (a plan's estimate does not enter its simulation).
     """
-    result = simulate(plan, cluster, model, record=False)
+    result = result or simulate(plan, cluster, model, record=False)
     it = result.iteration_s
     sched = lowered_schedule(plan)
     overhead = 0.0
@@ -236,10 +237,10 @@ SWEEP_SEARCH = {"sweep_top": 4, "model_top": 3, "refine_top": 1, "compact_top": 
 
 
 def _deepcee(cluster: Cluster, model: ModelProfile, global_batch: int, *, use_all_devices: bool = False,
-             light: bool = False) -> tuple[Plan, float, tuple[float, float], PlanResult]:
+             light: bool = False) -> tuple[Plan, float, tuple[float, float], PlanResult, SimResult]:
     """deepcee's plan, re-simulated, the planning time, (best simulated samples/s of a
-    counterfactual that uses a device the plan leaves out, of one that does not), and the
-    search's result.
+    counterfactual that uses a device the plan leaves out, of one that does not), the
+    search's result and the plan's simulation.
 
     ``use_all_devices`` forbids leaving any device out; ``light`` uses :data:`SWEEP_SEARCH`.
     """
@@ -248,12 +249,13 @@ def _deepcee(cluster: Cluster, model: ModelProfile, global_batch: int, *, use_al
     t0 = time.perf_counter()
     options = PlannerOptions(allow_exclusion=not use_all_devices, **(SWEEP_SEARCH if light else {}))
     result = plan_training(cluster, model, global_batch, options=options)
-    plan = simulated(result.plan, cluster, model)
+    sim = simulate(result.plan, cluster, model, record=False)
+    plan = result.plan.replace(estimate=to_estimate(sim, result.plan, cluster))  # as :func:`simulated`
     used = set(plan.devices)
     with_ = [c.plan.estimate.samples_per_s for c in result.counterfactuals if set(c.plan.devices) - used]
     without = [c.plan.estimate.samples_per_s for c in result.counterfactuals if set(c.plan.devices) <= used]
     return (plan, time.perf_counter() - t0, (max(with_, default=0.0), max([plan.estimate.samples_per_s, *without])),
-            result)
+            result, sim)
 
 
 def _planned(cluster: Cluster, model: ModelProfile, batch: int, *, use_all_devices: bool = False) -> Plan | None:
@@ -306,10 +308,11 @@ def compare(cluster: Cluster, model: ModelProfile, global_batch: int, *, crossov
         plan, planning_s = got[0], got[1]
         planned = got[2] if len(got) > 2 else None
         result = got[3] if len(got) > 3 else None
+        sim = got[4] if len(got) > 4 else None
         reason = ""
     except InfeasiblePlanError as exc:
         # reported as a row without a plan, like a baseline that does not fit
-        plan, planning_s, reason = None, time.perf_counter() - t0, f"deepcee found no plan: {exc}"
+        plan, planning_s, reason, sim = None, time.perf_counter() - t0, f"deepcee found no plan: {exc}", None
         log.warning(reason)
     baselines = build_baselines(cluster, model, global_batch)
     bound = upper_bound(cluster, model, global_batch)
@@ -342,7 +345,7 @@ def compare(cluster: Cluster, model: ModelProfile, global_batch: int, *, crossov
         cluster=cluster.name, model=model.name, global_batch=global_batch, source=figure_source(cluster, model),
         bound=bound, rows=tuple(rows), fraction_of_bound=sps / bound.samples_per_s, leave_out=line,
         crossover=study, planning_s=planning_s,
-        deepcee_breakdown=breakdown(plan, cluster, model) if plan is not None else {}, notes=tuple(notes),
+        deepcee_breakdown=breakdown(plan, cluster, model, sim) if plan is not None else {}, notes=tuple(notes),
     )
 
 

@@ -128,8 +128,10 @@ class _Memo:
 
 
 def with_without(cluster: Cluster, model: ModelProfile, batch: int, kept: Sequence[str], *,
-                 planner: SweepPlanner, baselines: bool = True) -> tuple[float, float]:
-    """(best samples/s using a left-out device, best samples/s on the kept devices only)."""
+                 planner: SweepPlanner, baselines: bool = True, kept_cluster: Cluster | None = None
+                 ) -> tuple[float, float]:
+    """(best samples/s using a left-out device, best samples/s on the kept devices only).
+    ``kept_cluster``: ``cluster.subset(kept)`` when the caller has it."""
     kept_set = set(kept)
     without: list[float] = []
     with_: list[float] = []
@@ -137,7 +139,7 @@ def with_without(cluster: Cluster, model: ModelProfile, batch: int, kept: Sequen
     # when the free plan already uses every device, it is the all-devices search's answer too
     every = free if free is not None and len(free.devices) == len(cluster.device_names) else \
         planner(cluster, model, batch, use_all_devices=True)
-    for plan in (planner(cluster.subset(kept), model, batch), free, every):
+    for plan in (planner(kept_cluster or cluster.subset(kept), model, batch), free, every):
         if plan is not None:
             (without if set(plan.devices) <= kept_set else with_).append(plan.estimate.samples_per_s)
     for b in build_baselines(cluster, model, batch) if baselines else ():
@@ -222,6 +224,9 @@ def crossover_study(cluster: Cluster, model: ModelProfile, global_batch: int, ke
         raise DeepceeError("crossover needs left-out devices; every device is kept")
     _, links = slow_link_entries(cluster, kept, 1.0)
     planner = _Memo(planner)
+    # the batch sweep's points plan on one kept sub-cluster object, not an equal new one per point:
+    # the cost model memoises stage terms and links per cluster object (same content, same figures)
+    kept_cluster = cluster.subset(kept)
 
     def at_bandwidth(bw: float) -> tuple[float, float]:
         entries, _ = slow_link_entries(cluster, kept, bw)
@@ -229,7 +234,8 @@ def crossover_study(cluster: Cluster, model: ModelProfile, global_batch: int, ke
                             baselines=baselines)
 
     def at_batch(b: float) -> tuple[float, float]:
-        w, wo = with_without(cluster, model, int(b), kept, planner=planner, baselines=baselines)
+        w, wo = with_without(cluster, model, int(b), kept, planner=planner, baselines=baselines,
+                             kept_cluster=kept_cluster)
         if planned is not None and int(b) == global_batch:
             w, wo = max(w, planned[0]), max(wo, planned[1])
         return w, wo

@@ -59,13 +59,14 @@ _RECV = {ActionKind.RECV_F: 0, ActionKind.RECV_B: 1}
 # simulator's order. Tried and dropped: re-running the pass with each pipe served in the previous
 # pass's issue order; the orders oscillated (Kendall tau at 512 devices 0.85, 0.95, 0.88 after 2,
 # 3, 4 passes, never a fixed point), each pass costing a full one.
-# The held pieces of one boundary direction are one :class:`_Pool` of flat arrays in program
-# order (then piece order, which is the tie order), so a release is a few numpy calls on the
-# pool: no per-send lists, no re-sorting of what is already in order. A release with at most one
+# The held pieces of one boundary direction are one :class:`_Pool` of flat lists in program
+# order (then piece order, which is the tie order): no per-send lists. A release with at most one
 # piece per pipe (most of them: the forced serving of one send, and a new send's earliest piece
-# on each pipe) needs no sort, since pipes do not interact; pipes with equally many pieces are
-# served on a pipe x piece matrix. Same pieces, same order, same sums: the times are the bits
-# of session 7's per-send queues (checked on every timing of `plan` at 256 and 512 devices).
+# on each pipe) needs no sort, since pipes do not interact. Same pieces, same order, same sums:
+# the times are the bits of session 7's per-send queues (checked on every timing of `plan` at
+# 256 and 512 devices). The pool was numpy arrays until session 10; a pool holds 16-100 pieces,
+# where a dozen numpy calls per release cost more than a loop over floats (devices_at_once
+# 0.7x at 512 devices, the same bits on every timing of `plan` and `compare` there).
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,9 +201,9 @@ def devices_at_once(lowered: Schedule, dur: Sequence[np.ndarray], pieces: Sequen
                     else:  # [Note: pipe order]
                         pool = held.get((d, b))
                         if pool is None:
-                            pool = held[d, b] = _Pool(p)
+                            pool = held[d, b] = _Pool(p, free[d, b])
                         pool.push(to, go)
-                        pool.release(free[d, b], np.minimum.reduceat(go[p.by_pipe], p.first_res), arrived, every_pipe=True)
+                        pool.release(np.minimum.reduceat(go[p.by_pipe], p.first_res), arrived, every_pipe=True)
                 pc += 1
             progress |= pc != pcs[s]
             pcs[s], clock[s] = pc, t
@@ -213,12 +214,12 @@ def devices_at_once(lowered: Schedule, dur: Sequence[np.ndarray], pieces: Sequen
             for pool in held.values():
                 p = pool.pieces
                 for go in [go for to, go in pool.open.values() if to in wanted]:
-                    pool.release(free[pool.key_db], np.maximum.reduceat(go[p.by_pipe], p.first_res), arrived)
+                    pool.release(np.maximum.reduceat(go[p.by_pipe], p.first_res), arrived)
                     progress = True
             if not progress:
                 for pool in held.values():
                     if pool.open:
-                        pool.release(free[pool.key_db], None, arrived)
+                        pool.release(None, arrived)
                 progress = True
     if any(pc < len(row) for pc, row in zip(pcs, rows, strict=True)):
         raise ScheduleError("devices at once: the schedule deadlocks (a receive without its send)")
@@ -257,128 +258,91 @@ def _compiled(lowered: Schedule) -> list[list[tuple[int, object]]]:
 
 class _Pool:
     """The pieces not served yet of one boundary direction's sends on shared pipes ([Note: pipe order]),
-    as flat arrays in program order (then the simulator's order in a send, which is the pieces'
-    order: :func:`boundary_pieces`): issue time, place in ``ends``, pipe, serialisation."""
+    in program order (then piece order, the simulator's order in a send: :func:`boundary_pieces`):
+    issue time, place in ``ends``, pipe, serialisation. Plain lists: a pool holds a few sends' pieces
+    (16-100 at 512 devices), where a loop over floats beats a dozen numpy calls per release; the
+    arithmetic is the same (``max(issue, pipe free) + serialisation`` per piece, in the same order)."""
 
-    __slots__ = ("ends", "go", "key_db", "open", "pieces", "place", "res", "ser", "seq")
+    __slots__ = ("ends", "free", "go", "open", "pieces", "place", "res", "res_list", "ser", "ser_list", "seq")
 
-    def __init__(self, pieces: Pieces) -> None:
+    def __init__(self, pieces: Pieces, free: np.ndarray) -> None:
         self.pieces = pieces
-        self.key_db: tuple[int, int] = (0, 0)
+        self.free: list[float] = free.tolist()
+        """Per pipe, when it is free again (this pool's pipes: no other send uses them)."""
+        self.res_list: list[int] = pieces.resource.tolist()
+        self.ser_list: list[float] = pieces.serialization_s.tolist()
         self.seq = 0
         self.open: dict[int, tuple[tuple[int, int, int], np.ndarray]] = {}
         """Per send not delivered yet (by program order), its receiver's key and its pieces' issue times."""
-        self.ends = np.empty(8 * len(pieces.sender))
+        self.ends: list[float] = []
         """Per send (``seq * pieces``), each piece's end of serialisation once served."""
-        self.go, self.place, self.res, self.ser = _EMPTY, _NONE, _NONE, _EMPTY
+        self.go: list[float] = []
+        self.place: list[int] = []
+        self.res: list[int] = []
+        self.ser: list[float] = []
 
     def push(self, to: tuple[int, int, int], go: np.ndarray) -> None:
         """Add a send's pieces (issued at ``go``)."""
-        pc, slot = self.pieces, self.seq
-        p = len(pc.sender)
-        if slot == 0:
-            self.key_db = (to[0], to[1] - 1 if to[0] == 0 else to[1])
+        slot, p = self.seq, len(self.res_list)
         self.seq += 1
-        if (slot + 1) * p > len(self.ends):
-            self.ends = np.concatenate((self.ends, np.empty(len(self.ends))))
+        self.ends += [0.0] * p
         self.open[slot] = (to, go)
-        place = pc.index + slot * p
-        if len(self.go):
-            self.go, self.place = np.concatenate((self.go, go)), np.concatenate((self.place, place))
-            self.res = np.concatenate((self.res, pc.resource))
-            self.ser = np.concatenate((self.ser, pc.serialization_s))
-        else:
-            self.go, self.place, self.res, self.ser = go, place, pc.resource, pc.serialization_s
+        self.go += go.tolist()
+        self.place += range(slot * p, (slot + 1) * p)
+        self.res += self.res_list
+        self.ser += self.ser_list
 
-    def release(self, free: np.ndarray, limit: np.ndarray | None, arrived: dict[tuple[int, int, int], np.ndarray], *,
+    def release(self, limit: np.ndarray | None, arrived: dict[tuple[int, int, int], np.ndarray], *,
                 every_pipe: bool = False) -> None:
         """Serve the pieces no later piece can precede (issued by ``limit``, per pipe the earliest
         issue time of the newest send: no device sends earlier than that from now on; ``None``: all),
         each pipe first in first out by issue time (ties: program order, then device order) from
-        ``free`` (updated); a send whose pieces are all served is delivered to ``arrived``.
+        :attr:`free` (updated); a send whose pieces are all served is delivered to ``arrived``.
         ``every_pipe``: ``limit`` lets at least one piece of every pipe go (the newest send's own)."""
-        go, res = self.go, self.res
-        ready = None if limit is None else go <= limit[res]
-        idx = np.arange(len(go)) if ready is None else ready.nonzero()[0]
-        if len(idx):
-            r = res[idx]
-            if len(idx) <= len(free) and (every_pipe or np.bincount(r).max() == 1):
+        go, res, free = self.go, self.res, self.free
+        if limit is None:
+            idx = list(range(len(go)))
+        else:
+            lim = limit.tolist()
+            idx = [k for k, (g, r) in enumerate(zip(go, res, strict=True)) if g <= lim[r]]
+        if idx:
+            ser, ends, place = self.ser, self.ends, self.place
+            if len(idx) <= len(free) and (every_pipe or len({res[k] for k in idx}) == len(idx)):
                 # at most one piece per pipe (a release that lets one piece of every pipe go and
                 # serves as many has one on each): their order does not matter
-                done = np.maximum(go[idx], free[r]) + self.ser[idx]
-                free[r] = done
+                done = []
+                for k in idx:
+                    r, g = res[k], go[k]
+                    f = free[r]
+                    done.append((g if g >= f else f) + ser[k])
+                for k, x in zip(idx, done, strict=True):
+                    free[res[k]] = x
+                    ends[place[k]] = x
             else:
-                g = go[idx]
-                o = np.lexsort((g, r))  # stable: ties in program order, then device order (the pool's)
-                idx, g, r = idx[o], g[o], r[o]
-                ser = self.ser[idx]
-                step = r[1:] != r[:-1]
-                if step.all():  # one piece per pipe
-                    done = np.maximum(g, free[r]) + ser
-                    free[r] = done
-                else:
-                    done = _fifo(r, g, ser, step, free)
-            self.ends[self.place[idx]] = done
+                # pipe by pipe, each first in first out by issue time (ties: program order, then
+                # device order, the pool's: ``k``)
+                for r, g, k in sorted([(res[k], go[k], k) for k in idx]):
+                    f = free[r]
+                    free[r] = ends[place[k]] = (g if g >= f else f) + ser[k]
             if len(idx) == len(go):
-                self.go, self.place, self.res, self.ser = _EMPTY, _NONE, _NONE, _EMPTY
+                self.go, self.place, self.res, self.ser = [], [], [], []
             else:
-                keep = ~ready
-                self.go, self.place, self.res, self.ser = go[keep], self.place[keep], res[keep], self.ser[keep]
+                served = set(idx)
+                keep = [k for k in range(len(go)) if k not in served]
+                self.go = [go[k] for k in keep]
+                self.place = [place[k] for k in keep]
+                self.res = [res[k] for k in keep]
+                self.ser = [ser[k] for k in keep]
         self._deliver(arrived)
 
     def _deliver(self, arrived: dict[tuple[int, int, int], np.ndarray]) -> None:
-        """Deliver the sends with no piece left in the pool (``place`` ascends: its first and last
-        entries bound the sends still pending)."""
-        pc, place = self.pieces, self.place
-        p = len(pc.sender)
-        lo, hi = (int(place[0]) // p, int(place[-1]) // p) if len(place) else (self.seq, -1)
-        for slot in list(self.open):
-            if lo <= slot <= hi and (slot in (lo, hi) or place[np.searchsorted(place, slot * p)] < (slot + 1) * p):
-                continue
+        """Deliver the sends with no piece left in the pool."""
+        pc = self.pieces
+        p = len(self.res_list)
+        pending = {x // p for x in self.place}
+        for slot in [k for k in self.open if k not in pending]:
             to, _ = self.open.pop(slot)
-            arrived[to] = _latest(self.ends[slot * p:(slot + 1) * p] + pc.latency_s, pc.to_receiver)
-
-
-_EMPTY = np.empty(0)
-_NONE = np.empty(0, dtype=np.int64)
-
-
-def _fifo(r: np.ndarray, g: np.ndarray, ser: np.ndarray, step: np.ndarray, free: np.ndarray) -> np.ndarray:
-    """Ends of serialisation of pieces sorted by pipe ``r`` and issue time ``g``, each pipe from
-    ``free`` (updated); ``step``: where ``r`` changes. Each round serves the next piece of every
-    pipe that has one left."""
-    count = len(r)
-    cuts = step.nonzero()[0] + 1
-    k = count // (len(cuts) + 1)
-    if k * (len(cuts) + 1) == count and (len(cuts) == 0 or cuts[0] == k and (cuts[1:] - cuts[:-1] == k).all()):
-        return _fifo_even(r, g, ser, k, free)
-    head = np.concatenate(([0], cuts))
-    tail = np.concatenate((head[1:], [count])) - 1
-    left = tail - head
-    done = np.empty(count)
-    pos, before = head, free[r[head]]
-    while True:
-        now = np.maximum(g[pos], before) + ser[pos]
-        done[pos] = now
-        more = left > 0
-        if not more.any():
-            break
-        pos, before, left = pos[more] + 1, now[more], left[more] - 1
-    free[r[tail]] = done[tail]
-    return done
-
-
-def _fifo_even(r: np.ndarray, g: np.ndarray, ser: np.ndarray, k: int, free: np.ndarray) -> np.ndarray:
-    """:func:`_fifo` where every pipe has ``k`` pieces: the same rounds on a pipe x piece matrix."""
-    g2, s2 = g.reshape(-1, k), ser.reshape(-1, k)
-    done = np.empty(g2.shape)
-    pipes = r[::k]
-    before = free[pipes]
-    for j in range(k):
-        before = np.maximum(g2[:, j], before) + s2[:, j]
-        done[:, j] = before
-    free[pipes] = before
-    return done.ravel()
+            arrived[to] = _latest(np.array(self.ends[slot * p:(slot + 1) * p]) + pc.latency_s, pc.to_receiver)
 
 
 def _latest(arrive: np.ndarray, owners: np.ndarray) -> np.ndarray:

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from deepcee.errors import ScheduleError
 from deepcee.schedule.builders import BUILDERS, split_backward
 from deepcee.schedule.interpreter import Execution, LinkCost, stage_tables
-from deepcee.schedule.ir import Action, ActionKind, Schedule
+from deepcee.schedule.ir import Action, ActionKind, Schedule, make_action
 from deepcee.schedule.passes import dry_run, in_flight_per_stage, lower, per_boundary, per_stage
 
 log = logging.getLogger(__name__)
@@ -328,6 +328,8 @@ def _greedy(costs: _Costs, caps: tuple[int, ...], rules: Rules) -> tuple[Schedul
     """
     n, m = costs.s, costs.m
     f, i, w = costs.f, costs.i, costs.w
+    KF, KI, KW = K.F, K.I, K.W  # noqa: N806 (enum members looked up once: class attribute access is slow)
+    pop, push = heapq.heappop, heapq.heappush
     nf, ni, nw = [0] * n, [0] * n, [0] * n
     free, clock = [0.0] * n, [0.0] * n
     arr_f: list[list[float | None]] = [[0.0] * m if s == 0 else [None] * m for s in range(n)]
@@ -336,7 +338,7 @@ def _greedy(costs: _Costs, caps: tuple[int, ...], rules: Rules) -> tuple[Schedul
     rows: list[list[Action]] = [[] for _ in range(n)]
     heap = [(0.0, s) for s in range(n)]
     while heap:
-        t, s = heapq.heappop(heap)
+        t, s = pop(heap)
         can_f = nf[s] < m and nf[s] - nw[s] < caps[s]
         can_i = ni[s] < nf[s]
         can_w = nw[s] < ni[s]
@@ -349,11 +351,11 @@ def _greedy(costs: _Costs, caps: tuple[int, ...], rules: Rules) -> tuple[Schedul
         if ready_f and ready_i:
             q = rules.feed_downstream
             feed = q is None or (s < n - 1 and nf[s] - nf[s + 1] < q)
-            kind = K.F if feed else K.I
+            kind = KF if feed else KI
         elif ready_i:
-            kind = K.I
+            kind = KI
         elif ready_f:
-            kind = K.F
+            kind = KF
         else:
             nxt = math.inf
             floor = None  # [Note: no one acts before the first known event]
@@ -372,36 +374,36 @@ def _greedy(costs: _Costs, caps: tuple[int, ...], rules: Rules) -> tuple[Schedul
                     nxt = min(nxt, r_i)
             slack = rules.w_slack
             if can_w and (slack is None or math.isinf(nxt) or t + w[s] <= nxt + slack * w[s]):
-                kind = K.W
+                kind = KW
             else:
                 clock[s] = nxt
-                heapq.heappush(heap, (nxt, s))
+                push(heap, (nxt, s))
                 continue
-        if kind == K.F:
+        if kind is KF:
             mb, ready = nf[s], r_f
             nf[s] += 1
-        elif kind == K.I:
+        elif kind is KI:
             mb, ready = ni[s], r_i
             ni[s] += 1
         else:
             mb, ready = nw[s], 0.0
             nw[s] += 1
         start = max(free[s], ready)  # type: ignore[type-var]
-        end = start + (f[s] if kind == K.F else i[s] if kind == K.I else w[s])
+        end = start + (f[s] if kind is KF else i[s] if kind is KI else w[s])
         free[s] = end
         clock[s] = max(t, end)
-        rows[s].append(Action(s, kind, mb))
-        if kind == K.F and s < n - 1:
+        rows[s].append(make_action(s, kind, mb))
+        if kind is KF and s < n - 1:
             lat, ser = costs.cf[s]
             begin = max(end, link_f[s])
             link_f[s] = begin + ser
             arr_f[s + 1][mb] = begin + ser + lat
-        elif kind == K.I and s > 0:
+        elif kind is KI and s > 0:
             lat, ser = costs.cb[s - 1]
             begin = max(end, link_b[s - 1])
             link_b[s - 1] = begin + ser
             arr_b[s - 1][mb] = begin + ser + lat
-        heapq.heappush(heap, (clock[s], s))
+        push(heap, (clock[s], s))
     return tuple(tuple(r) for r in rows), max(free)
 
 

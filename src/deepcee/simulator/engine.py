@@ -64,7 +64,7 @@ from deepcee.cluster import Cluster, DeviceKind
 from deepcee.comm import allreduce_s, ring_order
 from deepcee.plan import Estimate, Plan, share_overlaps
 from deepcee.profile import ModelProfile
-from deepcee.schedule.interpreter import TRANSFER, Execution, Tables
+from deepcee.schedule.interpreter import TRANSFER, Execution, Tables, collection_paused
 from deepcee.schedule.program import lowered_schedule, stage_in_flight
 from deepcee.simulator.memory import device_memory, recomputed_live
 from deepcee.simulator.runtime_model import RuntimeModel, runtime_for
@@ -259,7 +259,7 @@ class _Simulation:
         return self._same[key]
 
     def run(self, start_s: float, iterations: int) -> None:
-        self.exe = Execution(self.tables, start_s=start_s, record=True)
+        self.exe = Execution(self.tables, start_s=start_s, record=True, keep_stamps=False)
         self.segs = self.exe.segments
         self.busy, self.wait = self.exe.busy_s, self.exe.wait_s
         self.sync = [0.0] * len(self.devices)
@@ -428,6 +428,13 @@ def simulate(plan: Plan, cluster: Cluster, model: ModelProfile, *, start_s: floa
     if not isinstance(iterations, int) or iterations < 1:
         raise ValueError(f"iterations must be an integer >= 1, got {iterations!r}")
     runtime = runtime or runtime_for(cluster, model)
+    with collection_paused():  # see [Note: interpreter without collection]
+        return _simulated(plan, cluster, model, start_s, iterations, record, runtime)
+
+
+def _simulated(plan: Plan, cluster: Cluster, model: ModelProfile, start_s: float, iterations: int, record: bool,
+               runtime: RuntimeModel) -> SimResult:
+    """:func:`simulate`'s run and results."""
     sim = _Simulation(plan, cluster, model, runtime)
     sim.run(start_s, iterations)
     starts = [start_s, *sim.ends[:-1]]

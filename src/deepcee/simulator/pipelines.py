@@ -123,7 +123,7 @@ class ReplicaPipeline:
         self.devices: list[str] = list(self.sim.devices)
         self.stage_of: list[int] = list(self.sim.stage_of)
         self.stragglers = tuple(s for s in stragglers if s.device in self.devices)
-        self.exe = Execution(self.sim.tables, start_s=0.0, record=record)
+        self.exe = Execution(self.sim.tables, start_s=0.0, record=record, keep_stamps=False)
         n = len(self.devices)
         self.busy_s, self.wait_s, self.sync_s = [0.0] * n, [0.0] * n, [0.0] * n
         self.events: list[Event] = []
