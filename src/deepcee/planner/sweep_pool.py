@@ -117,10 +117,11 @@ def _best_simulated(cands: Sequence[tuple[float, Plan]], cluster: Cluster, model
                     cache: dict[tuple, Plan]) -> Plan | None:
     best = None
     for _, plan in cands:
-        key = (plan, cluster.links)
-        if key not in cache:
-            cache[key] = plan.replace(estimate=to_estimate(simulate(plan, cluster, model, record=False), plan, cluster))
-        got = cache[key]
+        key = (plan, cluster.links)  # hashing a plan walks it: one lookup, not three
+        got = cache.get(key)
+        if got is None:
+            got = cache[key] = plan.replace(estimate=to_estimate(simulate(plan, cluster, model, record=False), plan,
+                                                                 cluster))
         if best is None or got.estimate.iteration_s < best.estimate.iteration_s:
             best = got
     return best
