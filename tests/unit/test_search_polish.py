@@ -3,6 +3,7 @@ best plan's islands, stage counts, order, microbatch size and schedule, scored b
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -141,3 +142,38 @@ def test_cli_no_polish(tmp_path, monkeypatch) -> None:
                          *flag, "-o", str(out)]) == 0
         assert json.loads(out.read_text())["schema_version"]
     assert budgets == [PlannerOptions().polish_budget, 0]
+
+
+def test_boundary_moves_are_one_layer_and_recompute_only_where_needed() -> None:
+    from deepcee.planner.polish import _Polish
+
+    c, m = _cluster(), _model()
+    search = new_search(c, m, 64, PlannerOptions())
+    isl = search.grouping.islands
+    start = _scored(search, [(0, isl[0].devices, 2), (1, isl[1].devices, 2)], 4)
+    cuts = [st.layer_start for st in start.plan.stages] + [m.num_layers]
+    moves = _Polish(search, start.plan.sync).boundary_moves(start)
+    assert moves
+    for label, plan in moves:
+        got = [st.layer_start for st in plan.stages] + [m.num_layers]
+        diff = [k for k, (a, b) in enumerate(zip(cuts, got, strict=True)) if a != b]
+        assert len(diff) == 1 and abs(cuts[diff[0]] - got[diff[0]]) == 1 and f"boundary {diff[0]}" in label
+        assert [st.devices for st in plan.stages] == [st.devices for st in start.plan.stages]
+        fresh = search.score(plan, force=True)
+        assert fresh is not None, f"{label}: a boundary move that fits memory is a plan that fits"
+
+
+def test_a_split_one_layer_off_is_climbed_back() -> None:
+    """The split climb: from the DP's split with one boundary moved two layers, the polish ends
+    at a split at least as good as the DP's by the cost model."""
+    c, m = _cluster(), _model()
+    search = new_search(c, m, 64, PlannerOptions())
+    isl = search.grouping.islands
+    best = _scored(search, [(0, isl[0].devices, 2), (1, isl[1].devices, 2)], 4)
+    st = list(best.plan.stages)
+    st[1:3] = [dataclasses.replace(st[1], layer_stop=st[1].layer_stop + 2),
+               dataclasses.replace(st[2], layer_start=st[2].layer_start + 2)]
+    off = search.score(best.plan.replace(stages=tuple(st)), force=True)
+    assert off is not None and off.estimate.iteration_s > best.estimate.iteration_s
+    got = polish_layout(search, [off])
+    assert got and min(x.estimate.iteration_s for x in got) <= best.estimate.iteration_s * (1 + 1e-9)

@@ -85,7 +85,7 @@ class PlannerOptions:
     """The best chains (closed form) whose per-island granularities are searched. 10, not 2: on
     WAN seeds 11, 27 and 47 of ``benchmarks/planner_at_scale.py`` the best plan mixes
     granularities on a chain the closed form ranks below its second (session 8)."""
-    polish_budget: int = 400_000
+    polish_budget: int = 800_000
     """Stages x microbatches the layout polish may time in total (see [Note: layout polish] in
     :mod:`deepcee.planner.polish`); 0: no polish."""
     polish_max_devices: int = 256
