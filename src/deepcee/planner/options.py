@@ -60,6 +60,10 @@ class PlannerOptions:
     """Build compact schedules only for plans with at most this many stages x microbatches."""
     compact_budget: int = 600
     """Stages x microbatches summed over the compact schedules built (after the first)."""
+    recompute_variant_budget: int = 50_000
+    """Stages x microbatches summed over the compact schedules built for the best fixed-schedule
+    pipelines with more stages recomputing than their own schedule needs ([Note: compact
+    recomputation]; about 60 us of CPU each; 0: none)."""
     refine_budget: int = 40_000
     """Work of boundary refinement in total, counted per cost-model evaluation as devices +
     stages x microbatches (what one evaluation costs); unlimited in effect for small clusters."""
@@ -85,7 +89,7 @@ class PlannerOptions:
     """The best chains (closed form) whose per-island granularities are searched. 10, not 2: on
     WAN seeds 11, 27 and 47 of ``benchmarks/planner_at_scale.py`` the best plan mixes
     granularities on a chain the closed form ranks below its second (session 8)."""
-    polish_budget: int = 800_000
+    polish_budget: int = 1_200_000
     """Stages x microbatches the layout polish may time in total (see [Note: layout polish] in
     :mod:`deepcee.planner.polish`); 0: no polish."""
     polish_max_devices: int = 256
@@ -114,7 +118,7 @@ class PlannerOptions:
             raise PlanError(f"max_stages must be >= 1, got {self.max_stages!r}", field="max_stages")
         for name in ("sweep_top", "model_top", "refine_top", "compact_top", "confirm_top", "exhaustive_islands",
                      "chain_budget", "refine_best_guides", "grain_budget", "grain_chains", "screen_top", "screen_keep",
-                     "polish_budget", "polish_max_devices"):
+                     "polish_budget", "polish_max_devices", "recompute_variant_budget"):
             if getattr(self, name) < 0:
                 raise PlanError(f"must be >= 0, got {getattr(self, name)!r}", field=name)
         if self.exhaustive_islands < 1:
