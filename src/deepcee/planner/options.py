@@ -63,7 +63,7 @@ class PlannerOptions:
     recompute_variant_budget: int = 50_000
     """Stages x microbatches summed over the compact schedules built for the best fixed-schedule
     pipelines with more stages recomputing than their own schedule needs ([Note: compact
-    recomputation]; about 60 us of CPU each; 0: none)."""
+    recomputation]; the builder takes about 60 us of CPU per stage x microbatch; 0: none)."""
     refine_budget: int = 40_000
     """Work of boundary refinement in total, counted per cost-model evaluation as devices +
     stages x microbatches (what one evaluation costs); unlimited in effect for small clusters."""

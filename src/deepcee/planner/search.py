@@ -424,7 +424,7 @@ def _recompute_variants(search: SearchState, plans: list[Plan]) -> list[Candidat
 
     [Note: compact recomputation]
     A fixed schedule holds a fixed count of microbatches in flight, so its stages recompute only
-    where that count does not fit without (:meth:`~deepcee.planner.split.DPInputs.recompute_flags`),
+    where that count does not fit without (:meth:`~deepcee.planner.split.SplitTables.recompute_flags`),
     and a compact schedule built on such a plan inherits the flags. But a compact schedule holds
     as many microbatches in flight as memory admits, and over WAN links more in flight hide more
     of the round trip: recomputing buys in-flight room with compute. On the random WAN clusters of
