@@ -177,3 +177,27 @@ def test_a_split_one_layer_off_is_climbed_back() -> None:
     assert off is not None and off.estimate.iteration_s > best.estimate.iteration_s
     got = polish_layout(search, [off])
     assert got and min(x.estimate.iteration_s for x in got) <= best.estimate.iteration_s * (1 + 1e-9)
+
+
+def test_a_started_step_runs_to_its_end() -> None:
+    """A budget that admits only the first step's rough screen: the step still runs its second
+    screen and full scores and is taken, the same step as with no limit (a step dropped half
+    way, as WAN seed 12's third step was, wastes what it spent and loses its plan)."""
+    from deepcee.planner.polish import ROUGH, _Polish
+
+    c, m = _cluster(), _model()
+
+    def start(opts: PlannerOptions):
+        search = new_search(c, m, 256, opts)
+        isl = search.grouping.islands
+        return search, _scored(search, [(2, isl[2].devices, 1), (0, isl[0].devices, 1), (1, isl[1].devices, 1)], 8)
+
+    search, cur = start(PlannerOptions())
+    free = polish_layout(search, [cur])
+    assert free, "the poor layout has an improving neighbour"
+    moves = _Polish(search, cur.plan.sync).layout_moves(cur)
+    rough = sum(p.num_stages * sum(ROUGH) * p.num_stages for _, p in moves)  # what admits the first step
+    tight, cur2 = start(PlannerOptions(polish_budget=rough))
+    got = polish_layout(tight, [cur2])
+    assert got and got[0].plan == free[0].plan
+    assert tight.polish_steps == 1 and tight.polish_used > rough  # ran past the budget to finish the step
