@@ -89,6 +89,30 @@ def test_segments_and_moves_cover_the_neighbourhood() -> None:
     assert segments_of(search, every) is None
 
 
+def test_moves_that_coarsen_stages_raise_the_microbatch_size() -> None:
+    """At one sample per microbatch a stage of two devices gets no sample for one of them: the
+    moves that put two devices in a stage (fewer stages, an island added two per stage) come with
+    the smallest microbatch size that feeds every device, and say so."""
+    c = _cluster()
+    search = new_search(c, _model(), 64, PlannerOptions())
+    isl = search.grouping.islands
+    segs = segments_of(search, _scored(search, [(0, isl[0].devices, 4), (1, isl[1].devices, 4)], 1).plan)
+    moves = {m.label: m for m in _moves(search, segs, 1, "zb-h1")}
+    halved = moves[f"{isl[0].name} in 2 stages (was 4) (microbatch size 1 -> 2)"]
+    assert halved.n == 2 and [s.stages for s in halved.segments] == [2, 4]
+    added = moves[f"{isl[2].name} added at place 2 in 2 stages (microbatch size 1 -> 2)"]
+    assert added.n == 2
+    three = moves[f"{isl[0].name} in 3 stages (was 4) (microbatch size 1 -> 2)"]  # 2, 1, 1 devices
+    assert three.n == 2
+    assert all(m.n == 1 for label, m in moves.items() if "->" not in label)
+    # the plans of the raised moves are built at their size
+    from deepcee.planner.polish import _Polish
+
+    climb = _Polish(search, search.options.syncs[0])
+    built = climb.plan(halved)
+    assert built is not None and built.microbatch_size == 2 and built.num_microbatches == 32
+
+
 def test_polish_climbs_from_a_poor_layout_and_every_step_is_a_scored_plan() -> None:
     c, m = _cluster(), _model()
     search = new_search(c, m, 64, PlannerOptions())
@@ -201,3 +225,15 @@ def test_a_started_step_runs_to_its_end() -> None:
     got = polish_layout(tight, [cur2])
     assert got and got[0].plan == free[0].plan
     assert tight.polish_steps == 1 and tight.polish_used > rough  # ran past the budget to finish the step
+
+
+def test_the_compact_note_counts_template_builds() -> None:
+    """Compact schedules above ``compact_max_actions`` are built from the builder's templates and
+    cost no compact budget; the explanation said "no compact schedule built" beside them (WAN
+    seed 77, whose plan was compact). Now it counts them."""
+    result = plan_training(_cluster(), _model(), 256, options=PlannerOptions(compact_max_actions=1))
+    notes = [x for x in result.explanation if "compact" in x]
+    assert not any("no compact schedule built" in x for x in notes), notes
+    built = [x for x in notes if "compact schedule(s) built" in x]
+    assert len(built) == 1 and int(built[0].split("note: ")[1].split()[0]) >= 1
+    assert "from the builder's templates only" in built[0]

@@ -127,8 +127,20 @@ def _moves(search: SearchState, segs: tuple[Segment, ...], n: int, schedule: str
         return (sum(s.stages for s in new) <= most
                 and size >= max(-(-len(s.devices) // s.stages) for s in new))  # every device gets a sample
 
+    def sized(new: tuple[Segment, ...]) -> int | None:
+        """The microbatch size for the layout ``new``: the plan's, or, where a stage of ``new``
+        has more devices than it, the smallest size that gives each a sample (adding an island
+        two devices per stage to a plan of one sample per microbatch moves both at once: WAN
+        seed 84's reference plan is such a pair of moves away)."""
+        if ok(new):
+            return n
+        return next((x for x in search.sizes if x > n and ok(new, x)), None)
+
     def name(s: Segment) -> str:
         return islands[s.island].name
+
+    def resized(size: int) -> str:
+        return "" if size == n else f" (microbatch size {n} -> {size})"
 
     for sched in SCREEN_SCHEDULES:
         if sched != schedule and sched in search.options.schedules:
@@ -137,8 +149,8 @@ def _moves(search: SearchState, segs: tuple[Segment, ...], n: int, schedule: str
         counts = dict.fromkeys((s.stages - 2, s.stages - 1, s.stages + 1, s.stages + 2, s.stages // 2, 2 * s.stages))
         for c in counts:
             new = segs[:k] + (Segment(s.island, s.devices, c),) + segs[k + 1:]
-            if c != s.stages and ok(new):
-                yield _Move(f"{name(s)} in {c} stages (was {s.stages})", new, n, schedule)
+            if c != s.stages and (size := sized(new)) is not None:
+                yield _Move(f"{name(s)} in {c} stages (was {s.stages}){resized(size)}", new, size, schedule)
     for k in range(len(segs) - 1):
         new = segs[:k] + (segs[k + 1], segs[k]) + segs[k + 2:]
         yield _Move(f"{name(segs[k])} and {name(segs[k + 1])} swapped", new, n, schedule)
@@ -158,8 +170,8 @@ def _moves(search: SearchState, segs: tuple[Segment, ...], n: int, schedule: str
                 added = Segment(i, isl.devices, c)
                 for k in range(len(segs) + 1):
                     new = segs[:k] + (added,) + segs[k:]
-                    if ok(new):
-                        yield _Move(f"{isl.name} added at place {k} in {c} stages", new, n, schedule)
+                    if (size := sized(new)) is not None:
+                        yield _Move(f"{isl.name} added at place {k} in {c} stages{resized(size)}", new, size, schedule)
     sizes = search.sizes
     if n in sizes:
         j = sizes.index(n)

@@ -410,9 +410,17 @@ def _compacts(search: SearchState, cands: list[Candidate], ranked: list[Config])
         variants = variants[1:]
     out += [search.refine(c, first=k == 0) for k, c in enumerate(out)]  # all of them, as far as the budget lasts
     out += variants
-    if bases and not search.compact_used:
-        search.notes.append(f"no compact schedule built: the best pipelines exceed compact_max_actions "
-                            f"{opts.compact_max_actions} (stages x microbatches)")
+    built = {(c.plan.stages, c.plan.microbatch_size) for c in out if c.plan.schedule == "compact"}
+    large = any(c.plan.schedule == "compact" and c.plan.num_stages * c.plan.num_microbatches > opts.compact_max_actions
+                for c in out)
+    if bases and not built:
+        search.notes.append("no compact schedule built for the best pipelines (a stage without room for one "
+                            "microbatch, the compact budget spent, or two above compact_max_actions "
+                            f"{opts.compact_max_actions} built already)")
+    elif large:
+        # (the note said "no compact schedule built" while the plan was compact: WAN seed 77)
+        search.notes.append(f"{len(built)} compact schedule(s) built; those above compact_max_actions "
+                            f"{opts.compact_max_actions} (stages x microbatches) from the builder's templates only")
     return out
 
 
