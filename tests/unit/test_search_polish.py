@@ -97,14 +97,16 @@ def test_moves_that_coarsen_stages_raise_the_microbatch_size() -> None:
     search = new_search(c, _model(), 64, PlannerOptions())
     isl = search.grouping.islands
     segs = segments_of(search, _scored(search, [(0, isl[0].devices, 4), (1, isl[1].devices, 4)], 1).plan)
-    moves = {m.label: m for m in _moves(search, segs, 1, "zb-h1")}
+    plain = {m.label: m for m in _moves(search, segs, 1, "zb-h1")}
+    assert plain and all(m.n == 1 for label, m in plain.items() if not label.startswith("microbatch size"))
+    moves = {m.label: m for m in _moves(search, segs, 1, "zb-h1", raised=True)}
+    assert moves and all(m.n > 1 and "->" in label for label, m in moves.items())
     halved = moves[f"{isl[0].name} in 2 stages (was 4) (microbatch size 1 -> 2)"]
     assert halved.n == 2 and [s.stages for s in halved.segments] == [2, 4]
     added = moves[f"{isl[2].name} added at place 2 in 2 stages (microbatch size 1 -> 2)"]
     assert added.n == 2
     three = moves[f"{isl[0].name} in 3 stages (was 4) (microbatch size 1 -> 2)"]  # 2, 1, 1 devices
     assert three.n == 2
-    assert all(m.n == 1 for label, m in moves.items() if "->" not in label)
     # the plans of the raised moves are built at their size
     from deepcee.planner.polish import _Polish
 

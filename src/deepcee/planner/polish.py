@@ -15,7 +15,11 @@ schedule (a plan whose stages each lie in one island, the islands contiguous):
   plan's microbatch size for the plan's schedule: one island's stage count -2, -1, +1, +2, halved
   or doubled; two neighbouring islands swapped; an island left out (when the rest can hold the
   model's state and ``allow_exclusion``); an unused island added at every place (one device per
-  stage, or two); the next smaller and larger microbatch size; another fixed schedule;
+  stage, or two); the next smaller and larger microbatch size; another fixed schedule; and, as
+  a tier of their own tried only when the others and the split's climb are stuck, the stage
+  count and island moves that put more devices in a stage than the microbatch has samples,
+  with the smallest microbatch size that feeds each (among the others such a move won WAN
+  seed 47's first step and led to an end 16% slower; on seed 0 it is the last step, -2%);
 - **scoring** in three rounds, so that a step costs a few full scores: every move is timed by
   the cost model with ``2 S`` and ``4 S`` microbatches and extrapolated (as the screen,
   [Note: screening]); those within :data:`ROUGH_MARGIN` of the best move (or the current plan)
@@ -115,8 +119,10 @@ def segments_of(search: SearchState, plan: Plan) -> tuple[Segment, ...] | None:
     return tuple(out)
 
 
-def _moves(search: SearchState, segs: tuple[Segment, ...], n: int, schedule: str) -> Iterator[_Move]:
-    """The neighbours of a plan (module docstring), in a fixed order."""
+def _moves(search: SearchState, segs: tuple[Segment, ...], n: int, schedule: str, *,
+           raised: bool = False) -> Iterator[_Move]:
+    """The neighbours of a plan (module docstring), in a fixed order; ``raised``: instead, the
+    island moves that need a larger microbatch size, each with the smallest that fits."""
     islands = search.grouping.islands
     most = min(search.max_stages, search.model.num_layers)
     total = sum(s.stages for s in segs)
@@ -128,13 +134,14 @@ def _moves(search: SearchState, segs: tuple[Segment, ...], n: int, schedule: str
                 and size >= max(-(-len(s.devices) // s.stages) for s in new))  # every device gets a sample
 
     def sized(new: tuple[Segment, ...]) -> int | None:
-        """The microbatch size for the layout ``new``: the plan's, or, where a stage of ``new``
-        has more devices than it, the smallest size that gives each a sample (adding an island
-        two devices per stage to a plan of one sample per microbatch moves both at once: WAN
-        seed 84's reference plan is such a pair of moves away)."""
+        """The microbatch size for the layout ``new`` in this neighbourhood: the plan's (plain
+        moves), or (``raised``), where a stage of ``new`` has more devices than the plan's size
+        has samples, the smallest size that gives each a sample (adding an island two devices
+        per stage to a plan of one sample per microbatch moves both at once: WAN seed 84's
+        reference plan is such a pair of moves away)."""
         if ok(new):
-            return n
-        return next((x for x in search.sizes if x > n and ok(new, x)), None)
+            return None if raised else n
+        return next((x for x in search.sizes if x > n and ok(new, x)), None) if raised else None
 
     def name(s: Segment) -> str:
         return islands[s.island].name
@@ -142,7 +149,7 @@ def _moves(search: SearchState, segs: tuple[Segment, ...], n: int, schedule: str
     def resized(size: int) -> str:
         return "" if size == n else f" (microbatch size {n} -> {size})"
 
-    for sched in SCREEN_SCHEDULES:
+    for sched in SCREEN_SCHEDULES if not raised else ():
         if sched != schedule and sched in search.options.schedules:
             yield _Move(f"schedule {sched}", segs, n, sched)
     for k, s in enumerate(segs):
@@ -151,12 +158,12 @@ def _moves(search: SearchState, segs: tuple[Segment, ...], n: int, schedule: str
             new = segs[:k] + (Segment(s.island, s.devices, c),) + segs[k + 1:]
             if c != s.stages and (size := sized(new)) is not None:
                 yield _Move(f"{name(s)} in {c} stages (was {s.stages}){resized(size)}", new, size, schedule)
-    for k in range(len(segs) - 1):
+    for k in range(len(segs) - 1 if not raised else 0):
         new = segs[:k] + (segs[k + 1], segs[k]) + segs[k + 2:]
         yield _Move(f"{name(segs[k])} and {name(segs[k + 1])} swapped", new, n, schedule)
     if search.options.allow_exclusion:
         state = search.model.parameter_count * search.model.state_bytes_per_parameter
-        for k, s in enumerate(segs):
+        for k, s in enumerate(segs if not raised else ()):
             rest = segs[:k] + segs[k + 1:]
             if rest and sum(search.cluster.memory_bytes(d) for r in rest for d in r.devices) >= state and ok(rest):
                 yield _Move(f"{name(s)} left out", rest, n, schedule)
@@ -173,7 +180,7 @@ def _moves(search: SearchState, segs: tuple[Segment, ...], n: int, schedule: str
                     if (size := sized(new)) is not None:
                         yield _Move(f"{isl.name} added at place {k} in {c} stages{resized(size)}", new, size, schedule)
     sizes = search.sizes
-    if n in sizes:
+    if n in sizes and not raised:
         j = sizes.index(n)
         for size in (sizes[x] for x in (j - 1, j + 1) if 0 <= x < len(sizes)):
             if ok(segs, size):
@@ -230,13 +237,17 @@ class _Polish:
             times.append(est.iteration_s)
         return times[0] + (m - short[0]) * (times[1] - times[0]) / (short[1] - short[0])
 
-    def layout_moves(self, cur: Candidate) -> list[tuple[str, Plan]]:
-        """The layout moves of ``cur`` as plans (those with a split that fits)."""
+    def layout_moves(self, cur: Candidate, *, raised: bool = False) -> list[tuple[str, Plan]]:
+        """The layout moves of ``cur`` as plans (those with a split that fits); ``raised``: those
+        that need a larger microbatch size."""
         segs = segments_of(self.search, cur.plan)
         if segs is None:
             return []
-        moves = _moves(self.search, segs, cur.plan.microbatch_size, cur.plan.schedule)
+        moves = _moves(self.search, segs, cur.plan.microbatch_size, cur.plan.schedule, raised=raised)
         return [(m.label, p) for m in moves if (p := self.plan(m)) is not None]
+
+    def raised_moves(self, cur: Candidate) -> list[tuple[str, Plan]]:
+        return self.layout_moves(cur, raised=True)
 
     def boundary_moves(self, cur: Candidate) -> list[tuple[str, Plan]]:
         """``cur`` with one stage boundary one layer earlier or later, each stage recomputing
@@ -298,12 +309,22 @@ def polish_layout(search: SearchState, cands: list[Candidate]) -> list[Candidate
         return []
     climb = _Polish(search, start.plan.sync)
     cur, out, labels = start, [], []
-    for moves in (climb.layout_moves, climb.boundary_moves):  # the layout first, then its split
-        while (nxt := climb.step(cur, moves(cur))) is not None:
-            cur = nxt[0]
-            out.append(cur)
-            labels.append(nxt[1])
-            search.polish_steps += 1
+    while True:
+        for moves in (climb.layout_moves, climb.boundary_moves):  # the layout first, then its split
+            while (nxt := climb.step(cur, moves(cur))) is not None:
+                cur = nxt[0]
+                out.append(cur)
+                labels.append(nxt[1])
+                search.polish_steps += 1
+        # stuck: the moves that also raise the microbatch size, one step, then all again (a tier
+        # of its own: among the others, such a move won seed 47's first step and led to a worse
+        # end, 421.0 s against 362.6)
+        if (nxt := climb.step(cur, climb.raised_moves(cur))) is None:
+            break
+        cur = nxt[0]
+        out.append(cur)
+        labels.append(nxt[1])
+        search.polish_steps += 1
     search.polish_used += climb.used
     if cur is not start:
         out.append(search.refine(cur))
