@@ -200,7 +200,8 @@ def _island_counterfactuals(cf: _Counterfactuals, plan: Plan) -> list[Counterfac
 
 def _stage_counterfactuals(cf: _Counterfactuals, plan: Plan, cands: list[Candidate]) -> list[Counterfactual]:
     by_stages: dict[int, Candidate] = {}
-    for c in sorted(cands, key=rank_key):
+    # by the simulator's figure where the search has one, like the island counterfactuals
+    for c in sorted(cands, key=lambda c: (cf._value_s(c), rank_key(c))):
         by_stages.setdefault(c.plan.num_stages, c)
     fewer = [k for k in by_stages if k < plan.num_stages]
     more = [k for k in by_stages if k > plan.num_stages]
