@@ -30,10 +30,11 @@ schedule (a plan whose stages each lie in one island, the islands contiguous):
   7%, the second screen's 0.8%);
 - **budget**: ``polish_budget`` stages x microbatches timed in total, the rounds charged what
   they time (a plan scored in full once, however many rounds ask for it); a step starts only
-  when the budget can screen its whole neighbourhood, and a started step runs to its end (its second screen and full scores may overdraw the budget by
-  one step), so a step is never judged on half its moves and its work is never thrown away
-  (planner_at_scale seed 12: step 3 spent 395,000 units, ran dry in its second screen and was
-  dropped). Not run above ``polish_max_devices`` devices (the
+  when the budget can screen its whole neighbourhood, and a started step runs to its end (its
+  second screen and full scores may overdraw the budget by one step), so a step is never
+  judged on half its moves and its work is never thrown away (planner_at_scale seed 12: step 3
+  spent 395,000 units, ran dry in its second screen and was dropped). Not run above
+  ``polish_max_devices`` devices (the
   neighbourhood grows with the islands and planning time at 512 devices has a target).
 
 When no layout move improves, the same three rounds climb over the split: every stage boundary
