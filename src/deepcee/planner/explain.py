@@ -35,7 +35,7 @@ from deepcee.plan import Plan
 from deepcee.planner.cost_model import AnalyticCostModel
 from deepcee.planner.grouping import distance_s
 from deepcee.planner.space import Chain, chain_layouts
-from deepcee.planner.steps import Candidate, SearchState, rank_key
+from deepcee.planner.steps import Candidate, SearchState, plan_key, rank_key
 from deepcee.units import fmt_rate
 
 _INF = math.inf
@@ -152,8 +152,7 @@ class _Counterfactuals:
 
     def _value_s(self, c: Candidate) -> float:
         """``c``'s simulated iteration time where the search has simulated it, else the cost model's."""
-        p = c.plan
-        got = self.search.confirmed.get((p.stages, p.schedule, p.sync, p.actions, p.microbatch_size))
+        got = self.search.confirmed.get(plan_key(c.plan))
         return (got or c.simulated or c.estimate).iteration_s
 
 

@@ -64,7 +64,7 @@ from deepcee.planner.space import (
     schedule_in_flight,
 )
 from deepcee.planner.split import split_layers
-from deepcee.planner.steps import SCREEN_SCHEDULES, Candidate, SearchState, rank_key
+from deepcee.planner.steps import SCREEN_SCHEDULES, Candidate, SearchState, rank_key, score_key
 
 _INF = math.inf
 ROUGH = (2, 4)
@@ -224,7 +224,8 @@ class _Polish:
         it has few microbatches); ``inf`` when it does not fit memory. Charged to the budget."""
         s, m = plan.num_stages, plan.num_microbatches
         if m <= 2 * short[1]:
-            return self.full(plan)
+            got = self.full(plan)
+            return _INF if got is None else got.estimate.iteration_s
         self.used += s * sum(short)
         search = self.search
         times = []
@@ -236,16 +237,14 @@ class _Polish:
             times.append(est.iteration_s)
         return times[0] + (m - short[0]) * (times[1] - times[0]) / (short[1] - short[0])
 
-    def full(self, plan: Plan) -> float:
-        """``plan``'s full cost-model time (``inf``: does not fit), charged only when not scored
-        before: the plan of a move with few microbatches is scored in full by each round, and its
-        one scoring was charged three times (seed 13 of the WAN instances stopped with 11% of the
+    def full(self, plan: Plan) -> Candidate | None:
+        """``plan`` scored in full by the cost model (``None``: does not fit), charged only when
+        not scored before: the plan of a move with few microbatches is scored in full by each
+        round, and its one scoring was charged three times (seed 13 of the WAN instances stopped with 11% of the
         budget left, its step admitted no more, and the reference's polish took three more steps)."""
-        search = self.search
-        if (plan.stages, plan.schedule, plan.sync, plan.actions) not in search.scored:
+        if score_key(plan) not in self.search.scored:
             self.used += plan.num_stages * plan.num_microbatches
-        got = search.score(plan, force=True)
-        return _INF if got is None else got.estimate.iteration_s
+        return self.search.score(plan, force=True)
 
     def cost(self, plan: Plan, short: tuple[int, int]) -> int:
         """The most :meth:`timed` can charge for ``plan`` at ``short``."""
@@ -303,8 +302,7 @@ class _Polish:
             if t > bar:
                 break
             p = built[k][1]
-            self.full(p)
-            got = self.search.scored.get((p.stages, p.schedule, p.sync, p.actions))
+            got = self.full(p)
             if got is not None and (best is None or rank_key(got) < rank_key(best[0])):
                 best = (got, built[k][0])
         if best is None or best[0].estimate.iteration_s >= cur.estimate.iteration_s * (1 - MIN_GAIN):

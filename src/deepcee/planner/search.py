@@ -132,6 +132,7 @@ from deepcee.planner.steps import (
     Config,
     SearchState,
     final_rank_key,
+    plan_key,
     rank_key,
 )
 from deepcee.profile import ModelProfile
@@ -323,8 +324,7 @@ def _runtime_of(options: PlannerOptions, cluster: Cluster, model: ModelProfile) 
 def _dedupe(cands: Iterable[Candidate]) -> list[Candidate]:
     seen: dict[tuple, Candidate] = {}
     for c in cands:
-        p = c.plan
-        seen.setdefault((p.stages, p.schedule, p.sync, p.actions, p.microbatch_size), c)
+        seen.setdefault(plan_key(c.plan), c)
     return list(seen.values())
 
 

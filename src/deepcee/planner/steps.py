@@ -140,7 +140,7 @@ class SearchState:
 
     def confirm(self, plan: Plan) -> Estimate:
         """The confirming model's estimate of ``plan`` (the simulator by default), computed once."""
-        key = (plan.stages, plan.schedule, plan.sync, plan.actions, plan.microbatch_size)
+        key = plan_key(plan)
         got = self.confirmed.get(key)
         if got is None:
             scorer = self.options.confirm_model or SimulatorCostModel()
@@ -336,7 +336,7 @@ class SearchState:
         """The cost model's figure of ``plan`` (``None``: does not fit memory, or over budget),
         charged to ``score_budget`` (``screen``: to ``screen_budget``, never over it; ``force``:
         neither, the caller keeps its own budget, as the layout polish does)."""
-        key = (plan.stages, plan.schedule, plan.sync, plan.actions)
+        key = score_key(plan)
         if key in self.scored:
             return self.scored[key]
         work = plan.num_stages * plan.num_microbatches
@@ -555,6 +555,17 @@ class SearchState:
         got = self.compacts[key] = compact_plan(plan, self.cluster, self.model, cost, self.tables,
                                                 rules=() if large else SCREEN_RULES if screen else None)
         return got
+
+
+def plan_key(plan: Plan) -> tuple:
+    """A plan's identity in the search's memos of simulations and candidates: its stages
+    (devices, layers, shares, recomputation), schedule, sync, action order and microbatch size."""
+    return (plan.stages, plan.schedule, plan.sync, plan.actions, plan.microbatch_size)
+
+
+def score_key(plan: Plan) -> tuple:
+    """A plan's identity in :attr:`SearchState.scored` (:func:`plan_key` without the microbatch size)."""
+    return (plan.stages, plan.schedule, plan.sync, plan.actions)
 
 
 def rank_key(c: Candidate) -> tuple:
