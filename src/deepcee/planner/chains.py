@@ -202,8 +202,10 @@ def search_chains(units: list[Unit], bounds: ChainBounds, evaluate: Callable[[Ch
                        considered=considered, open_bound=open_bound), done
 
 
-def _moves(chain: Chain, islands: int, keeps: Sequence[int], allow_exclusion: bool) -> list[Chain]:
-    """Neighbours of ``chain`` (see [Note: chain search]), in a fixed order."""
+def _moves(chain: Chain, islands: int, keeps: Sequence[int], allow_exclusion: bool, *,
+           reorder: bool = True) -> list[Chain]:
+    """Neighbours of ``chain`` (see [Note: chain search]), in a fixed order; ``reorder=False``:
+    only the moves that change which devices are used (drop, insert, groups kept)."""
     out: list[Chain] = []
     used = {i for i, _ in chain}
     if allow_exclusion and len(chain) > 1:
@@ -211,10 +213,11 @@ def _moves(chain: Chain, islands: int, keeps: Sequence[int], allow_exclusion: bo
     for i in range(islands):
         if i not in used:
             out += [chain[:k] + ((i, keeps[i]),) + chain[k:] for k in range(len(chain) + 1)]
-    out += [chain[:k] + (chain[k + 1], chain[k]) + chain[k + 2:] for k in range(len(chain) - 1)]
-    for a, b in itertools.combinations(range(len(chain) + 1), 2):
-        if b - a >= 3:
-            out.append(chain[:a] + chain[a:b][::-1] + chain[b:])
+    if reorder:
+        out += [chain[:k] + (chain[k + 1], chain[k]) + chain[k + 2:] for k in range(len(chain) - 1)]
+        for a, b in itertools.combinations(range(len(chain) + 1), 2):
+            if b - a >= 3:
+                out.append(chain[:a] + chain[a:b][::-1] + chain[b:])
     if allow_exclusion:
         for k, (i, kept) in enumerate(chain):
             for other in range(1, keeps[i] + 1):
@@ -224,14 +227,17 @@ def _moves(chain: Chain, islands: int, keeps: Sequence[int], allow_exclusion: bo
 
 
 def improve_chain(start: Chain, value: float, evaluate: Callable[[Chain], float], *, islands: int,
-                  keeps: Sequence[int], allow_exclusion: bool, budget: int) -> tuple[float, Chain, int]:
+                  keeps: Sequence[int], allow_exclusion: bool, budget: int,
+                  reorder: bool = True, known: dict[Chain, float] | None = None) -> tuple[float, Chain, int]:
     """Local search from ``start`` (its value ``value``): the best improving move until none
-    improves or ``budget`` evaluations are spent. Returns (value, chain, evaluations)."""
-    seen = {start: value}
+    improves or ``budget`` evaluations are spent. Returns (value, chain, evaluations).
+    ``reorder=False``: moves that change the devices used only (see :func:`_moves`); ``known``:
+    chains already evaluated, with their values (not evaluated again, not counted)."""
+    seen = {**(known or {}), start: value}
     spent = 0
     while spent < budget:
         best: tuple[float, Chain] | None = None
-        for move in _moves(start, islands, keeps, allow_exclusion):
+        for move in _moves(start, islands, keeps, allow_exclusion, reorder=reorder):
             if move in seen:
                 continue
             if spent >= budget:

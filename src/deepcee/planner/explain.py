@@ -255,7 +255,8 @@ def _chain_lines(search: SearchState, best_s: float) -> list[str]:
     r = search.chain_result
     if r is None:
         return []
-    how = ("every ordered subset of islands" if r.exact else
+    how = ("every ordered subset of islands" + (f", then local search over the devices used ({search.chain_moves} more "
+                                                f"chains)" if search.chain_moves else "") if r.exact else
            f"ordered subsets of {search.options.exhaustive_islands} merged island clusters, then local search "
            f"on single islands ({search.chain_moves} more chains)")
     gap = chain_gap(search, best_s)
