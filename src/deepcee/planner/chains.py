@@ -29,6 +29,12 @@ chain left can beat the simulated best). ``chain_budget``
 caps the evaluations; when it stops the search early, :attr:`ChainResult.gap` is the proven
 gap: how much better than the best found an unevaluated chain could be, at most.
 
+When ``chain_budget`` stops the exact search, the bound (which favours chains with more
+devices) has spent the budget on orders of the largest subsets; its two best chains then seed
+a local search over which devices are used only (drop an island, insert a left-out one, change
+the groups kept; ``chain_budget // 5`` evaluations each), and the chains it evaluates join the
+ones laid out in full. The gap printed stays the best-first search's proof.
+
 With merged units, the exact search over units seeds a local search on single islands
 (:func:`improve_chain`): drop an island, insert a left-out one anywhere, swap two neighbours,
 reverse a run, change the groups kept; the best improving move is taken until none improves

@@ -1,0 +1,78 @@
+"""The island-chain search ([Note: chain search] in deepcee.planner.chains): when ``chain_budget``
+stops the best-first search, a local search over the devices used starts from its best chains."""
+
+from __future__ import annotations
+
+import itertools
+
+import deepcee.planner.search as search_module
+from deepcee.cluster import Cluster, Device, DeviceKind, Island, LinkEntry, LinkSpec, Node
+from deepcee.planner.chains import _moves
+from deepcee.planner.search import PlannerOptions, _search_chains, island_distances, new_search
+from deepcee.profile import LayerProfile, ModelProfile
+from deepcee.units import GIB
+
+FAST = LinkSpec(latency_s=50e-6, bandwidth_bytes_per_s=1.25e9)
+FAR = LinkSpec(latency_s=0.02, bandwidth_bytes_per_s=1e8)
+ISLANDS = ("a", "b", "c", "d", "e")
+
+
+def _cluster() -> Cluster:
+    """Five islands, each a fast device and one 10x slower (two groups per island)."""
+    kinds = {"g": DeviceKind(name="g", peak_flops_per_s=20e12, memory_bytes=16 * GIB),
+             "s": DeviceKind(name="s", peak_flops_per_s=2e12, memory_bytes=16 * GIB)}
+    nodes, devices = [], []
+    for k in ISLANDS:
+        for j, kind in enumerate(("g", "s")):
+            nodes.append(Node(name=f"{k}{j}", island=k, kind=kind, devices=(f"{k}{j}:0",), intra=FAST))
+            devices.append(Device(name=f"{k}{j}:0", kind=kind, node=f"{k}{j}", island=k))
+    return Cluster(name="two-speed", kinds=kinds, islands=tuple(Island(name=k, intra=FAST) for k in ISLANDS),
+                   nodes=tuple(nodes), devices=tuple(devices),
+                   links=tuple(LinkEntry(a=a, b=b, spec=FAR) for a, b in itertools.combinations(ISLANDS, 2)))
+
+
+def _model() -> ModelProfile:
+    return ModelProfile(name="toy", input_bytes=1e5, layers=tuple(
+        LayerProfile(name=f"l{k}", forward_flops=2e11, input_grad_flops=2e11, weight_grad_flops=2e11,
+                     parameter_count=200_000_000, activation_bytes=1e6, output_bytes=1e5) for k in range(10)))
+
+
+def test_a_budget_stopped_search_goes_on_over_the_devices_used(monkeypatch) -> None:
+    """The bound favours chains with more devices, so the 150 chains of the best-first search are
+    orders of (nearly) every device; the local search then leaves slow devices out, which the
+    closed form rates better than every chain the best-first search evaluated (before the local
+    search: 18.56 s, the best-first search's best; after: 17.09 s)."""
+    c, m = _cluster(), _model()
+    search = new_search(c, m, 64, PlannerOptions())
+    got: dict[str, list] = {}
+    real = search_module.search_chains
+
+    def spy(*args, **kwargs):
+        result, done = real(*args, **kwargs)
+        got["done"] = list(done)  # the best-first search's own chains, before the local search
+        return result, done
+
+    monkeypatch.setattr(search_module, "search_chains", spy)
+    _search_chains(search, island_distances(c, search.grouping))
+    result = search.chain_result
+    assert result.exact and result.gap > 0 and result.evaluated == 150  # the budget stopped it
+    assert 0 < search.chain_moves <= 2 * (150 // 5)
+    first = min(v for v, _ in got["done"])
+    assert search.best_closed_form < first * 0.95
+    best = min(search.configs.values(), key=lambda x: x.key)
+    assert best.closed_form_s == search.best_closed_form
+    assert len(best.layout.devices) < len(c.device_names)  # slow devices left out
+
+
+def test_the_local_search_without_reorders_only_changes_the_devices_used() -> None:
+    chain = ((0, 2), (1, 2), (2, 1))
+    moves = _moves(chain, 4, [2, 2, 2, 2], True, reorder=False)
+    assert moves and len(set(moves)) == len(moves)
+    for move in moves:
+        assert {(i, k) for i, k in move} != set(chain)  # a different set of devices
+        kept = [x for x in move if x[0] in {i for i, _ in chain}]
+        assert [i for i, _ in kept] == [i for i, _ in chain if i in {j for j, _ in kept}]  # order kept
+    # exactly the moves of the full neighbourhood that change the devices used (not the reorders)
+    full = _moves(chain, 4, [2, 2, 2, 2], True)
+    assert set(moves) == {x for x in full if set(x) != set(chain)}
+    assert len(full) > len(moves)
