@@ -81,7 +81,9 @@ class PlannerOptions:
     chain_budget: int = 150
     """Most island chains evaluated in full (closed form for every layout and microbatch size);
     chains are taken in increasing lower bound, so the budget only matters when many chains
-    have bounds below the best plan found (the printed gap then says how much could be missed)."""
+    have bounds below the best plan found (the printed gap then says how much could be missed;
+    a local search over the devices used then evaluates up to ``chain_budget // 5`` more chains
+    from each of the two best, [Note: chain search])."""
     grain_budget: int = 24
     """Layouts the per-island granularity search evaluates per chain, on the best chains (see
     [Note: mixed granularity] in :mod:`deepcee.planner.grains`); 0: one granularity per chain."""
