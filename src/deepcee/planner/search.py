@@ -216,33 +216,32 @@ def _search_chains(search: SearchState, dist: np.ndarray) -> None:
                                  allow_exclusion=opts.allow_exclusion, incumbent=lambda: search.best_closed_form,
                                  progress=report)
     search.chain_result = result
+    best_chains = sorted(done)
+    extra: list[tuple[float, Chain]] = []
     if exact and result.gap > 0 and opts.allow_exclusion and done:
         # the budget stopped the best-first search: its bound favours chains with more devices,
         # so the budget went to orders of the largest subsets; the best chains seed a local
         # search over which devices are used (drop or add an island, keep fewer or more of an
-        # island's groups), and what it evaluates joins the chains below ([Note: chain search];
-        # 512 devices in 8 islands: keeping only the fast group of one island took the best
-        # closed form from 6.17 to 5.80 s)
+        # island's groups), [Note: chain search]. 512 devices in 8 islands: keeping only the fast
+        # group of one island took the best closed form from 6.17 to 5.80 s. Where it ends is
+        # laid out in full and gets the granularity search *besides* the best-first search's best
+        # chains: in their place, its near copies of the best chain crowded out the chain whose
+        # mixed granularity gave WAN seed 23's plan (261.9 -> 287.9 s)
         keeps = [len(isl.groups) for isl in g.islands]
         known = {chain: value for value, chain in done}
-
-        def recorded(chain: Chain) -> float:
-            value = evaluate(chain)
-            done.append((value, chain))
-            return value
-
-        for value, chain in sorted(done)[:2]:
+        for value, chain in best_chains[:2]:
             if math.isfinite(value):
-                _, _, spent = improve_chain(chain, value, recorded, islands=len(g.islands), keeps=keeps,
-                                            allow_exclusion=True, budget=opts.chain_budget // 5, reorder=False,
-                                            known=known)
+                got, end, spent = improve_chain(chain, value, evaluate, islands=len(g.islands), keeps=keeps,
+                                                allow_exclusion=True, budget=opts.chain_budget // 5, reorder=False,
+                                                known=known)
                 search.chain_moves += spent
-                known.update((c, v) for v, c in done)
-    for _, chain in sorted(done)[:4]:  # the best chains with every microbatch size
+                if end != chain and end not in {c for _, c in extra}:
+                    extra.append((got, end))
+    for _, chain in best_chains[:4] + extra:  # the best chains with every microbatch size
         for lay in chain_layouts(g, chain, search.max_stages, search.pieces):
             search.evaluate_layout(lay)
     if opts.grain_budget > 0:  # each island its own granularity on the best chains
-        for value, chain in sorted(done)[: opts.grain_chains]:
+        for value, chain in best_chains[: opts.grain_chains] + extra:
             if math.isfinite(value):
                 climb_grains(search, chain)
     if not exact and done:
