@@ -285,3 +285,14 @@ def test_cost_model_ranks_the_top_plans_like_the_simulator(testbed_gpt2):
     assert len(top) >= 10
     sim = [simulate(x.plan, c, m, record=False).iteration_s for x in top]
     assert kendalltau([x.estimate.iteration_s for x in top], sim).statistic >= 0.9
+
+
+def test_stage_shares_print_as_runs_above_eight_devices() -> None:
+    """A 64-device stage's explanation line printed 64 ones; up to 8 devices the list stays."""
+    from deepcee.planner.explain import _shares
+
+    assert _shares((2, 1, 1)) == "[2, 1, 1]"
+    assert _shares((1,) * 8) == str([1] * 8)
+    assert _shares((1,) * 64) == "[1 x 64]"
+    assert _shares((3, 3) + (2,) * 3 + (1,) * 5) == "[3 x 2, 2 x 3, 1 x 5]"
+    assert _shares((4,) + (1,) * 9) == "[4, 1 x 9]"

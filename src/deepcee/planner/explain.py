@@ -27,6 +27,7 @@ the constrained searches on chains not seen before.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -222,7 +223,7 @@ def explain(search: SearchState, best: Candidate, cands: list[Candidate]) -> tup
         isl = sorted({search.grouping.island_of(d) for d in st.devices})
         out.append(f"stage {s}: layers {st.layer_start}-{st.layer_stop - 1} on {len(st.devices)} device(s) "
                    f"in {'+'.join(isl)} ({st.devices[0]}{'...' if len(st.devices) > 1 else ''}), shares "
-                   f"{list(st.shares)}{', recomputes activations' if st.recompute else ''}; F+I+W "
+                   f"{_shares(st.shares)}{', recomputes activations' if st.recompute else ''}; F+I+W "
                    f"{1e3 * (cost.forward_s[s] + cost.input_grad_s[s] + cost.weight_grad_s[s]):.4g} ms per "
                    f"microbatch, all-reduce {1e3 * cost.allreduce_s[s]:.4g} ms; holds {cost.in_flight[s]} "
                    f"microbatch(es)")
@@ -241,6 +242,15 @@ def explain(search: SearchState, best: Candidate, cands: list[Candidate]) -> tup
                    f"confirm_max_work {search.options.confirm_max_work}")
     out += [f"note: {n}" for n in search.notes]
     return out, counter
+
+
+def _shares(shares: tuple[int, ...]) -> str:
+    """A stage's per-device samples: the list up to 8 devices, above that runs of equal shares
+    (``[1 x 64]``: a 64-device stage printed 64 ones)."""
+    if len(shares) <= 8:
+        return str(list(shares))
+    runs = [(v, len(list(g))) for v, g in itertools.groupby(shares)]
+    return "[" + ", ".join(f"{v} x {k}" if k > 1 else str(v) for v, k in runs) + "]"
 
 
 def chain_gap(search: SearchState, best_s: float) -> float:
