@@ -32,8 +32,11 @@ gap: how much better than the best found an unevaluated chain could be, at most.
 When ``chain_budget`` stops the exact search, the bound (which favours chains with more
 devices) has spent the budget on orders of the largest subsets; its two best chains then seed
 a local search over which devices are used only (drop an island, insert a left-out one, change
-the groups kept; ``chain_budget // 5`` evaluations each), and the chains it evaluates join the
-ones laid out in full. The gap printed stays the best-first search's proof.
+the groups kept; ``chain_budget // 5`` evaluations each). A search that follows the closed form
+also finds where the closed form is most optimistic, so the chains it ends on are laid out in
+full and kept only where the cost model's screen confirms them (:func:`deepcee.planner.search.
+_confirmed_end`); everything else it added is taken back. The gap printed stays the best-first
+search's proof.
 
 With merged units, the exact search over units seeds a local search on single islands
 (:func:`improve_chain`): drop an island, insert a left-out one anywhere, swap two neighbours,
