@@ -320,6 +320,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scenarios", nargs="?", const=",".join(SCENARIO_CASES), default=None, metavar="CASES",
                     help="instead of seeds: built-in scenario cases scenario/model/batch, comma-separated "
                          "(alone: the testbed and its scalability series)")
+    ap.add_argument("--seeds", default=None, metavar="LIST",
+                    help="only these seeds, comma-separated (instead of --first/--instances; e.g. the instances "
+                         "whose plan changed, with --reference-from)")
     ap.add_argument("--polish-simulations", type=int, default=POLISH_SIMULATIONS,
                     help="simulations of the polish from deepcee's plan per instance (0: no polish)")
     ap.add_argument("--quick", action="store_true", help="10 instances, 20 s of reference search each")
@@ -329,7 +332,15 @@ def main(argv: list[str] | None = None) -> int:
     if not (math.isfinite(budget) and budget > 0) or count < 1 or args.polish_simulations < 0:
         ap.error(f"--budget-s must be a positive number, --instances at least 1 and --polish-simulations at least "
                  f"0, got {budget!r}, {count!r} and {args.polish_simulations!r}")
-    seeds = args.scenarios.split(",") if args.scenarios else range(args.first, args.first + count)
+    if args.seeds is not None:
+        try:
+            listed = [int(x) for x in args.seeds.split(",")]
+        except ValueError:
+            ap.error(f"--seeds: expected comma-separated integers, got {args.seeds!r}")
+        if not listed or min(listed) < 0:
+            ap.error(f"--seeds: expected seeds >= 0, got {args.seeds!r}")
+    seeds = (args.scenarios.split(",") if args.scenarios else listed if args.seeds is not None
+             else range(args.first, args.first + count))
     for case in seeds if args.scenarios else ():
         try:
             instance(case)
