@@ -267,8 +267,9 @@ def _devices_used_search(search: SearchState, best_chains: list[tuple[float, Cha
 
 def _confirmed_end(search: SearchState, chain: Chain) -> bool:
     """Lay ``chain`` (an end of :func:`_devices_used_search`) out in full, with the granularity
-    search; keep what that added only where the cost model's screen of its best configuration
-    beats the screen of the best configuration before (else take it all back). Returns whether kept.
+    search; keep what that added only where the cost model's best screen of its best
+    ``CONFIRM_END_TOP`` configurations beats that of the best configurations before (else take it
+    all back). Returns whether kept.
 
     A search that follows the closed form also finds where the closed form is most optimistic: on
     WAN seed 13 it ended on a 4-island chain at 131.8 s that the cost model and the simulator put at
