@@ -332,6 +332,8 @@ def main(argv: list[str] | None = None) -> int:
     if not (math.isfinite(budget) and budget > 0) or count < 1 or args.polish_simulations < 0:
         ap.error(f"--budget-s must be a positive number, --instances at least 1 and --polish-simulations at least "
                  f"0, got {budget!r}, {count!r} and {args.polish_simulations!r}")
+    if args.seeds is not None and args.scenarios:
+        ap.error("--seeds and --scenarios: give one of them")
     if args.seeds is not None:
         try:
             listed = [int(x) for x in args.seeds.split(",")]

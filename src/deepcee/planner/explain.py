@@ -265,10 +265,13 @@ def _chain_lines(search: SearchState, best_s: float) -> list[str]:
     r = search.chain_result
     if r is None:
         return []
-    how = ("every ordered subset of islands" + (f", then local search over the devices used ({search.chain_moves} more "
-                                                f"chains)" if search.chain_moves else "") if r.exact else
-           f"ordered subsets of {search.options.exhaustive_islands} merged island clusters, then local search "
-           f"on single islands ({search.chain_moves} more chains)")
+    if not r.exact:
+        how = (f"ordered subsets of {search.options.exhaustive_islands} merged island clusters, then local search "
+               f"on single islands ({search.chain_moves} more chains)")
+    elif search.chain_moves:
+        how = f"every ordered subset of islands, then local search over the devices used ({search.chain_moves} more chains)"
+    else:
+        how = "every ordered subset of islands"
     gap = chain_gap(search, best_s)
     budget = f" (stopped at chain_budget {search.options.chain_budget})" if r.gap > 0 else ""
     proof = ("no chain left unevaluated can beat the simulated best" if gap == 0 else

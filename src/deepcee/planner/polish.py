@@ -240,8 +240,9 @@ class _Polish:
     def full(self, plan: Plan) -> Candidate | None:
         """``plan`` scored in full by the cost model (``None``: does not fit), charged only when
         not scored before: the plan of a move with few microbatches is scored in full by each
-        round, and its one scoring was charged three times (seed 13 of the WAN instances stopped with 11% of the
-        budget left, its step admitted no more, and the reference's polish took three more steps)."""
+        round, and its one scoring was charged three times (seed 13 of the WAN instances stopped
+        with 11% of the budget left, its step admitted no more, and the reference's polish took
+        three more steps)."""
         if score_key(plan) not in self.search.scored:
             self.used += plan.num_stages * plan.num_microbatches
         return self.search.score(plan, force=True)

@@ -228,7 +228,7 @@ def _search_chains(search: SearchState, dist: np.ndarray) -> None:
         _confirmed_end(search, chain)
     if not exact and done:
         keeps = [len(isl.groups) for isl in g.islands]
-        for value, chain in sorted(done)[:2]:  # the two best merged chains seed the local search
+        for value, chain in best_chains[:2]:  # the two best merged chains seed the local search
             if not math.isfinite(value):
                 continue
             _, _, spent = improve_chain(chain, value, evaluate, islands=len(g.islands), keeps=keeps,
