@@ -50,6 +50,7 @@ from deepcee.planner.efficiency import (
 from deepcee.planner.options import PlannerOptions
 from deepcee.planner.sweep_pool import PoolPlanner
 from deepcee.profile import ModelProfile
+from deepcee.schedule.interpreter import collection_paused
 from deepcee.schedule.ir import ActionKind
 from deepcee.schedule.program import lowered_schedule
 from deepcee.simulator.engine import SimResult, simulate, to_estimate
@@ -299,6 +300,13 @@ def compare(cluster: Cluster, model: ModelProfile, global_batch: int, *, crossov
     deepcee's relaxed search (:func:`deepcee.planner.replicas.plan_replicas`) as
     ``deepcee-relaxed``.
     """
+    with collection_paused():  # as the search: [Note: search without collection] in planner/search.py
+        return _compare(cluster, model, global_batch, crossover=crossover, relaxed=relaxed, sync=sync,
+                        efficiency=efficiency)
+
+
+def _compare(cluster: Cluster, model: ModelProfile, global_batch: int, *, crossover: bool, relaxed: bool,
+             sync: str, efficiency: StatisticalEfficiency | None) -> CompareReport:
     t0 = time.perf_counter()
     check_planning(cluster, model, global_batch)  # before the baselines, which plan too
     planned: tuple[float, float] | None = None

@@ -136,6 +136,7 @@ from deepcee.planner.steps import (
     rank_key,
 )
 from deepcee.profile import ModelProfile
+from deepcee.schedule.interpreter import collection_paused
 from deepcee.simulator.runtime_model import RuntimeModel, runtime_for
 from deepcee.units import GIB
 
@@ -348,6 +349,22 @@ def plan_training(cluster: Cluster, model: ModelProfile, global_batch: int, *,
     One pipeline, exact synchronisation; replicas and relaxed strategies are searched on top of
     this by :func:`deepcee.planner.replicas.plan_with_sync` (``deepcee plan --sync relaxed``).
     """
+    with collection_paused():  # [Note: search without collection]
+        return _plan_training(cluster, model, global_batch, options=options)
+
+
+# [Note: search without collection]
+# The search keeps nearly everything it makes (configurations, layout memos, scored plans, range
+# tables) alive until it returns, and makes almost no reference cycles: at 512 devices in 8
+# islands the cyclic collector ran 792 times during a plan, freed about 830 objects in all, and
+# its passes over the growing state took 0.63 of 11.7 CPU s (timed with `gc.callbacks`). So it is
+# paused for the search, as the simulator pauses it ([Note: interpreter without collection]), and
+# restored as it was afterwards (nesting and callers that pause it themselves are unaffected);
+# reference counting still frees everything that is not in a cycle at once. Only timing changes.
+
+
+def _plan_training(cluster: Cluster, model: ModelProfile, global_batch: int, *,
+                   options: PlannerOptions | None = None) -> PlanResult:
     t0 = time.perf_counter()
     options = options or PlannerOptions()
     if not isinstance(global_batch, int) or global_batch < 1:
@@ -363,7 +380,6 @@ def plan_training(cluster: Cluster, model: ModelProfile, global_batch: int, *,
     ranked = sorted(search.configs.values(), key=lambda c: c.key)
     cands: list[Candidate] = []
     picked: set[int] = set()
-    # the screen's best and the closed form's best take turns at the score budget
     # the screen's best and the closed form's best take turns at the score budget
     first = [c for pair in itertools.zip_longest(_screened(search, ranked), ranked[: options.model_top])
              for c in pair if c is not None]
