@@ -69,7 +69,7 @@ def best_baseline_planner(monkeypatch: pytest.MonkeyPatch) -> None:
             built[key] = (cluster, model, build_baselines(cluster, model, batch))
         return built[key][2]
 
-    def plan(cluster, model, batch, *, use_all_devices=False, light=False):
+    def plan(cluster, model, batch, *, use_all_devices=False, light=False, progress=None):
         fits = [b.plan for b in baselines(cluster, model, batch) if b.plan is not None
                 and (not use_all_devices or set(b.plan.devices) == set(cluster.device_names))]
         if not fits:
@@ -248,3 +248,23 @@ def test_crossover_curves_pass_through_the_planned_point() -> None:
     point = next(p for p in study.batch.points if p.value == 48)
     assert point.without_samples_per_s == 1e9 and point.with_samples_per_s >= 7.0
     assert [p.value for p in study.batch.points] == [16, 48, 64]
+
+
+def test_compare_reports_progress_through_each_phase() -> None:
+    """``compare(progress=...)`` (what ``deepcee compare`` prints after 2 s): deepcee's search with
+    its own steps, the baselines, the related systems, then each crossover point, in that order."""
+    seen: list[tuple[str, float]] = []
+    report = compare(pair(10.0), one_layer_model(), 64, relaxed=True,
+                     progress=lambda step, f: seen.append((step, f)))
+    assert report.crossover is not None
+    steps = list(dict.fromkeys(step for step, _ in seen))
+    assert "baselines" in steps and "related systems' strategies" in steps
+    k = steps.index("baselines")
+    assert "island chains" in steps[:k] and "layer splits" in steps[:k]  # the search's own steps come first
+    assert steps[k + 1:] == ["related systems' strategies", "crossover sweep of the global batch",
+                             "crossover sweep of the bandwidth"]
+    for name, points in (("global batch", report.crossover.batch.points),
+                         ("bandwidth", report.crossover.bandwidth.points)):
+        fractions = [f for step, f in seen if step == f"crossover sweep of the {name}"]
+        assert len(fractions) == len(points) and fractions == sorted(fractions) and fractions[0] == 0.0
+        assert all(0.0 <= f < 1.0 for f in fractions)

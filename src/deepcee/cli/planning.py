@@ -217,7 +217,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
     with _progress(f"planning deepcee and baselines for {model.name} on {cluster.name}"):
         report = compare(cluster, model, args.global_batch, relaxed=not args.no_relaxed, sync=args.sync,
-                         efficiency=_efficiency(args.efficiency))
+                         efficiency=_efficiency(args.efficiency), progress=_progress_printer())
     print(format_table(report))
     _write_json(args.json, report.to_dict())
     print(f"wrote {args.json}")

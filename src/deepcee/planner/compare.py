@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -238,17 +238,19 @@ SWEEP_SEARCH = {"sweep_top": 4, "model_top": 3, "refine_top": 1, "compact_top": 
 
 
 def _deepcee(cluster: Cluster, model: ModelProfile, global_batch: int, *, use_all_devices: bool = False,
-             light: bool = False) -> tuple[Plan, float, tuple[float, float], PlanResult, SimResult]:
+             light: bool = False, progress: Callable[[str, float], None] | None = None
+             ) -> tuple[Plan, float, tuple[float, float], PlanResult, SimResult]:
     """deepcee's plan, re-simulated, the planning time, (best simulated samples/s of a
     counterfactual that uses a device the plan leaves out, of one that does not), the
     search's result and the plan's simulation.
 
-    ``use_all_devices`` forbids leaving any device out; ``light`` uses :data:`SWEEP_SEARCH`.
+    ``use_all_devices`` forbids leaving any device out; ``light`` uses :data:`SWEEP_SEARCH`;
+    ``progress``: the search's (:attr:`PlannerOptions.progress`).
     """
     from deepcee.planner.search import plan_training
 
     t0 = time.perf_counter()
-    options = PlannerOptions(allow_exclusion=not use_all_devices, **(SWEEP_SEARCH if light else {}))
+    options = PlannerOptions(allow_exclusion=not use_all_devices, progress=progress, **(SWEEP_SEARCH if light else {}))
     result = plan_training(cluster, model, global_batch, options=options)
     sim = simulate(result.plan, cluster, model, record=False)
     plan = result.plan.replace(estimate=to_estimate(sim, result.plan, cluster))  # as :func:`simulated`
@@ -290,7 +292,8 @@ def _leave_out(deepcee: Plan, baselines: Sequence[BaselineResult], cluster: Clus
 
 
 def compare(cluster: Cluster, model: ModelProfile, global_batch: int, *, crossover: bool = True,
-            relaxed: bool = False, sync: str = "exact", efficiency: StatisticalEfficiency | None = None) -> CompareReport:
+            relaxed: bool = False, sync: str = "exact", efficiency: StatisticalEfficiency | None = None,
+            progress: Callable[[str, float], None] | None = None) -> CompareReport:
     """deepcee, every baseline and the upper bound on ``cluster``. See the module docstring.
 
     ``crossover=False`` skips the crossover sweeps (they plan ~40 more times). ``relaxed``
@@ -298,21 +301,23 @@ def compare(cluster: Cluster, model: ModelProfile, global_batch: int, *, crossov
     every row, its semantics and predicted time to target with ``efficiency`` (default:
     :class:`~deepcee.planner.efficiency.DefaultEfficiency`); ``sync="relaxed"`` also adds
     deepcee's relaxed search (:func:`deepcee.planner.replicas.plan_replicas`) as
-    ``deepcee-relaxed``.
+    ``deepcee-relaxed``. ``progress(step, fraction)``: called as the work goes (deepcee's search
+    with its own steps, then the baselines, the related systems and each crossover point).
     """
     with collection_paused():  # as the search: [Note: search without collection] in planner/search.py
         return _compare(cluster, model, global_batch, crossover=crossover, relaxed=relaxed, sync=sync,
-                        efficiency=efficiency)
+                        efficiency=efficiency, progress=progress or (lambda step, fraction: None))
 
 
 def _compare(cluster: Cluster, model: ModelProfile, global_batch: int, *, crossover: bool, relaxed: bool,
-             sync: str, efficiency: StatisticalEfficiency | None) -> CompareReport:
+             sync: str, efficiency: StatisticalEfficiency | None, progress: Callable[[str, float], None]
+             ) -> CompareReport:
     t0 = time.perf_counter()
     check_planning(cluster, model, global_batch)  # before the baselines, which plan too
     planned: tuple[float, float] | None = None
     result = None
     try:
-        got = _deepcee(cluster, model, global_batch)
+        got = _deepcee(cluster, model, global_batch, progress=progress)
         plan, planning_s = got[0], got[1]
         planned = got[2] if len(got) > 2 else None
         result = got[3] if len(got) > 3 else None
@@ -322,6 +327,7 @@ def _compare(cluster: Cluster, model: ModelProfile, global_batch: int, *, crosso
         # reported as a row without a plan, like a baseline that does not fit
         plan, planning_s, reason, sim = None, time.perf_counter() - t0, f"deepcee found no plan: {exc}", None
         log.warning(reason)
+    progress("baselines", 0.0)
     baselines = build_baselines(cluster, model, global_batch)
     bound = upper_bound(cluster, model, global_batch)
     sps = plan.estimate.samples_per_s if plan is not None else 0.0
@@ -336,6 +342,7 @@ def _compare(cluster: Cluster, model: ModelProfile, global_batch: int, *, crosso
                          f"{bound.samples_per_s:.4g}")
             log.error(notes[-1])
     if relaxed or sync == "relaxed":
+        progress("related systems' strategies" + (" and deepcee's relaxed search" if sync == "relaxed" else ""), 0.0)
         rows, more = _with_relaxed(rows, cluster, model, global_batch, plan, sync, efficiency or DefaultEfficiency())
         notes += more
     line, kept = _leave_out(plan, baselines, cluster) if plan is not None else ("", ())
@@ -346,9 +353,11 @@ def _compare(cluster: Cluster, model: ModelProfile, global_batch: int, *, crosso
         if result is not None:  # the sweeps re-score this search's candidates and the baselines' plans
             pool = PoolPlanner([plan, *(c.plan for c in result.counterfactuals),
                                 *(b.plan for b in baselines if b.plan is not None)], [c.plan for c in result.scored])
-            study = crossover_study(cluster, model, global_batch, kept, planner=pool, planned=planned, baselines=False)
+            study = crossover_study(cluster, model, global_batch, kept, planner=pool, planned=planned, baselines=False,
+                                    progress=progress)
         else:
-            study = crossover_study(cluster, model, global_batch, kept, planner=_planned, planned=planned)
+            study = crossover_study(cluster, model, global_batch, kept, planner=_planned, planned=planned,
+                                    progress=progress)
     return CompareReport(
         cluster=cluster.name, model=model.name, global_batch=global_batch, source=figure_source(cluster, model),
         bound=bound, rows=tuple(rows), fraction_of_bound=sps / bound.samples_per_s, leave_out=line,

@@ -193,9 +193,11 @@ def find_crossover(values: Sequence[float], with_sps: Sequence[float], without_s
 
 
 def _sweep(parameter: str, values: Sequence[float], evaluate: Callable[[float], tuple[float, float]],
-           fmt: Callable[[float], str]) -> Sweep:
+           fmt: Callable[[float], str], progress: Callable[[str, float], None] | None = None) -> Sweep:
     points = []
-    for v in values:
+    for k, v in enumerate(values):
+        if progress is not None:
+            progress(f"crossover sweep of the {parameter.split('_bytes')[0].replace('_', ' ')}", k / len(values))
         w, wo = evaluate(v)
         points.append(SweepPoint(value=float(v), with_samples_per_s=w, without_samples_per_s=wo))
     cross = find_crossover(values, [p.with_samples_per_s for p in points], [p.without_samples_per_s for p in points])
@@ -211,14 +213,16 @@ def _sweep(parameter: str, values: Sequence[float], evaluate: Callable[[float], 
 def crossover_study(cluster: Cluster, model: ModelProfile, global_batch: int, kept: Sequence[str], *,
                     planner: SweepPlanner, batches: Sequence[int] = SWEEP_BATCHES,
                     bandwidths_bytes_per_s: Sequence[float] = SWEEP_BANDWIDTHS_BYTES_PER_S,
-                    planned: tuple[float, float] | None = None, baselines: bool = True) -> Crossover:
+                    planned: tuple[float, float] | None = None, baselines: bool = True,
+                    progress: Callable[[str, float], None] | None = None) -> Crossover:
     """Sweep the global batch and the kept-to-left-out bandwidth. See [Note: crossover].
 
     ``planned``: (best samples/s with a left-out device, best without) at the planned point
     from the full search (the plan itself and its counterfactuals, all simulated); the batch
     sweep includes ``global_batch`` and takes the better of those and its own figures there, so
     the curves pass through the plan's own numbers. ``baselines=False``: the baselines are not
-    built again at every point (the planner holds their plans, [Note: sweep pool])."""
+    built again at every point (the planner holds their plans, [Note: sweep pool]).
+    ``progress(step, fraction)`` is called before each point."""
     left_out = tuple(d for d in cluster.device_names if d not in set(kept))
     if not left_out:
         raise DeepceeError("crossover needs left-out devices; every device is kept")
@@ -241,7 +245,7 @@ def crossover_study(cluster: Cluster, model: ModelProfile, global_batch: int, ke
         return w, wo
 
     values = sorted({*batches, global_batch}) if planned is not None else batches
-    batch = _sweep("global_batch", values, at_batch, lambda v: f"{v:.0f}")
-    bandwidth = _sweep("bandwidth_bytes_per_s", bandwidths_bytes_per_s, at_bandwidth, fmt_rate)
+    batch = _sweep("global_batch", values, at_batch, lambda v: f"{v:.0f}", progress)
+    bandwidth = _sweep("bandwidth_bytes_per_s", bandwidths_bytes_per_s, at_bandwidth, fmt_rate, progress)
     return Crossover(kept_devices=tuple(kept), left_out_devices=left_out, slow_links=tuple(links),
                      batch=batch, bandwidth=bandwidth)
