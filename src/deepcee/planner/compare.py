@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -47,7 +47,7 @@ from deepcee.planner.efficiency import (
     TimeToTarget,
     time_to_target,
 )
-from deepcee.planner.options import PlannerOptions
+from deepcee.planner.options import PlannerOptions, Progress
 from deepcee.planner.sweep_pool import PoolPlanner
 from deepcee.profile import ModelProfile
 from deepcee.schedule.interpreter import collection_paused
@@ -238,7 +238,7 @@ SWEEP_SEARCH = {"sweep_top": 4, "model_top": 3, "refine_top": 1, "compact_top": 
 
 
 def _deepcee(cluster: Cluster, model: ModelProfile, global_batch: int, *, use_all_devices: bool = False,
-             light: bool = False, progress: Callable[[str, float], None] | None = None
+             light: bool = False, progress: Progress | None = None
              ) -> tuple[Plan, float, tuple[float, float], PlanResult, SimResult]:
     """deepcee's plan, re-simulated, the planning time, (best simulated samples/s of a
     counterfactual that uses a device the plan leaves out, of one that does not), the
@@ -293,7 +293,7 @@ def _leave_out(deepcee: Plan, baselines: Sequence[BaselineResult], cluster: Clus
 
 def compare(cluster: Cluster, model: ModelProfile, global_batch: int, *, crossover: bool = True,
             relaxed: bool = False, sync: str = "exact", efficiency: StatisticalEfficiency | None = None,
-            progress: Callable[[str, float], None] | None = None) -> CompareReport:
+            progress: Progress | None = None) -> CompareReport:
     """deepcee, every baseline and the upper bound on ``cluster``. See the module docstring.
 
     ``crossover=False`` skips the crossover sweeps (they plan ~40 more times). ``relaxed``
@@ -310,7 +310,7 @@ def compare(cluster: Cluster, model: ModelProfile, global_batch: int, *, crossov
 
 
 def _compare(cluster: Cluster, model: ModelProfile, global_batch: int, *, crossover: bool, relaxed: bool,
-             sync: str, efficiency: StatisticalEfficiency | None, progress: Callable[[str, float], None]
+             sync: str, efficiency: StatisticalEfficiency | None, progress: Progress
              ) -> CompareReport:
     t0 = time.perf_counter()
     check_planning(cluster, model, global_batch)  # before the baselines, which plan too

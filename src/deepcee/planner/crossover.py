@@ -35,6 +35,7 @@ from deepcee.cluster import Cluster, LinkEntry, LinkSpec
 from deepcee.errors import DeepceeError
 from deepcee.plan import Plan
 from deepcee.planner.baselines import build_baselines
+from deepcee.planner.options import Progress
 from deepcee.profile import ModelProfile
 from deepcee.units import fmt_rate
 
@@ -193,7 +194,7 @@ def find_crossover(values: Sequence[float], with_sps: Sequence[float], without_s
 
 
 def _sweep(parameter: str, values: Sequence[float], evaluate: Callable[[float], tuple[float, float]],
-           fmt: Callable[[float], str], progress: Callable[[str, float], None] | None = None) -> Sweep:
+           fmt: Callable[[float], str], progress: Progress | None = None) -> Sweep:
     points = []
     for k, v in enumerate(values):
         if progress is not None:
@@ -214,7 +215,7 @@ def crossover_study(cluster: Cluster, model: ModelProfile, global_batch: int, ke
                     planner: SweepPlanner, batches: Sequence[int] = SWEEP_BATCHES,
                     bandwidths_bytes_per_s: Sequence[float] = SWEEP_BANDWIDTHS_BYTES_PER_S,
                     planned: tuple[float, float] | None = None, baselines: bool = True,
-                    progress: Callable[[str, float], None] | None = None) -> Crossover:
+                    progress: Progress | None = None) -> Crossover:
     """Sweep the global batch and the kept-to-left-out bandwidth. See [Note: crossover].
 
     ``planned``: (best samples/s with a left-out device, best without) at the planned point
