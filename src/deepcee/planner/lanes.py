@@ -4,8 +4,10 @@ one numpy vector per stage (see [Note: devices at once]); :mod:`deepcee.planner.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import count
 
 import numpy as np
 
@@ -301,46 +303,44 @@ class _Pool:
         ``every_pipe``: ``limit`` lets at least one piece of every pipe go (the newest send's own)."""
         go, res, free = self.go, self.res, self.free
         if limit is None:
-            idx = list(range(len(go)))
+            idx: list[int] = list(range(len(go)))
         else:
             lim = limit.tolist()
-            idx = [k for k, (g, r) in enumerate(zip(go, res, strict=True)) if g <= lim[r]]
-        if idx:
-            ser, ends, place = self.ser, self.ends, self.place
-            if len(idx) <= len(free) and (every_pipe or len({res[k] for k in idx}) == len(idx)):
-                # at most one piece per pipe (a release that lets one piece of every pipe go and
-                # serves as many has one on each): their order does not matter
-                done = []
-                for k in idx:
-                    r, g = res[k], go[k]
-                    f = free[r]
-                    done.append((g if g >= f else f) + ser[k])
-                for k, x in zip(idx, done, strict=True):
-                    free[res[k]] = x
-                    ends[place[k]] = x
-            else:
-                # pipe by pipe, each first in first out by issue time (ties: program order, then
-                # device order, the pool's: ``k``)
-                for r, g, k in sorted([(res[k], go[k], k) for k in idx]):
-                    f = free[r]
-                    free[r] = ends[place[k]] = (g if g >= f else f) + ser[k]
-            if len(idx) == len(go):
-                self.go, self.place, self.res, self.ser = [], [], [], []
-            else:
-                served = set(idx)
-                keep = [k for k in range(len(go)) if k not in served]
-                self.go = [go[k] for k in keep]
-                self.place = [place[k] for k in keep]
-                self.res = [res[k] for k in keep]
-                self.ser = [ser[k] for k in keep]
+            idx = [k for k, g, r in zip(count(), go, res) if g <= lim[r]]
+        if not idx:
+            return  # nothing served: nothing to deliver either (every open send still has a piece here)
+        ser, ends, place = self.ser, self.ends, self.place
+        if len(idx) <= len(free) and (every_pipe or len({res[k] for k in idx}) == len(idx)):
+            # at most one piece per pipe (a release that lets one piece of every pipe go and
+            # serves as many has one on each): their order does not matter, and no piece served
+            # here changes another's pipe
+            for k in idx:
+                r, g = res[k], go[k]
+                f = free[r]
+                free[r] = ends[place[k]] = (g if g >= f else f) + ser[k]
+        else:
+            # pipe by pipe, each first in first out by issue time (ties: program order, then
+            # device order, the pool's: ``k``)
+            for r, g, k in sorted([(res[k], go[k], k) for k in idx]):
+                f = free[r]
+                free[r] = ends[place[k]] = (g if g >= f else f) + ser[k]
+        if len(idx) == len(go):
+            self.go, self.place, self.res, self.ser = [], [], [], []
+        else:
+            keep = [k for k, g, r in zip(count(), go, res) if g > lim[r]]  # the complement of idx
+            self.go = [go[k] for k in keep]
+            self.place = [place[k] for k in keep]
+            self.res = [res[k] for k in keep]
+            self.ser = [ser[k] for k in keep]
         self._deliver(arrived)
 
     def _deliver(self, arrived: dict[tuple[int, int, int], np.ndarray]) -> None:
         """Deliver the sends with no piece left in the pool."""
-        pc = self.pieces
-        p = len(self.res_list)
-        pending = {x // p for x in self.place}
-        for slot in [k for k in self.open if k not in pending]:
+        pc, place = self.pieces, self.place
+        p, left = len(self.res_list), len(self.place)
+        # ``place`` stays ascending (pushed in send order, served pieces taken out): a send still
+        # has a piece here iff the first place at or after its own range's start lies in that range
+        for slot in [k for k in self.open if (at := bisect_left(place, k * p)) == left or place[at] >= (k + 1) * p]:
             to, _ = self.open.pop(slot)
             arrived[to] = _latest(np.array(self.ends[slot * p:(slot + 1) * p]) + pc.latency_s, pc.to_receiver)
 
