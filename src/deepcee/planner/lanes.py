@@ -4,10 +4,8 @@ one numpy vector per stage (see [Note: devices at once]); :mod:`deepcee.planner.
 
 from __future__ import annotations
 
-from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass
-from itertools import count
 
 import numpy as np
 
@@ -260,12 +258,14 @@ def _compiled(lowered: Schedule) -> list[list[tuple[int, object]]]:
 
 class _Pool:
     """The pieces not served yet of one boundary direction's sends on shared pipes ([Note: pipe order]),
-    in program order (then piece order, the simulator's order in a send: :func:`boundary_pieces`):
-    issue time, place in ``ends``, pipe, serialisation. Plain lists: a pool holds a few sends' pieces
-    (16-100 at 512 devices), where a loop over floats beats a dozen numpy calls per release; the
-    arithmetic is the same (``max(issue, pipe free) + serialisation`` per piece, in the same order)."""
+    in program order (then piece order, the simulator's order in a send: :func:`boundary_pieces`),
+    each ``(pipe, issue time, place in ends, serialisation)``. Plain tuples in one list: a pool holds
+    a few sends' pieces (16-100 at 512 devices), where a loop over floats beats a dozen numpy calls
+    per release; the arithmetic is the same (``max(issue, pipe free) + serialisation`` per piece, in
+    the same order). A piece's place in ``ends`` grows with program order, so ``(pipe, issue, place)``
+    orders a pipe's pieces first in first out by issue time, ties in program order."""
 
-    __slots__ = ("ends", "free", "go", "open", "pieces", "place", "res", "res_list", "ser", "ser_list", "seq")
+    __slots__ = ("ends", "free", "items", "open", "pieces", "res_list", "ser_list", "seq")
 
     def __init__(self, pieces: Pieces, free: np.ndarray) -> None:
         self.pieces = pieces
@@ -278,10 +278,8 @@ class _Pool:
         """Per send not delivered yet (by program order), its receiver's key and its pieces' issue times."""
         self.ends: list[float] = []
         """Per send (``seq * pieces``), each piece's end of serialisation once served."""
-        self.go: list[float] = []
-        self.place: list[int] = []
-        self.res: list[int] = []
-        self.ser: list[float] = []
+        self.items: list[tuple[int, float, int, float]] = []
+        """The pieces not served yet, in program order: pipe, issue time, place in ``ends``, serialisation."""
 
     def push(self, to: tuple[int, int, int], go: np.ndarray) -> None:
         """Add a send's pieces (issued at ``go``)."""
@@ -289,10 +287,8 @@ class _Pool:
         self.seq += 1
         self.ends += [0.0] * p
         self.open[slot] = (to, go)
-        self.go += go.tolist()
-        self.place += range(slot * p, (slot + 1) * p)
-        self.res += self.res_list
-        self.ser += self.ser_list
+        self.items += zip(self.res_list, go.tolist(), range(slot * p, (slot + 1) * p), self.ser_list,
+                          strict=True)
 
     def release(self, limit: np.ndarray | None, arrived: dict[tuple[int, int, int], np.ndarray], *,
                 every_pipe: bool = False) -> None:
@@ -301,46 +297,30 @@ class _Pool:
         each pipe first in first out by issue time (ties: program order, then device order) from
         :attr:`free` (updated); a send whose pieces are all served is delivered to ``arrived``.
         ``every_pipe``: ``limit`` lets at least one piece of every pipe go (the newest send's own)."""
-        go, res, free = self.go, self.res, self.free
+        items, free, ends = self.items, self.free, self.ends
         if limit is None:
-            idx: list[int] = list(range(len(go)))
+            served, self.items = items, []
         else:
             lim = limit.tolist()
-            idx = [k for k, g, r in zip(count(), go, res) if g <= lim[r]]
-        if not idx:
-            return  # nothing served: nothing to deliver either (every open send still has a piece here)
-        ser, ends, place = self.ser, self.ends, self.place
-        if len(idx) <= len(free) and (every_pipe or len({res[k] for k in idx}) == len(idx)):
-            # at most one piece per pipe (a release that lets one piece of every pipe go and
-            # serves as many has one on each): their order does not matter, and no piece served
-            # here changes another's pipe
-            for k in idx:
-                r, g = res[k], go[k]
-                f = free[r]
-                free[r] = ends[place[k]] = (g if g >= f else f) + ser[k]
-        else:
-            # pipe by pipe, each first in first out by issue time (ties: program order, then
-            # device order, the pool's: ``k``)
-            for r, g, k in sorted([(res[k], go[k], k) for k in idx]):
-                f = free[r]
-                free[r] = ends[place[k]] = (g if g >= f else f) + ser[k]
-        if len(idx) == len(go):
-            self.go, self.place, self.res, self.ser = [], [], [], []
-        else:
-            keep = [k for k, g, r in zip(count(), go, res) if g > lim[r]]  # the complement of idx
-            self.go = [go[k] for k in keep]
-            self.place = [place[k] for k in keep]
-            self.res = [res[k] for k in keep]
-            self.ser = [ser[k] for k in keep]
+            served = [x for x in items if x[1] <= lim[x[0]]]
+            if not served:
+                return  # nothing served: nothing to deliver either (every open send still has a piece here)
+            self.items = [x for x in items if x[1] > lim[x[0]]] if len(served) < len(items) else []
+        if not (len(served) <= len(free) and (every_pipe or len({x[0] for x in served}) == len(served))):
+            # pipe by pipe, each first in first out by issue time (ties: program order, then device
+            # order: the place in ``ends``); else at most one piece per pipe (a release that lets one
+            # piece of every pipe go and serves as many has one on each), in any order
+            served = sorted(served)
+        for r, g, k, d in served:
+            f = free[r]
+            free[r] = ends[k] = (g if g >= f else f) + d
         self._deliver(arrived)
 
     def _deliver(self, arrived: dict[tuple[int, int, int], np.ndarray]) -> None:
         """Deliver the sends with no piece left in the pool."""
-        pc, place = self.pieces, self.place
-        p, left = len(self.res_list), len(self.place)
-        # ``place`` stays ascending (pushed in send order, served pieces taken out): a send still
-        # has a piece here iff the first place at or after its own range's start lies in that range
-        for slot in [k for k in self.open if (at := bisect_left(place, k * p)) == left or place[at] >= (k + 1) * p]:
+        pc, p = self.pieces, len(self.res_list)
+        pending = {x[2] // p for x in self.items}
+        for slot in [k for k in self.open if k not in pending]:
             to, _ = self.open.pop(slot)
             arrived[to] = _latest(np.array(self.ends[slot * p:(slot + 1) * p]) + pc.latency_s, pc.to_receiver)
 
