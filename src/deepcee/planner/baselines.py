@@ -328,12 +328,13 @@ def metis_hetpipe(cluster: Cluster, model: ModelProfile, global_batch: int, devi
 
     short = "OOM: no stage count and layer split fits device memory"
     fitting = []
+    cost_model = AnalyticCostModel()  # one for every candidate: its memo of stage terms is shared
     for k, plan in enumerate(_metis_candidates(cluster, model, global_batch, devices)):
         miss = memory_shortfall(plan, cluster, model)
         if miss:
             short = f"OOM: {miss}"
             continue
-        fitting.append((AnalyticCostModel().estimate(plan, cluster, model).iteration_s, k, plan))
+        fitting.append((cost_model.estimate(plan, cluster, model).iteration_s, k, plan))
     confirmed = []
     for _, k, plan in sorted(fitting, key=lambda x: x[:2]):
         try:
