@@ -33,7 +33,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from deepcee.plan import Plan
-from deepcee.planner.cost_model import AnalyticCostModel
 from deepcee.planner.grouping import distance_s
 from deepcee.planner.space import Chain, chain_layouts
 from deepcee.planner.steps import Candidate, SearchState, plan_key, rank_key
@@ -218,7 +217,7 @@ def explain(search: SearchState, best: Candidate, cands: list[Candidate]) -> tup
     out.append(f"chose {plan.num_stages} stage(s), microbatch {plan.microbatch_size} x {plan.num_microbatches}, "
                f"schedule {plan.schedule}, sync {plan.sync}: {est.iteration_s:.4g} s per iteration "
                f"({est.samples_per_s:.4g} samples/s, {est.source}; cost model {best.estimate.iteration_s:.4g} s)")
-    cost = AnalyticCostModel().breakdown(plan, cluster, search.model)
+    cost = search.analytic().breakdown(plan, cluster, search.model)
     for s, st in enumerate(plan.stages):
         isl = sorted({search.grouping.island_of(d) for d in st.devices})
         out.append(f"stage {s}: layers {st.layer_start}-{st.layer_stop - 1} on {len(st.devices)} device(s) "

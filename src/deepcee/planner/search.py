@@ -412,7 +412,7 @@ def _plan_training(cluster: Cluster, model: ModelProfile, global_batch: int, *,
     if better is not None and better.change < -1e-9:
         # a constrained search found a plan the simulator prefers: take it (and explain it instead)
         est = better.plan.estimate
-        best = Candidate(plan=better.plan, estimate=AnalyticCostModel().estimate(better.plan, cluster, model),
+        best = Candidate(plan=better.plan, estimate=search.analytic().estimate(better.plan, cluster, model),
                          simulated=est)
         top = [best, *top]
         search.notes.append("the best plan came from a counterfactual search (explained above)")

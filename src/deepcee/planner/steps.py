@@ -19,7 +19,13 @@ from dataclasses import dataclass, field
 from deepcee.cluster import Cluster
 from deepcee.plan import SCHEDULES, Estimate, Plan, StagePlan
 from deepcee.planner.chains import ChainResult
-from deepcee.planner.cost_model import CostModel, SimulatorCostModel, stage_costs
+from deepcee.planner.cost_model import (
+    EXACT_WORK,
+    AnalyticCostModel,
+    CostModel,
+    SimulatorCostModel,
+    stage_costs,
+)
 from deepcee.planner.grouping import Grouping
 from deepcee.planner.options import PlannerOptions
 from deepcee.planner.ranges import RangeTables, largest_remainder_shares
@@ -107,6 +113,7 @@ class SearchState:
     min_boundary_bytes: float = 0.0
     _marginal: dict[str, float] = field(default_factory=dict)
     _shares: dict[tuple, tuple[int, ...]] = field(default_factory=dict)
+    _analytic: AnalyticCostModel | None = None
     notes: list[str] = field(default_factory=list)
     compact_used: float = 0.0
     forced_compacts: int = 0
@@ -137,6 +144,16 @@ class SearchState:
     confirmed: dict[tuple, Estimate] = field(default_factory=dict)
     """The confirming model's estimates so far, by plan (a plan confirmed, then explained, or
     explained twice, is simulated once)."""
+
+    def analytic(self) -> AnalyticCostModel:
+        """An :class:`AnalyticCostModel` with the defaults (the explanation's breakdown): the
+        search's own where it is one (its memo of stage terms is warm), else one kept for the
+        search. The figures are the same either way."""
+        if self._analytic is None:
+            own = self.cost_model
+            same = type(own) is AnalyticCostModel and own.runtime is None and own.exact_work == EXACT_WORK
+            self._analytic = own if same else AnalyticCostModel()
+        return self._analytic
 
     def confirm(self, plan: Plan) -> Estimate:
         """The confirming model's estimate of ``plan`` (the simulator by default), computed once."""
