@@ -296,3 +296,21 @@ def test_stage_shares_print_as_runs_above_eight_devices() -> None:
     assert _shares((1,) * 64) == "[1 x 64]"
     assert _shares((3, 3) + (2,) * 3 + (1,) * 5) == "[3 x 2, 2 x 3, 1 x 5]"
     assert _shares((4,) + (1,) * 9) == "[4, 1 x 9]"
+
+
+def test_explanation_breakdown_uses_a_default_analytic_model():
+    """The explanation's breakdown reuses the search's analytic cost model only where that one has
+    the defaults (its memo warm); a custom runtime, exactness threshold or another model class gets
+    a default model of its own, so the explanation reads the same figures either way."""
+    from deepcee.planner.search import new_search
+    from deepcee.simulator.runtime_model import DEFAULT_RUNTIME
+
+    c, m = load_scenario("local-small"), get_model("gpt-tiny")
+    own = AnalyticCostModel()
+    assert new_search(c, m, 16, PlannerOptions(cost_model=own)).analytic() is own
+    for other in (AnalyticCostModel(runtime=DEFAULT_RUNTIME), AnalyticCostModel(exact_work=0), SimulatorCostModel()):
+        search = new_search(c, m, 16, PlannerOptions(cost_model=other))
+        got = search.analytic()
+        assert got is not other and type(got) is AnalyticCostModel
+        assert got.runtime is None and got.exact_work == AnalyticCostModel().exact_work
+        assert search.analytic() is got  # one per search
