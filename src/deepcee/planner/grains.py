@@ -29,7 +29,9 @@ form of step 1 (every microbatch size, :meth:`~deepcee.planner.steps.SearchState
   (the stage count stays near the layers, where single steps either exceed it or leave a small
   island unable to hold its layers); until none improves or ``grain_budget`` layouts with at
   most ``max_stages`` stages are evaluated. Deterministic (fixed move order, ties keep the
-  earlier).
+  earlier). With ``pairs`` (the guarded climbs of [Note: second look] in
+  :mod:`deepcee.planner.search`), when neither improves, also two islands a step coarser, or two
+  a step finer, at once, and ``work`` caps the devices laid out.
 """
 
 from __future__ import annotations
@@ -93,26 +95,29 @@ def feasible_grains(search: SearchState, chain: Chain, sizes: list[int] | None =
                 for p in _feasible_picks(search, chain, choices)), default=_INF)
 
 
-def _moves(cur: tuple[int, ...], choices: list[list[int]], swaps: bool) -> list[tuple[int, ...]]:
-    """One island one step finer or coarser; with ``swaps``, one island one step coarser and
-    another one step finer (the stage count then stays about the same)."""
-    def step(pick: tuple[int, ...], k: int, d: int) -> tuple[int, ...] | None:
+def _moves(cur: tuple[int, ...], choices: list[list[int]], tier: int) -> list[tuple[int, ...]]:
+    """Tier 0: one island one step finer or coarser; tier 1: one island one step coarser and
+    another one step finer (the stage count then stays about the same); tier 2: two islands one
+    step coarser, or two one step finer, at once."""
+    def step(pick: tuple[int, ...] | None, k: int, d: int) -> tuple[int, ...] | None:
+        if pick is None:
+            return None
         return pick[:k] + (pick[k] + d,) + pick[k + 1:] if 0 <= pick[k] + d < len(choices[k]) else None
 
-    if not swaps:
+    if tier == 0:
         return [mv for k in range(len(cur)) for d in (-1, 1) if (mv := step(cur, k, d)) is not None]
-    out = []
-    for k, j in itertools.permutations(range(len(cur)), 2):
-        up = step(cur, k, 1)
-        mv = step(up, j, -1) if up is not None else None
-        if mv is not None:
-            out.append(mv)
-    return out
+    if tier == 1:
+        pairs = [(step(step(cur, k, 1), j, -1)) for k, j in itertools.permutations(range(len(cur)), 2)]
+    else:
+        pairs = [step(step(cur, k, d), j, d) for d in (1, -1) for k, j in itertools.combinations(range(len(cur)), 2)]
+    return [mv for mv in pairs if mv is not None]
 
 
-def climb_grains(search: SearchState, chain: Chain) -> float:
+def climb_grains(search: SearchState, chain: Chain, *, pairs: bool = False, work: list[int] | None = None) -> float:
     """Local search over ``chain``'s grains from its best uniform or finest feasible layout (module
-    docstring); returns the best closed form found."""
+    docstring); returns the best closed form found. ``pairs``: when no single step or trade
+    improves, two islands a step coarser (or finer) at once too. ``work``: a shared budget of
+    devices laid out (each layout evaluated charges its devices; the climb stops when spent)."""
     choices = island_grains(search.grouping, chain)
     if all(len(c) == 1 for c in choices):
         return _INF
@@ -125,7 +130,10 @@ def climb_grains(search: SearchState, chain: Chain) -> float:
         nonlocal spent
         if pick not in seen:
             grains = _grains(choices, pick)
-            spent += len(mixed_layout(search.grouping, chain, grains, memo=search.pieces).slots) <= search.max_stages
+            lay = mixed_layout(search.grouping, chain, grains, memo=search.pieces)
+            spent += len(lay.slots) <= search.max_stages
+            if work is not None and (lay.slots, None if near is None else tuple(near)) not in search.layout_values:
+                work[0] -= len(lay.devices)
             seen[pick] = _layout_value(search, chain, grains, near)
         return seen[pick]
 
@@ -136,19 +144,19 @@ def climb_grains(search: SearchState, chain: Chain) -> float:
     if not math.isfinite(best):
         return best
     near = search.sizes_near(4)
-    swaps = False
-    while spent < budget:
+    tier, last = 0, 2 if pairs else 1
+    while spent < budget and (work is None or work[0] > 0):
         step = None
-        for mv in _moves(cur, choices, swaps):
-            if mv in seen or spent < budget:
+        for mv in _moves(cur, choices, tier):
+            if mv in seen or (spent < budget and (work is None or work[0] > 0)):
                 got = value(mv)
                 if got < best * (1 - 1e-9) and (step is None or got < step[0]):
                     step = (got, mv)
         if step is None:
-            if swaps:
+            if tier == last:
                 break
-            swaps = True  # no single step improves: try trading one island's stages for another's
+            tier += 1  # nothing improves: trade one island's stages for another's, then (pairs) move two
             continue
         best, cur = step
-        swaps = False
+        tier = 0
     return best

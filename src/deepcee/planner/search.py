@@ -41,7 +41,9 @@ Every public name of those modules that callers used from here is importable fro
    Before the compact schedules, the best fixed-schedule plan is polished: a local search over
    its layout (an island's stage count, two islands swapped, an island left out or added, the
    microbatch size, the schedule), screened and scored by the cost model ([Note: layout polish]
-   in :mod:`deepcee.planner.polish`).
+   in :mod:`deepcee.planner.polish`). After step 4, the configurations of granularity climbs
+   with two-island moves get steps 2-4 of their own, and their best plan is taken where the
+   simulator rates it faster ([Note: second look]).
 
 [Note: screening]
 The closed form ranks configurations for step 3, whose cost-model budget (``score_budget``,
@@ -134,6 +136,7 @@ from deepcee.planner.steps import (
     final_rank_key,
     plan_key,
     rank_key,
+    score_key,
 )
 from deepcee.profile import ModelProfile
 from deepcee.schedule.interpreter import collection_paused
@@ -225,6 +228,8 @@ def _search_chains(search: SearchState, dist: np.ndarray) -> None:
         for value, chain in best_chains[: opts.grain_chains]:
             if math.isfinite(value):
                 climb_grains(search, chain)
+        if len(search.cluster.device_names) <= opts.polish_max_devices:
+            search.second_look = _guarded_climbs(search, best_chains)  # [Note: second look]
     for chain in ends:
         _confirmed_end(search, chain)
     if not exact and done:
@@ -235,6 +240,112 @@ def _search_chains(search: SearchState, dist: np.ndarray) -> None:
             _, _, spent = improve_chain(chain, value, evaluate, islands=len(g.islands), keeps=keeps,
                                         allow_exclusion=opts.allow_exclusion, budget=opts.chain_budget // 2)
             search.chain_moves += spent
+
+
+# [Note: second look]
+# The granularity climb ([Note: mixed granularity] in deepcee.planner.grains) moves one island, or
+# trades a step between two, on the best ``grain_chains`` chains. On WAN seed 66 the reference's
+# plan mixes granularity on a chain outside those and needs two islands moved at once (51.90
+# against 61.56 s). Climbing further inside the main search (session 15: two-island moves and the
+# best order of each new set of islands among chains 11-20; session 16: the same, kept only where
+# the cost model's screen of what it added beat that of the configurations before) found better
+# plans on 9 of the 100 WAN instances but lost 7, by up to 21%: its configurations, ranked
+# first by the closed form, took the places of step 3's budgets and of the compact schedules
+# that had made the plan. So the guarded climbs' configurations are taken back from the main
+# search and searched on their own after it: :func:`_guarded_climbs` climbs, keeps the
+# configurations only where the screen rule above holds, and restores the search;
+# :func:`_second_look` then runs steps 2-4 on them alone (the in-flight sweep, the screen and
+# the cost model, refinement, compact schedules, the simulator) with half the main search's
+# budgets, and its best plan replaces the main search's only where the simulator rates it
+# faster. The plans the main search scored are not scored again, and when the second look's best
+# cost-model figure is more than ``SECOND_LOOK_MARGIN`` above the main search's best, it stops
+# before refinement. Where it is not taken, the search state is restored, so the main search's
+# plan and its explanation are what they were without it. Like the layout polish, it runs only on
+# clusters of at most ``polish_max_devices`` devices: its climbs cost 0.6 CPU s at 512 devices,
+# where ``plan`` has a 10 s target.
+
+GUARDED_DEVICES = 128
+""":func:`_guarded_climbs` lays out at most ``grain_budget`` layouts of this many devices in all
+(fewer of more devices: a layout's closed form costs about its device count)."""
+
+SECOND_LOOK_MARGIN = 0.05
+"""The second look goes on to refinement, compact schedules and the simulator only where its best
+plan by the cost model is within this of the main search's best (compact schedules and
+refinement gained up to 15% on the WAN instances; [Note: second look])."""
+
+
+def _guarded_climbs(search: SearchState, best_chains: list[tuple[float, Chain]]) -> list[Config]:
+    """The granularity climbs again, with two-island moves, on the best ``grain_chains`` chains
+    and on the best order of each set of islands among the next ``grain_chains`` that those do not
+    use ([Note: second look]). Everything they add is taken back; it is returned only where the
+    cost model's best screen of it beats that of the configurations before (as
+    :func:`_confirmed_end`), else ``[]``."""
+    n = search.options.grain_chains
+    first = [c for v, c in best_chains[:n] if math.isfinite(v)]
+    sets = {frozenset(c) for c in first}
+    extra: list[Chain] = []
+    for value, chain in best_chains[n: 2 * n]:
+        if math.isfinite(value) and frozenset(chain) not in sets:
+            sets.add(frozenset(chain))
+            extra.append(chain)
+    saved = _snapshot(search)
+    before = saved.configs
+    work = [search.options.grain_budget * GUARDED_DEVICES]
+    for chain in first + extra:
+        if work[0] <= 0:
+            break
+        climb_grains(search, chain, pairs=True, work=work)
+    added = [cfg for key, cfg in search.configs.items() if key not in before]
+    keep = bool(added) and _screen_of_best(search, added) < _screen_of_best(search, before.values())
+    _restore(search, saved)
+    for cfg in added:
+        cfg.screened.clear()  # screened under the main search's budget: screened again in the second look
+    return added if keep else []
+
+
+def _second_look(search: SearchState, top: list[Candidate], cands: list[Candidate]) -> tuple[list[Candidate], list[Candidate]]:
+    """Steps 2-4 on :attr:`~deepcee.planner.steps.SearchState.second_look`'s configurations alone
+    ([Note: second look]); ``(top, cands)`` with its plans where its best simulates faster than
+    ``top[0]``, else as they were (and the search state restored)."""
+    opts = search.options
+    saved = _snapshot(search)
+    used = (search.compact_used, search.refine_used)
+    extra = search.second_look
+    for cfg in extra:
+        search.configs.setdefault((cfg.layout.slots, cfg.n, cfg.split, cfg.recompute), cfg)
+    layouts = {cfg.layout.slots for cfg in extra}
+    ranked = sorted(extra, key=lambda c: c.key)
+    _progress(opts, "second look", 0.0)
+    for cfg in ranked[: opts.sweep_top]:
+        search.sweep(cfg)
+    ranked = sorted((c for c in search.configs.values() if c.layout.slots in layouts), key=lambda c: c.key)
+    # budgets of its own, half the main search's
+    search.score_used, search.screen_used = opts.score_budget // 2, opts.screen_budget // 2
+    search.compact_used, search.refine_used = opts.compact_budget // 2, opts.refine_budget // 2
+    first = [c for pair in itertools.zip_longest(_screened(search, ranked), ranked[: opts.model_top])
+             for c in pair if c is not None]
+    new: list[Candidate] = []
+    picked: set[int] = set()
+    for k, cfg in enumerate(first):
+        _progress(opts, "second look", 0.5 * (k + 1) / len(first))
+        if id(cfg) not in picked:
+            picked.add(id(cfg))
+            new += search.plans_for(cfg, full=True)
+    new = sorted(_dedupe(c for c in new if score_key(c.plan) not in saved.scored), key=rank_key)
+    if new and new[0].score_s < top[0].score_s * (1 + SECOND_LOOK_MARGIN):
+        new = sorted(_dedupe(new + [search.refine(c) for c in new[: opts.refine_top]]), key=rank_key)
+        _progress(opts, "second look", 0.75)
+        new = sorted(_dedupe(new + _compacts(search, new, ranked)), key=rank_key)
+        got = _confirm(search, new)
+        if got and got[0].score_s < top[0].score_s * (1 - 1e-9):  # faster, not a tie
+            search.notes.append(f"the best plan came from a second look at the granularity climbs with two-island "
+                                f"moves ({got[0].score_s:.4g} s against the main search's {top[0].score_s:.4g} s, "
+                                "simulated)")
+            search.compact_used, search.refine_used = used
+            return sorted(got + top, key=final_rank_key), sorted(_dedupe(cands + new), key=rank_key)
+    _restore(search, saved)
+    search.compact_used, search.refine_used = used
+    return top, cands
 
 
 def _devices_used_search(search: SearchState, best_chains: list[tuple[float, Chain]],
@@ -404,6 +515,8 @@ def _plan_training(cluster: Cluster, model: ModelProfile, global_batch: int, *,
     cands += _compacts(search, cands, ranked)
     cands = sorted(_dedupe(cands), key=rank_key)
     top = _confirm(search, cands)
+    if search.second_look:  # [Note: second look]
+        top, cands = _second_look(search, top, cands)
     best = top[0]
     _progress(options, "explanation", 0.0)
     explanation, counterfactuals = explain(search, best, cands)
