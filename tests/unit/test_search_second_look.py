@@ -8,6 +8,7 @@ the main search's plan takes 61.56 s per iteration, the second look's 51.90 s (t
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import sys
 from functools import cache
@@ -16,6 +17,7 @@ from pathlib import Path
 import pytest
 
 import deepcee.planner.search as search_module
+from deepcee.errors import PlanError
 from deepcee.planner.options import PlannerOptions
 from deepcee.planner.search import _search_chains, island_distances, new_search, plan_training
 from deepcee.simulator import simulate
@@ -68,12 +70,7 @@ def _both():
     cluster, model, batch = _seed_66()
     opts = PlannerOptions(explain_counterfactuals=False)
     with_look = plan_training(cluster, model, batch, options=opts)
-    real = search_module._guarded_climbs
-    search_module._guarded_climbs = lambda search, best_chains: []
-    try:
-        without = plan_training(cluster, model, batch, options=opts)
-    finally:
-        search_module._guarded_climbs = real
+    without = plan_training(cluster, model, batch, options=dataclasses.replace(opts, second_look=False))
     return cluster, model, with_look, without
 
 
@@ -90,3 +87,8 @@ def test_the_second_look_is_taken_where_the_simulator_prefers_it(_both) -> None:
                for t in with_look.top)
     simulated = [t.simulated.iteration_s for t in with_look.top if t.simulated is not None]
     assert simulated == sorted(simulated)
+
+
+def test_the_option_is_a_bool() -> None:
+    with pytest.raises(PlanError, match="second_look"):
+        PlannerOptions(second_look="no")

@@ -104,6 +104,10 @@ class PlannerOptions:
     the variants cost 1.4 of the 13 CPU s at 512 devices, where ``plan`` has a 10 s target; the
     random WAN clusters of ``benchmarks/planner_at_scale.py``, where both were measured to pay,
     have 16-128 devices."""
+    second_look: bool = True
+    """After the main search, search the granularity climbs with two-island moves on their own and
+    take their plan where the simulator rates it faster ([Note: second look] in
+    :mod:`deepcee.planner.search`); ``False`` skips it (``deepcee plan --no-polish``)."""
     explain_counterfactuals: bool = True
     """Plan and simulate the counterfactuals the explanation prints (each island left out or
     added, one stage more or fewer)."""
@@ -131,5 +135,7 @@ class PlannerOptions:
                      "polish_budget", "polish_max_devices", "recompute_variant_budget"):
             if getattr(self, name) < 0:
                 raise PlanError(f"must be >= 0, got {getattr(self, name)!r}", field=name)
+        if not isinstance(self.second_look, bool):
+            raise PlanError(f"must be true or false, got {self.second_look!r}", field="second_look")
         if self.exhaustive_islands < 1:
             raise PlanError(f"must be >= 1, got {self.exhaustive_islands!r}", field="exhaustive_islands")

@@ -228,7 +228,7 @@ def _search_chains(search: SearchState, dist: np.ndarray) -> None:
         for value, chain in best_chains[: opts.grain_chains]:
             if math.isfinite(value):
                 climb_grains(search, chain)
-        if len(search.cluster.device_names) <= opts.polish_max_devices:
+        if opts.second_look and len(search.cluster.device_names) <= opts.polish_max_devices:
             search.second_look = _guarded_climbs(search, best_chains)  # [Note: second look]
     for chain in ends:
         _confirmed_end(search, chain)
