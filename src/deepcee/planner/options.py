@@ -99,7 +99,8 @@ class PlannerOptions:
     186.1 s, 40 -> 60 CPU s; seed 47: 414.0 -> 362.6 s)."""
     polish_max_devices: int = 128
     """The layout polish, the compact recomputation variants and the second look ([Note: second
-    look] in :mod:`deepcee.planner.search`) run only on clusters of at most this many devices. 128, not 256: at 256 devices in 16 islands (``benchmarks/planning_time.py``
+    look] in :mod:`deepcee.planner.search`) run only on clusters of at most this many devices.
+    128, not 256: at 256 devices in 16 islands (``benchmarks/planning_time.py``
     synthetic-256) the polish took 80 of 99 CPU s for 4% (5.541 -> 5.325 s per iteration), and
     the variants cost 1.4 of the 13 CPU s at 512 devices, where ``plan`` has a 10 s target; the
     random WAN clusters of ``benchmarks/planner_at_scale.py``, where both were measured to pay,

@@ -309,7 +309,8 @@ def _second_look(search: SearchState, top: list[Candidate], cands: list[Candidat
     ``top[0]``, else as they were (and the search state restored)."""
     opts = search.options
     saved = _snapshot(search)
-    used = (search.compact_used, search.refine_used)
+    counters = (search.compact_used, search.refine_used, search.forced_compacts, search.large_compacts)
+    swept = set(search.swept)
     extra = search.second_look
     for cfg in extra:
         search.configs.setdefault((cfg.layout.slots, cfg.n, cfg.split, cfg.recompute), cfg)
@@ -337,14 +338,17 @@ def _second_look(search: SearchState, top: list[Candidate], cands: list[Candidat
         _progress(opts, "second look", 0.75)
         new = sorted(_dedupe(new + _compacts(search, new, ranked)), key=rank_key)
         got = _confirm(search, new)
-        if got and got[0].score_s < top[0].score_s * (1 - 1e-9):  # faster, not a tie
+        if got and got[0].simulated is not None and got[0].score_s < top[0].score_s * (1 - 1e-9):  # faster, not a tie
             search.notes.append(f"the best plan came from a second look at the granularity climbs with two-island "
                                 f"moves ({got[0].score_s:.4g} s against the main search's {top[0].score_s:.4g} s, "
                                 "simulated)")
-            search.compact_used, search.refine_used = used
+            search.compact_used, search.refine_used = counters[:2]
             return sorted(got + top, key=final_rank_key), sorted(_dedupe(cands + new), key=rank_key)
+    # not taken: the search as the main search left it (the explanation's constrained searches
+    # sweep and build compact schedules again where they need to)
     _restore(search, saved)
-    search.compact_used, search.refine_used = used
+    search.compact_used, search.refine_used, search.forced_compacts, search.large_compacts = counters
+    search.swept = swept
     return top, cands
 
 
