@@ -309,8 +309,6 @@ def _second_look(search: SearchState, top: list[Candidate], cands: list[Candidat
     ``top[0]``, else as they were (and the search state restored)."""
     opts = search.options
     saved = _snapshot(search)
-    counters = (search.compact_used, search.refine_used, search.forced_compacts, search.large_compacts)
-    swept = set(search.swept)
     extra = search.second_look
     for cfg in extra:
         search.configs.setdefault((cfg.layout.slots, cfg.n, cfg.split, cfg.recompute), cfg)
@@ -323,8 +321,7 @@ def _second_look(search: SearchState, top: list[Candidate], cands: list[Candidat
     # budgets of its own, half the main search's
     search.score_used, search.screen_used = opts.score_budget // 2, opts.screen_budget // 2
     search.compact_used, search.refine_used = opts.compact_budget // 2, opts.refine_budget // 2
-    first = [c for pair in itertools.zip_longest(_screened(search, ranked), ranked[: opts.model_top])
-             for c in pair if c is not None]
+    first = _turns(search, ranked)
     new: list[Candidate] = []
     picked: set[int] = set()
     for k, cfg in enumerate(first):
@@ -342,13 +339,9 @@ def _second_look(search: SearchState, top: list[Candidate], cands: list[Candidat
             search.notes.append(f"the best plan came from a second look at the granularity climbs with two-island "
                                 f"moves ({got[0].score_s:.4g} s against the main search's {top[0].score_s:.4g} s, "
                                 "simulated)")
-            search.compact_used, search.refine_used = counters[:2]
+            search.compact_used, search.refine_used = saved.counters[:2]  # the main search's budgets
             return sorted(got + top, key=final_rank_key), sorted(_dedupe(cands + new), key=rank_key)
-    # not taken: the search as the main search left it (the explanation's constrained searches
-    # sweep and build compact schedules again where they need to)
-    _restore(search, saved)
-    search.compact_used, search.refine_used, search.forced_compacts, search.large_compacts = counters
-    search.swept = swept
+    _restore(search, saved)  # not taken: the search as the main search left it
     return top, cands
 
 
@@ -436,25 +429,33 @@ class _Saved:
     screen_used: int
     best_scored_s: float
     screened: tuple[tuple[Config, frozenset[str]], ...]
+    swept: frozenset[tuple]
+    counters: tuple[float, int, int, int]
+    """``compact_used``, ``refine_used``, ``forced_compacts``, ``large_compacts``."""
 
 
 def _snapshot(search: SearchState) -> _Saved:
     return _Saved(configs=dict(search.configs), layout_values=dict(search.layout_values),
                   best_closed_form=search.best_closed_form, scored=dict(search.scored), score_used=search.score_used,
                   screen_used=search.screen_used, best_scored_s=search.best_scored_s,
-                  screened=tuple((cfg, frozenset(cfg.screened)) for cfg in search.configs.values()))
+                  screened=tuple((cfg, frozenset(cfg.screened)) for cfg in search.configs.values()),
+                  swept=frozenset(search.swept), counters=(search.compact_used, search.refine_used,
+                                                           search.forced_compacts, search.large_compacts))
 
 
 def _restore(search: SearchState, saved: _Saved) -> None:
     """Take back what was added since ``saved``: configurations, layout memo, best closed form, the
     plans scored and the budgets spent, the screens (taken back, a rejected end is no step at all:
-    with the screen budget it spent left spent, WAN seed 88 went from 159.9 to 173.1 s)."""
+    with the screen budget it spent left spent, WAN seed 88 went from 159.9 to 173.1 s), the sweeps
+    done and the compact and refinement counters."""
     search.configs, search.layout_values = dict(saved.configs), dict(saved.layout_values)
     search.best_closed_form, search.scored = saved.best_closed_form, dict(saved.scored)
     search.score_used, search.screen_used, search.best_scored_s = saved.score_used, saved.screen_used, saved.best_scored_s
     for cfg, keys in saved.screened:
         for k in [k for k in cfg.screened if k not in keys]:
             del cfg.screened[k]
+    search.swept = set(saved.swept)
+    search.compact_used, search.refine_used, search.forced_compacts, search.large_compacts = saved.counters
 
 
 def plan_training(cluster: Cluster, model: ModelProfile, global_batch: int, *,
@@ -495,9 +496,7 @@ def _plan_training(cluster: Cluster, model: ModelProfile, global_batch: int, *,
     ranked = sorted(search.configs.values(), key=lambda c: c.key)
     cands: list[Candidate] = []
     picked: set[int] = set()
-    # the screen's best and the closed form's best take turns at the score budget
-    first = [c for pair in itertools.zip_longest(_screened(search, ranked), ranked[: options.model_top])
-             for c in pair if c is not None]
+    first = _turns(search, ranked)
     _progress(options, "scoring plans", 0.0)
     for full, group in ((True, first), (False, _coverage(ranked))):
         for k, cfg in enumerate(group):
@@ -580,6 +579,13 @@ def _screened(search: SearchState, ranked: list[Config]) -> list[Config]:
     got = [(min(search.screen(cfg, x) for x in SCREEN_SCHEDULES if x in cfg.schedules), k, cfg)
            for k, cfg in enumerate(pool[: opts.screen_top])]
     return [cfg for value, _, cfg in sorted(got, key=lambda x: x[:2])[: opts.screen_keep] if math.isfinite(value)]
+
+
+def _turns(search: SearchState, ranked: list[Config]) -> list[Config]:
+    """The screen's best and the closed form's best (``model_top`` of ``ranked``) taking turns at
+    the score budget ([Note: screening]); a configuration may come twice."""
+    return [c for pair in itertools.zip_longest(_screened(search, ranked), ranked[: search.options.model_top])
+            for c in pair if c is not None]
 
 
 def _by_layout(ranked: list[Config]) -> list[Config]:

@@ -128,10 +128,10 @@ class SearchState:
     swept: set[tuple] = field(default_factory=set)
     """Configurations step 2 ran on (the explanation's constrained searches come back to them)."""
     compacts: dict[tuple, Plan | None] = field(default_factory=dict)
+    """Compact schedules built, by (stages, microbatch size, sync, screened)."""
     second_look: list[Config] = field(default_factory=list)
     """Configurations of the guarded granularity climbs, taken back from the main search and
     searched on their own after it ([Note: second look] in :mod:`deepcee.planner.search`)."""
-    """Compact schedules built, by (stages, microbatch size, sync, screened)."""
     _pipes: dict[tuple, float] = field(default_factory=dict)
     chain_result: ChainResult | None = None
     """What the chain search did (see [Note: chain search])."""
