@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import pytest
 
+from deepcee.cluster import Cluster, LinkEntry, LinkSpec
 from deepcee.models import get_model
+from deepcee.planner.cost_model import AnalyticCostModel
 from deepcee.planner.search import plan_training
+from deepcee.planner.space import StageLayout, build_plan
 from deepcee.planner.sweep_pool import PoolPlanner
 from deepcee.scenarios import load_scenario
 from deepcee.simulator.engine import simulate
@@ -44,3 +47,61 @@ def test_pool_at_the_planned_point_gives_the_plan_back(planned) -> None:
     kept = cluster.subset(result.plan.devices)
     sub = PoolPlanner([result.plan])(kept, model, 64)
     assert sub is not None and sub.estimate.iteration_s == pytest.approx(result.plan.estimate.iteration_s, rel=1e-9)
+
+
+def _without_cloud_end(cluster: Cluster) -> Cluster:
+    """The testbed with cloud and end joined only through edge (a routed pair)."""
+    return Cluster(name=cluster.name, kinds=cluster.kinds, islands=cluster.islands, nodes=cluster.nodes,
+                   devices=cluster.devices, links=tuple(e for e in cluster.links if {e.a, e.b} != {"cloud", "end"}))
+
+
+def _slow(cluster: Cluster, island: str, bw: float) -> Cluster:
+    """``cluster`` with every link entry of ``island`` at ``bw`` (latency kept)."""
+    return cluster.with_links(LinkEntry(a=e.a, b=e.b, spec=LinkSpec(latency_s=e.spec.latency_s, bandwidth_bytes_per_s=bw))
+                              for e in cluster.links if island in (e.a, e.b))
+
+
+def test_cluster_views_see_what_a_plan_on_the_devices_sees(planned) -> None:
+    """[Note: cluster views]: equal views, equal links and figures; a changed path, another view."""
+    cluster, model, _ = planned
+    names = cluster.device_names
+    cloud_edge = tuple(d for d in names if not d.startswith("end"))
+    cloud_end = tuple(d for d in names if not d.startswith("edge"))
+    plan = build_plan(StageLayout(slots=(cloud_edge[:8], cloud_edge[8:]), islands=(), label="test"), (0, 7, 14),
+                      cluster=cluster, model=model, global_batch=64, microbatch_size=16, schedule="1f1b",
+                      sync="allreduce-ring")
+    same = [cluster.subset(cloud_edge), _slow(cluster, "end", 1e6), _slow(cluster.subset(names[:-1]), "end", 1e9)]
+    for other in same:
+        assert other.view_key(cloud_edge) == cluster.view_key(cloud_edge)
+        assert AnalyticCostModel().estimate(plan, other, model) == AnalyticCostModel().estimate(plan, cluster, model)
+        assert simulate(plan, other, model, record=False).iteration_s == simulate(plan, cluster, model,
+                                                                                 record=False).iteration_s
+    assert _slow(cluster, "edge", 1e6).view_key(cloud_edge) != cluster.view_key(cloud_edge)
+    routed = _without_cloud_end(cluster)
+    assert routed.view_key(cloud_end) != cluster.view_key(cloud_end)  # the entry is gone
+    # cloud -> end goes through edge: slowing edge's links changes the view of cloud and end alone
+    slowed = _slow(routed, "edge", 1e6)
+    assert slowed.link("cloud0:0", "end0:0") != routed.link("cloud0:0", "end0:0")
+    assert slowed.view_key(cloud_end) != routed.view_key(cloud_end)
+    assert routed.subset(cloud_end + ("edge0:0",)).view_key(cloud_end) == routed.view_key(cloud_end)
+
+
+def test_pool_shares_figures_only_between_equal_views(planned) -> None:
+    """One pool over the sweeps' clusters gives what a fresh pool gives at every call."""
+    cluster, model, result = planned
+    plans = [result.plan, *(c.plan for c in result.counterfactuals)]
+    scored = [c.plan for c in result.scored]
+    shared = PoolPlanner(plans, scored)
+    kept = tuple(d for d in cluster.device_names if not d.startswith("end"))
+    routed = _without_cloud_end(cluster)
+    points = [(c, b) for c in (cluster, cluster.subset(kept), _slow(cluster, "end", 2e6), _slow(cluster, "end", 5e8),
+                               routed, routed.subset(kept), _slow(routed, "edge", 2e6))
+              for b in (32, 64)]
+    for c, b in points + points:
+        for every in (False, True):
+            got, fresh = shared(c, model, b, use_all_devices=every), PoolPlanner(plans, scored)(c, model, b,
+                                                                                        use_all_devices=every)
+            assert (got is None) == (fresh is None)
+            if got is not None:
+                assert got == fresh and got.estimate == fresh.estimate
+    assert 1 < len(shared.views) < len({(id(c), k) for c, _ in points for k in range(2)})

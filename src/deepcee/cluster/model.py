@@ -18,6 +18,23 @@ from deepcee.cluster.writer import cluster_to_dict
 from deepcee.errors import ClusterSpecError
 
 
+class ClusterView:
+    """:meth:`Cluster.view_key`'s value: its parts, hashed once (they hold every device of a plan)."""
+
+    __slots__ = ("_hash", "parts")
+
+    def __init__(self, parts: tuple) -> None:
+        self.parts = parts
+        self._hash = hash(parts)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        return self is other or (isinstance(other, ClusterView) and self._hash == other._hash
+                                 and self.parts == other.parts)
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Cluster:
     """Devices and the network between them. Build with :func:`~deepcee.cluster.load_cluster` or directly."""
@@ -84,6 +101,28 @@ class Cluster:
         for d in self.devices:
             out[d.node].append(d.name)
         return {k: tuple(v) for k, v in out.items() if v}
+
+    def view_key(self, devices: Iterable[str]) -> ClusterView:
+        """What a plan on ``devices`` sees of this cluster ([Note: cluster views]): equal keys of
+        two clusters (and one model) give any plan on these devices the same figures."""
+        devs = frozenset(devices)
+        memo = self._index.views
+        got = memo.get(devs)
+        if got is None:
+            index = self._index
+            dev = tuple(self.device(d) for d in sorted(devs, key=self.topology_key))
+            nodes = sorted({d.node for d in dev})
+            islands = sorted({d.island for d in dev})
+            names = devs | set(nodes) | set(islands)
+            explicit = tuple(sorted(((k, v) for k, v in index.explicit.items() if k[0] in names and k[1] in names),
+                                    key=lambda kv: kv[0]))
+            # a path matters only between islands without their own entry (link resolution)
+            routes = tuple((r, tuple(index.explicit[hop] for hop in zip(r, r[1:], strict=False)))
+                           for r in (index.island_routes[p, q] for p in islands for q in islands
+                                     if p != q and (p, q) not in index.explicit))
+            got = memo[devs] = ClusterView((dev, tuple(sorted(self.kinds.items())), tuple(index.nodes[n] for n in nodes),
+                                            tuple(index.islands[i] for i in islands), explicit, routes, self.emulation))
+        return got
 
     # -- links ---------------------------------------------------------------------------
     def link(self, src: str, dst: str) -> Link:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from deepcee.cluster.parts import Device, DeviceKind, Island, Link, LinkEntry, LinkSpec, Node
 from deepcee.errors import ClusterSpecError
@@ -42,7 +43,9 @@ class ClusterIndex:
     hold devices. Used only for device pairs that no ``[[links]]`` entry joins."""
     resolved: dict[tuple[str, str], Link]
     """``(src device, dst device)`` -> resolved link: a memo filled by
-    :meth:`~deepcee.cluster.Cluster.link`, the only table that grows after construction."""
+    :meth:`~deepcee.cluster.Cluster.link`; with ``views`` the only tables that grow after construction."""
+    views: dict[frozenset[str], Any]
+    """Device set -> :meth:`~deepcee.cluster.Cluster.view_key` of it: a memo."""
 
 
 def build_index(*, kinds: Mapping[str, DeviceKind], islands: Sequence[Island], nodes: Sequence[Node],
@@ -94,7 +97,7 @@ def build_index(*, kinds: Mapping[str, DeviceKind], islands: Sequence[Island], n
     order = {d.name: (island_pos[d.island], d.node, k) for k, d in enumerate(devices)}
     return ClusterIndex(
         devices=dev_by_name, nodes=node_by_name, islands=island_by_name, explicit=explicit, order=order,
-        island_routes=_island_routes(islands, devices, explicit, source), resolved={},
+        island_routes=_island_routes(islands, devices, explicit, source), resolved={}, views={},
     )
 
 
