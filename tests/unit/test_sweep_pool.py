@@ -94,8 +94,10 @@ def test_pool_shares_figures_only_between_equal_views(planned) -> None:
     shared = PoolPlanner(plans, scored)
     kept = tuple(d for d in cluster.device_names if not d.startswith("end"))
     routed = _without_cloud_end(cluster)
+    renamed = Cluster(name="renamed", kinds=cluster.kinds, islands=cluster.islands, nodes=cluster.nodes,
+                      devices=cluster.devices, links=cluster.links)
     points = [(c, b) for c in (cluster, cluster.subset(kept), _slow(cluster, "end", 2e6), _slow(cluster, "end", 5e8),
-                               routed, routed.subset(kept), _slow(routed, "edge", 2e6))
+                               routed, routed.subset(kept), _slow(routed, "edge", 2e6), renamed)
               for b in (32, 64)]
     for c, b in points + points:
         for every in (False, True):

@@ -11,10 +11,13 @@ from __future__ import annotations
 import heapq
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from deepcee.cluster.parts import Device, DeviceKind, Island, Link, LinkEntry, LinkSpec, Node
 from deepcee.errors import ClusterSpecError
+
+if TYPE_CHECKING:
+    from deepcee.cluster.model import ClusterView
 
 ROUTE_PROBE_BYTES = 1e6
 """Island paths are chosen by the transfer time of this many bytes (latencies add)."""
@@ -44,7 +47,7 @@ class ClusterIndex:
     resolved: dict[tuple[str, str], Link]
     """``(src device, dst device)`` -> resolved link: a memo filled by
     :meth:`~deepcee.cluster.Cluster.link`; with ``views`` the only tables that grow after construction."""
-    views: dict[frozenset[str], Any]
+    views: dict[frozenset[str], ClusterView]
     """Device set -> :meth:`~deepcee.cluster.Cluster.view_key` of it: a memo."""
 
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from deepcee.cluster import Cluster
+from deepcee.cluster.model import ClusterView
 from deepcee.plan import Plan
 from deepcee.planner.cost_model import AnalyticCostModel
 from deepcee.planner.space import StageLayout, build_plan
@@ -79,7 +80,7 @@ class PoolPlanner:
         self.entries = list(entries)
         self.confirm = confirm
         self.cost_model = AnalyticCostModel()
-        self.views: dict[tuple, int] = {}
+        self.views: dict[ClusterView, int] = {}
         """Each distinct :meth:`~deepcee.cluster.Cluster.view_key` seen, numbered ([Note: cluster views])."""
         self.scored: dict[tuple, tuple[float, Plan, tuple] | None] = {}
         """Per (entry, microbatch size, schedule, batch, model, view of its devices), its figure and plan."""
@@ -115,11 +116,11 @@ class PoolPlanner:
                         scored[key] = (est.iteration_s, plan, key)
                         found.append(scored[key])
         best = _best_simulated(sorted(found, key=lambda x: x[0])[: self.confirm], cluster, model, self.simulated)
-        if best is not None:  # built on another cluster of the same view: this one's left-out devices
+        if best is not None:  # built on another cluster of the same view: this one's name and left-out devices
             used = set(best.devices)
             excluded = tuple(d for d in cluster.device_names if d not in used)
-            if best.excluded_devices != excluded:
-                best = best.replace(excluded_devices=excluded)
+            if (best.cluster, best.excluded_devices) != (cluster.name, excluded):
+                best = best.replace(cluster=cluster.name, excluded_devices=excluded)
         return best
 
     def _view(self, cluster: Cluster, devices: Iterable[str]) -> int:
