@@ -4,6 +4,7 @@ one numpy vector per stage (see [Note: devices at once]); :mod:`deepcee.planner.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -33,7 +34,11 @@ _RECV = {ActionKind.RECV_F: 0, ActionKind.RECV_B: 1}
 # send computes its pieces' issue times (the senders' clocks; with the receive handshake no
 # earlier than the piece's latency) and serves them ([Note: pipe order]); a piece is delivered a
 # latency after its serialisation; a receive waits for the latest of its device's pieces; a
-# blocking send holds its device until its own last delivery.
+# blocking send holds its device until its own last delivery. A stage runs until it reaches a
+# receive whose pieces have not all arrived and then waits until that delivery wakes it (until
+# session 18 every stage was polled in turn until none moved). The times do not depend on the
+# order in which stages run: each boundary direction's sends come from one stage in program
+# order, and held sends are served only when every stage waits.
 # Session 5 timed sample lanes (one device per stage, the undominated chains) apart, each on the
 # boundary-wide link costs, and charged a lane queued behind another on a shared pipe a start lag
 # once: errors of +-0.5% both ways on the top 20 plans at 256 and 512 devices (Kendall tau 0.80
@@ -173,18 +178,24 @@ def devices_at_once(lowered: Schedule, dur: Sequence[np.ndarray], pieces: Sequen
     arrived: dict[tuple[int, int, int], np.ndarray] = {}
     held: dict[tuple[int, int], _Pool] = {}  # per (direction, boundary): sends with pieces not served yet
     rows = _compiled(lowered)
-    pcs, progress = [0] * n, True
-    while progress:
-        progress = False
-        for s, row in enumerate(rows):
-            pc, t, col = pcs[s], clock[s], cols[s]
-            while pc < len(row):
+    pcs = [0] * n
+    # a stage runs until a receive's pieces have not all arrived, then waits in ``waits`` (by the
+    # receive's key) until a delivery wakes it ([Note: devices at once])
+    waits: dict[tuple[int, int, int], int] = {}
+    ready = list(range(n - 1, -1, -1))
+    while True:
+        while ready:
+            s = ready.pop()
+            row, pc, t, col = rows[s], pcs[s], clock[s], cols[s]
+            end = len(row)
+            while pc < end:
                 op, arg = row[pc]
                 if op == _COMPUTE:
                     t = t + col[arg]
                 elif op == _RECEIVE:
                     got = arrived.pop(arg, None)
                     if got is None:
+                        waits[arg] = s
                         break
                     t = np.maximum(t, got)
                 else:
@@ -196,6 +207,9 @@ def devices_at_once(lowered: Schedule, dur: Sequence[np.ndarray], pieces: Sequen
                     if p.order is None or blocking:
                         arrive = _serve(p, go, free[d, b]) + p.latency_s
                         arrived[to] = _latest(arrive, p.to_receiver)
+                        woken = waits.pop(to, None)
+                        if woken is not None:
+                            ready.append(woken)
                         if blocking:
                             t = np.maximum(t, _latest(arrive, p.to_sender))
                     else:  # [Note: pipe order]
@@ -203,24 +217,25 @@ def devices_at_once(lowered: Schedule, dur: Sequence[np.ndarray], pieces: Sequen
                         if pool is None:
                             pool = held[d, b] = _Pool(p, free[d, b])
                         pool.push(to, go)
-                        pool.release(np.minimum.reduceat(go[p.by_pipe], p.first_res), arrived, every_pipe=True)
+                        pool.release(np.minimum.reduceat(go[p.by_pipe], p.first_res), arrived, waits, ready,
+                                     every_pipe=True)
                 pc += 1
-            progress |= pc != pcs[s]
             pcs[s], clock[s] = pc, t
-        if not progress and any(pool.open for pool in held.values()):
-            # every stage waits, some for a send held back: serve those sends' pieces (and the pieces
-            # issued before them on their pipes)
-            wanted = {row[pc][1] for pc, row in zip(pcs, rows, strict=True) if pc < len(row) and row[pc][0] == _RECEIVE}
+        if not any(pool.open for pool in held.values()):
+            break
+        # every stage waits, some for a send held back: serve those sends' pieces (and the pieces
+        # issued before them on their pipes)
+        wanted = set(waits)
+        served = False
+        for pool in held.values():
+            p = pool.pieces
+            for go in [go for to, go in pool.open.values() if to in wanted]:
+                pool.release(np.maximum.reduceat(go[p.by_pipe], p.first_res), arrived, waits, ready)
+                served = True
+        if not served:
             for pool in held.values():
-                p = pool.pieces
-                for go in [go for to, go in pool.open.values() if to in wanted]:
-                    pool.release(np.maximum.reduceat(go[p.by_pipe], p.first_res), arrived)
-                    progress = True
-            if not progress:
-                for pool in held.values():
-                    if pool.open:
-                        pool.release(None, arrived)
-                progress = True
+                if pool.open:
+                    pool.release(None, arrived, waits, ready)
     if any(pc < len(row) for pc, row in zip(pcs, rows, strict=True)):
         raise ScheduleError("devices at once: the schedule deadlocks (a receive without its send)")
     return clock
@@ -265,7 +280,7 @@ class _Pool:
     the same order). A piece's place in ``ends`` grows with program order, so ``(pipe, issue, place)``
     orders a pipe's pieces first in first out by issue time, ties in program order."""
 
-    __slots__ = ("ends", "free", "items", "open", "pieces", "res_list", "ser_list", "seq")
+    __slots__ = ("ends", "free", "items", "lat_pad", "left", "open", "pieces", "res_list", "ser_list", "seq")
 
     def __init__(self, pieces: Pieces, free: np.ndarray) -> None:
         self.pieces = pieces
@@ -278,26 +293,32 @@ class _Pool:
         """Per send not delivered yet (by program order), its receiver's key and its pieces' issue times."""
         self.ends: list[float] = []
         """Per send (``seq * pieces``), each piece's end of serialisation once served."""
-        self.items: list[tuple[int, float, int, float]] = []
-        """The pieces not served yet, in program order: pipe, issue time, place in ``ends``, serialisation."""
+        self.items: list[tuple[int, float, int, float, int]] = []
+        """The pieces not served yet, in program order: pipe, issue time, place in ``ends``,
+        serialisation, send."""
+        self.left: list[int] = []
+        """Per send, its pieces not served yet."""
+        self.lat_pad = np.append(pieces.latency_s, 0.0)
+        """Per piece its latency, then 0 for the padding slot of ``to_receiver`` (see :func:`_latest`)."""
 
     def push(self, to: tuple[int, int, int], go: np.ndarray) -> None:
         """Add a send's pieces (issued at ``go``)."""
         slot, p = self.seq, len(self.res_list)
         self.seq += 1
         self.ends += [0.0] * p
+        self.left.append(p)
         self.open[slot] = (to, go)
-        self.items += zip(self.res_list, go.tolist(), range(slot * p, (slot + 1) * p), self.ser_list,
+        self.items += zip(self.res_list, go.tolist(), range(slot * p, (slot + 1) * p), self.ser_list, [slot] * p,
                           strict=True)
 
-    def release(self, limit: np.ndarray | None, arrived: dict[tuple[int, int, int], np.ndarray], *,
-                every_pipe: bool = False) -> None:
+    def release(self, limit: np.ndarray | None, arrived: dict[tuple[int, int, int], np.ndarray],
+                waits: dict[tuple[int, int, int], int], ready: list[int], *, every_pipe: bool = False) -> None:
         """Serve the pieces no later piece can precede (issued by ``limit``, per pipe the earliest
         issue time of the newest send: no device sends earlier than that from now on; ``None``: all),
         each pipe first in first out by issue time (ties: program order, then device order) from
         :attr:`free` (updated); a send whose pieces are all served is delivered to ``arrived``.
         ``every_pipe``: ``limit`` lets at least one piece of every pipe go (the newest send's own)."""
-        items, free, ends = self.items, self.free, self.ends
+        items, free, ends, left = self.items, self.free, self.ends, self.left
         if limit is None:
             served, self.items = items, []
         else:
@@ -311,18 +332,27 @@ class _Pool:
             # order: the place in ``ends``); else at most one piece per pipe (a release that lets one
             # piece of every pipe go and serves as many has one on each), in any order
             served = sorted(served)
-        for r, g, k, d in served:
+        for r, g, k, d, slot in served:
             f = free[r]
             free[r] = ends[k] = (g if g >= f else f) + d
-        self._deliver(arrived)
+            left[slot] -= 1
+        self._deliver(arrived, waits, ready)
 
-    def _deliver(self, arrived: dict[tuple[int, int, int], np.ndarray]) -> None:
-        """Deliver the sends with no piece left in the pool."""
-        pc, p = self.pieces, len(self.res_list)
-        pending = {x[2] // p for x in self.items}
-        for slot in [k for k in self.open if k not in pending]:
+    def _deliver(self, arrived: dict[tuple[int, int, int], np.ndarray], waits: dict[tuple[int, int, int], int],
+                 ready: list[int]) -> None:
+        """Deliver the sends with no piece left in the pool (waking the stage that waits for one)."""
+        pc, p, left = self.pieces, len(self.res_list), self.left
+        for slot in [k for k in self.open if not left[k]]:
             to, _ = self.open.pop(slot)
-            arrived[to] = _latest(np.array(self.ends[slot * p:(slot + 1) * p]) + pc.latency_s, pc.to_receiver)
+            arrive = np.array(self.ends[slot * p:(slot + 1) * p] + _NEG_INF) + self.lat_pad
+            arrived[to] = arrive[pc.to_receiver[:, 0]] if pc.to_receiver.shape[1] == 1 else \
+                arrive[pc.to_receiver].max(axis=1)
+            woken = waits.pop(to, None)
+            if woken is not None:
+                ready.append(woken)
+
+
+_NEG_INF = [-math.inf]
 
 
 def _latest(arrive: np.ndarray, owners: np.ndarray) -> np.ndarray:
