@@ -344,9 +344,8 @@ class _Pool:
         pc, p, left = self.pieces, len(self.res_list), self.left
         for slot in [k for k in self.open if not left[k]]:
             to, _ = self.open.pop(slot)
-            arrive = np.array(self.ends[slot * p:(slot + 1) * p] + _NEG_INF) + self.lat_pad
-            arrived[to] = arrive[pc.to_receiver[:, 0]] if pc.to_receiver.shape[1] == 1 else \
-                arrive[pc.to_receiver].max(axis=1)
+            arrived[to] = _latest(np.array(self.ends[slot * p:(slot + 1) * p] + _NEG_INF) + self.lat_pad,
+                                  pc.to_receiver, padded=True)
             woken = waits.pop(to, None)
             if woken is not None:
                 ready.append(woken)
@@ -355,8 +354,9 @@ class _Pool:
 _NEG_INF = [-math.inf]
 
 
-def _latest(arrive: np.ndarray, owners: np.ndarray) -> np.ndarray:
-    """Per owner (a row of ``owners``: its pieces, padded past the end), its latest piece."""
+def _latest(arrive: np.ndarray, owners: np.ndarray, *, padded: bool = False) -> np.ndarray:
+    """Per owner (a row of ``owners``: its pieces, padded past the end), its latest piece.
+    ``padded``: ``arrive`` already ends in the padding slot (``-inf``)."""
     if owners.shape[1] == 1:
         return arrive[owners[:, 0]]
-    return np.append(arrive, -np.inf)[owners].max(axis=1)
+    return (arrive if padded else np.append(arrive, -np.inf))[owners].max(axis=1)
