@@ -16,7 +16,11 @@ Both wall time and process CPU time are reported, and the targets are checked on
 project machine has 2 cores shared with other work, so wall time can exceed CPU time by a lot.
 CPU time is noisy there too (the same plan at 512 devices took 10.5-14.9 CPU s in eleven runs
 of one afternoon), so ``--repeat N`` plans (and compares) each case N times in the same process
-and reports every run and the median; the targets are checked on the median.
+and reports every run and the median; the targets are checked on the median. The machine's own
+speed changes between sessions (the same code planned the 512-device case in 10.1 CPU s on one
+day and 4.6 on another), so a fixed workload that shares no code with deepcee
+(:func:`machine_reference`) is timed before and after the cases and stored with them: compare
+runs of different days against it, not by their raw seconds.
 
 Run: ``python benchmarks/planning_time.py [--out reports/planning_time.json] [--quick] [--repeat N]
 [--plan-only-others]``
@@ -25,6 +29,8 @@ Run: ``python benchmarks/planning_time.py [--out reports/planning_time.json] [--
 from __future__ import annotations
 
 import argparse
+import math
+import platform
 import random
 import statistics
 import time
@@ -77,6 +83,45 @@ def synthetic_cluster(num_devices: int, num_islands: int, seed: int = 0) -> Clus
     return Cluster(name=f"synthetic-{num_devices}x{num_islands}-s{seed}", kinds=KINDS, islands=tuple(islands),
                    nodes=tuple(nodes), devices=tuple(devices), links=tuple(links),
                    description="synthetic benchmark cluster (seeded)")
+
+
+def machine_reference() -> float:
+    """CPU seconds of a fixed workload that shares no code with deepcee (seeded shortest paths
+    with ``heapq`` and dicts, float arithmetic in loops, small numpy sums: what the planner's
+    time is made of). It reads the same on any code version, so planning times of different
+    runs or sessions can be set against how fast the machine was (the project machine's speed
+    has changed by about 2x between sessions). Median of 3."""
+    import heapq
+
+    import numpy as np
+
+    def once() -> float:
+        rng = random.Random(12345)
+        n = 3000
+        adj = {i: [(rng.randrange(n), rng.uniform(0.1, 5.0)) for _ in range(8)] for i in range(n)}
+        c0 = time.process_time()
+        total = 0.0
+        for src in range(0, n, 30):
+            dist = {src: 0.0}
+            heap = [(0.0, src)]
+            while heap:
+                d, u = heapq.heappop(heap)
+                if d > dist.get(u, math.inf):
+                    continue
+                for v, w in adj[u]:
+                    nd = d + w
+                    if nd < dist.get(v, math.inf):
+                        dist[v] = nd
+                        heapq.heappush(heap, (nd, v))
+            total += sum(dist.values())
+        arr = np.arange(64, dtype=float)
+        for k in range(40000):
+            total += float(np.maximum(arr, k % 7).sum())
+        if total <= 0:  # keeps the work from being optimised away
+            raise AssertionError
+        return time.process_time() - c0
+
+    return statistics.median(once() for _ in range(3))
 
 
 def _time(fn):
@@ -138,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.repeat < 1:
         ap.error(f"--repeat must be >= 1, got {args.repeat}")
+    ref_before = machine_reference()
+    print(f"machine reference workload (fixed, shares no code with deepcee): {ref_before:.3f} CPU s", flush=True)
     rows = [run_case("cee-testbed", load_scenario("cee-testbed"), "gpt2", 64, 1.0, 30.0, args.repeat)]
     for name, n, k, model, batch, target, cmp_target in CASES[:1] if args.quick else CASES:
         rows.append(run_case(name, synthetic_cluster(n, k, seed=n), model, batch, target, cmp_target, args.repeat,
@@ -157,7 +204,13 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['grouping_wall_s']:>9.3f}{r['planning_wall_s']:>9.3f}{r['planning_cpu_s']:>8.3f}"
               f"{r['target_s']:>8.0f}{cmp:>10}{'yes' if r['within_target'] else 'NO':>4}{r['candidates_evaluated']:>7}"
               f"{r['stages']:>7}{r['devices_used']:>6}{r['iteration_s']:>10.4g}")
-    save_json_atomic(Path(args.out), {"schema_version": 1, "format": "deepcee.bench.planning_time", "cases": rows})
+    ref_after = machine_reference()
+    print(f"machine reference workload: {ref_before:.3f} CPU s before the cases, {ref_after:.3f} after "
+          "(set planning times of other runs against it)")
+    save_json_atomic(Path(args.out), {"schema_version": 2, "format": "deepcee.bench.planning_time", "cases": rows,
+                                      "machine": {"processor": platform.processor() or platform.machine(),
+                                                  "reference_cpu_s_before": ref_before,
+                                                  "reference_cpu_s_after": ref_after}})
     print(f"wrote {args.out}")
     return 0 if all(r["within_target"] for r in rows) else 1
 
