@@ -4,6 +4,7 @@ best plan's islands, stage counts, order, microbatch size and schedule, scored b
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 
 import pytest
@@ -12,7 +13,7 @@ from deepcee import cli
 from deepcee.cluster import Cluster, Device, DeviceKind, Island, LinkEntry, LinkSpec, Node
 from deepcee.errors import PlanError
 from deepcee.planner.cost_model import AnalyticCostModel
-from deepcee.planner.polish import MIN_GAIN, _moves, polish_layout, segments_of
+from deepcee.planner.polish import MIN_GAIN, _moves, _order_moves, polish_layout, segments_of
 from deepcee.planner.search import PlannerOptions, new_search, plan_training
 from deepcee.planner.space import build_plan, counted_layout, in_flight_counts, split_evenly
 from deepcee.planner.split import split_layers
@@ -261,3 +262,107 @@ def test_a_plan_scored_in_full_is_charged_once() -> None:
     assert climb.used == p.num_stages * p.num_microbatches
     assert climb.full(p).estimate.iteration_s == first
     assert climb.used == p.num_stages * p.num_microbatches
+
+
+def _path_cluster() -> Cluster:
+    """Islands ``a``-``d`` of 2 devices each on a path: neighbours on it 5 ms and 1 Gbit/s apart,
+    the rest 80 ms and 50 Mbit/s."""
+    kinds = {"g": DeviceKind(name="g", peak_flops_per_s=40e12, memory_bytes=8 * GIB)}
+    nodes = tuple(Node(name=f"{i}0", island=i, kind="g", devices=(f"{i}0:0", f"{i}0:1"), intra=FAST) for i in "abcd")
+    devices = tuple(Device(name=d, kind="g", node=n.name, island=n.island) for n in nodes for d in n.devices)
+    near = LinkSpec(latency_s=0.005, bandwidth_bytes_per_s=1.25e8)
+    far = LinkSpec(latency_s=0.08, bandwidth_bytes_per_s=6.25e6)
+    links = tuple(LinkEntry(a=x, b=y, spec=near if "abcd".index(y) - "abcd".index(x) == 1 else far)
+                  for x, y in itertools.combinations("abcd", 2))
+    return Cluster(name="path", kinds=kinds, islands=tuple(Island(name=i, intra=FAST) for i in "abcd"),
+                   nodes=nodes, devices=devices, links=links)
+
+
+def _path_start(opts: PlannerOptions, order: str = "adcb"):
+    """The path cluster with a model whose state (48.9 GiB) needs all four islands (64 GiB; three
+    hold 48), and the plan of two stages per island in ``order`` at microbatch size 4."""
+    m = ModelProfile(name="toy", input_bytes=1e5, layers=tuple(
+        dataclasses.replace(x, parameter_count=205_000_000) for x in _model().layers))
+    search = new_search(_path_cluster(), m, 64, opts)
+    return search, _path_plan(search, order, 4)
+
+
+def _path_plan(search, order: str, n: int) -> Candidate:
+    isl = search.grouping.islands
+    names = [i.name for i in isl]
+    return _scored(search, [(names.index(x), isl[names.index(x)].devices, 2) for x in order], n)
+
+
+def test_order_tier_moves_are_the_run_reversals_and_far_relocations() -> None:
+    search, start = _path_start(PlannerOptions())
+    segs = segments_of(search, start.plan)
+    moves = list(_order_moves(search, segs, 4, "zb-h1"))
+    orders = [tuple(s.island for s in m.segments) for m in moves]
+    n = len(segs)
+    reversals = sum(1 for a, b in itertools.combinations(range(n + 1), 2) if b - a >= 3)
+    relocations = sum(1 for k in range(n) for j in range(n) if abs(j - k) >= 2)
+    assert len(moves) == reversals + relocations == 3 + 6
+    assert len(set(orders)) == len(orders), "no two moves give the same order"
+    start_order = tuple(s.island for s in segs)
+    swaps = {start_order[:k] + (start_order[k + 1], start_order[k]) + start_order[k + 2:] for k in range(n - 1)}
+    assert start_order not in orders and not swaps & set(orders), "the plain moves' swaps are not repeated"
+    for m in moves:  # stage counts, devices, microbatch size and schedule kept
+        assert sorted(m.segments, key=lambda s: s.island) == sorted(segs, key=lambda s: s.island)
+        assert (m.n, m.schedule) == (4, "zb-h1")
+    assert any("reversed" in m.label for m in moves) and any("moved to place" in m.label for m in moves)
+
+
+def test_the_order_tier_climbs_out_of_a_swap_optimum() -> None:
+    """Four islands on a path, the plan in the order a, d, c, b: every swap of two neighbours
+    keeps a slow hop or adds one, no island can be left out (the state needs all four), so the
+    plain moves stop at 48.2 s (microbatch size and schedule only: this test failed that way
+    before the order tier). Reversing the run d, c, b lays the islands along the path."""
+    search, start = _path_start(PlannerOptions(polish_restarts=0))
+    got = polish_layout(search, [start])
+    assert got
+    best = min(got, key=lambda x: x.estimate.iteration_s)
+    order = "".join(search.cluster.device(st.devices[0]).island for st in best.plan.stages)
+    hops = [(x, y) for x, y in itertools.pairwise(order) if x != y]
+    assert all(abs("abcd".index(x) - "abcd".index(y)) == 1 for x, y in hops), order
+    assert any("reversed" in n or "moved to place" in n for n in search.notes if n.startswith("layout polish"))
+    assert best.estimate.iteration_s < 0.2 * start.estimate.iteration_s
+
+
+def test_restarts_climb_from_the_best_plans_of_other_island_orders() -> None:
+    """The starts: the first fixed-schedule plan, then the first plan of each other island order
+    (compact plans and plans far slower than the first left out); each climb is the climb from its
+    start alone."""
+    from deepcee.planner.polish import RESTART_WITHIN, _starts
+
+    search, a = _path_start(PlannerOptions(polish_restarts=1))
+    b, a2 = _path_plan(search, "bacd", 4), _path_plan(search, "adcb", 2)
+    cands = sorted([a, b, a2], key=lambda c: c.estimate.iteration_s)
+    first = cands[0]
+
+    def order(c: Candidate) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(search.cluster.device(st.devices[0]).island for st in c.plan.stages))
+
+    wide = _starts(search, cands, 3)
+    assert wide[0] is first
+    assert [order(c) for c in wide] == list(dict.fromkeys(
+        order(c) for c in cands if c.estimate.iteration_s <= first.estimate.iteration_s * (1 + RESTART_WITHIN)))
+    other = next(c for c in cands if order(c) != order(first))
+
+    def at(factor: float) -> Candidate:
+        return Candidate(plan=other.plan, estimate=dataclasses.replace(
+            other.estimate, iteration_s=first.estimate.iteration_s * factor))
+
+    assert _starts(search, [first, at(1.0)], 2) == [first, at(1.0)]
+    assert _starts(search, [first, at(1.0)], 1) == [first]
+    assert _starts(search, [first, at(1 + 2 * RESTART_WITHIN)], 2) == [first]
+    # two starts, one restart: the ends of both climbs, each the climb from its start alone
+    s1, x = _path_start(PlannerOptions(polish_restarts=1))
+    y = _path_plan(s1, "bacd", 4)
+    both = polish_layout(s1, sorted([x, y], key=lambda c: c.estimate.iteration_s))
+    alone = []
+    for k in range(2):
+        s2, x2 = _path_start(PlannerOptions(polish_restarts=0))
+        y2 = _path_plan(s2, "bacd", 4)
+        alone += [c.plan for c in polish_layout(s2, [sorted([x2, y2], key=lambda c: c.estimate.iteration_s)[k]])]
+    assert alone and [c.plan for c in both] == alone
+    assert polish_layout(s1, []) == []

@@ -97,6 +97,10 @@ class PlannerOptions:
     47 of ``benchmarks/planner_at_scale.py`` (71 and 46 devices, 34 stages x 512 microbatches)
     the fourth step, the one that reaches the reference's plan, did not fit (seed 12: 204.7 ->
     186.1 s, 40 -> 60 CPU s; seed 47: 414.0 -> 362.6 s)."""
+    polish_restarts: int = 2
+    """After the climb from the best fixed-schedule plan, the layout polish climbs again from the
+    best plans of this many other island orders, each with its own ``polish_budget`` (see [Note:
+    layout polish] in :mod:`deepcee.planner.polish`); 0: one climb only."""
     polish_max_devices: int = 128
     """The layout polish, the compact recomputation variants and the second look ([Note: second
     look] in :mod:`deepcee.planner.search`) run only on clusters of at most this many devices.
@@ -133,7 +137,7 @@ class PlannerOptions:
             raise PlanError(f"max_stages must be >= 1, got {self.max_stages!r}", field="max_stages")
         for name in ("sweep_top", "model_top", "refine_top", "compact_top", "confirm_top", "exhaustive_islands",
                      "chain_budget", "refine_best_guides", "grain_budget", "grain_chains", "screen_top", "screen_keep",
-                     "polish_budget", "polish_max_devices", "recompute_variant_budget"):
+                     "polish_budget", "polish_restarts", "polish_max_devices", "recompute_variant_budget"):
             if getattr(self, name) < 0:
                 raise PlanError(f"must be >= 0, got {getattr(self, name)!r}", field=name)
         if not isinstance(self.second_look, bool):
