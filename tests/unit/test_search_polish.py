@@ -355,8 +355,10 @@ def test_restarts_climb_from_the_best_plans_of_other_island_orders() -> None:
     assert _starts(search, [first, at(1.0)], 2) == [first, at(1.0)]
     assert _starts(search, [first, at(1.0)], 1) == [first]
     assert _starts(search, [first, at(1 + 2 * RESTART_WITHIN)], 2) == [first]
-    # two starts, one restart: the ends of both climbs, each the climb from its start alone
-    s1, x = _path_start(PlannerOptions(polish_restarts=1))
+    # two starts, one restart: the ends of both climbs, each the climb from its start alone; the
+    # polish reports its progress by climb and budget spent
+    seen: list[tuple[str, float]] = []
+    s1, x = _path_start(PlannerOptions(polish_restarts=1, progress=lambda step, f: seen.append((step, f))))
     y = _path_plan(s1, "bacd", 4)
     both = polish_layout(s1, sorted([x, y], key=lambda c: c.estimate.iteration_s))
     alone = []
@@ -365,4 +367,6 @@ def test_restarts_climb_from_the_best_plans_of_other_island_orders() -> None:
         y2 = _path_plan(s2, "bacd", 4)
         alone += [c.plan for c in polish_layout(s2, [sorted([x2, y2], key=lambda c: c.estimate.iteration_s)[k]])]
     assert alone and [c.plan for c in both] == alone
+    fractions = [f for step, f in seen if step == "layout polish"]
+    assert fractions and all(0.0 <= f <= 1.0 for f in fractions) and fractions == sorted(fractions)
     assert polish_layout(s1, []) == []

@@ -97,7 +97,7 @@ class PlannerOptions:
     47 of ``benchmarks/planner_at_scale.py`` (71 and 46 devices, 34 stages x 512 microbatches)
     the fourth step, the one that reaches the reference's plan, did not fit (seed 12: 204.7 ->
     186.1 s, 40 -> 60 CPU s; seed 47: 414.0 -> 362.6 s)."""
-    polish_restarts: int = 2
+    polish_restarts: int = 1
     """After the climb from the best fixed-schedule plan, the layout polish climbs again from the
     best plans of this many other island orders, each with its own ``polish_budget`` (see [Note:
     layout polish] in :mod:`deepcee.planner.polish`); 0: one climb only."""

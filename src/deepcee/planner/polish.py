@@ -73,7 +73,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from deepcee.plan import Plan
@@ -369,8 +369,12 @@ def polish_layout(search: SearchState, cands: list[Candidate]) -> list[Candidate
     starts = _starts(search, cands, 1 + opts.polish_restarts)
     out: list[Candidate] = []
     for k, start in enumerate(starts):
+        def report(share: float, k: int = k) -> None:  # a climb's share of the polish: its budget spent
+            if opts.progress is not None:
+                opts.progress("layout polish", (k + min(1.0, share)) / len(starts))
+
         out += _climb(search, start, "the search's best fixed-schedule plan" if k == 0 else
-                      f"the best plan of island order {k + 1} (restart {k})")
+                      f"the best plan of island order {k + 1} (restart {k})", report)
     return out
 
 
@@ -398,9 +402,11 @@ def _starts(search: SearchState, cands: list[Candidate], count: int) -> list[Can
     return out
 
 
-def _climb(search: SearchState, start: Candidate, what: str) -> list[Candidate]:
+def _climb(search: SearchState, start: Candidate, what: str,
+           report: Callable[[float], None] = lambda share: None) -> list[Candidate]:
     """One climb from ``start`` with its own ``polish_budget``: the plans on the way and the
-    refined end (``[]`` where no move improves)."""
+    refined end (``[]`` where no move improves). ``report``: called after every step with the
+    share of the budget spent."""
     climb = _Polish(search, start.plan.sync)
     cur, out, labels = start, [], []
     while True:
@@ -410,6 +416,7 @@ def _climb(search: SearchState, start: Candidate, what: str) -> list[Candidate]:
                 out.append(cur)
                 labels.append(nxt[1])
                 search.polish_steps += 1
+                report(climb.used / max(1, search.options.polish_budget))
         # stuck: the order tier, then the moves that also raise the microbatch size, one step,
         # then all again (tiers of their own: the order tier doubles a step's moves at 6-8
         # islands; among the others, a raising move won seed 47's first step and led to a worse
@@ -421,6 +428,7 @@ def _climb(search: SearchState, start: Candidate, what: str) -> list[Candidate]:
         out.append(cur)
         labels.append(nxt[1])
         search.polish_steps += 1
+        report(climb.used / max(1, search.options.polish_budget))
     search.polish_used += climb.used
     if cur is not start:
         out.append(search.refine(cur))
