@@ -413,26 +413,29 @@ def _climb(search: SearchState, start: Candidate, what: str,
     share of the budget spent."""
     climb = _Polish(search, start.plan.sync)
     cur, out, labels = start, [], []
+
+    def step(built: list[tuple[str, Plan]]) -> tuple[Candidate, str] | None:
+        got = climb.step(cur, built)
+        report(climb.used / max(1, search.options.polish_budget))  # after every step, taken or not
+        return got
+
     while True:
         for moves in (climb.layout_moves, climb.boundary_moves):  # the layout first, then its split
-            while (nxt := climb.step(cur, moves(cur))) is not None:
+            while (nxt := step(moves(cur))) is not None:
                 cur = nxt[0]
                 out.append(cur)
                 labels.append(nxt[1])
                 search.polish_steps += 1
-                report(climb.used / max(1, search.options.polish_budget))
         # stuck: the order tier, then the moves that also raise the microbatch size, one step,
         # then all again (tiers of their own: the order tier doubles a step's moves at 6-8
         # islands; among the others, a raising move won seed 47's first step and led to a worse
         # end, 421.0 s against 362.6)
-        if (nxt := climb.step(cur, climb.order_moves(cur))) is None and (
-                nxt := climb.step(cur, climb.raised_moves(cur))) is None:
+        if (nxt := step(climb.order_moves(cur))) is None and (nxt := step(climb.raised_moves(cur))) is None:
             break
         cur = nxt[0]
         out.append(cur)
         labels.append(nxt[1])
         search.polish_steps += 1
-        report(climb.used / max(1, search.options.polish_budget))
     search.polish_used += climb.used
     if cur is not start:
         out.append(search.refine(cur))
