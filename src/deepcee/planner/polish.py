@@ -46,8 +46,9 @@ flight (the first), and which stage needs no recomputation (the last). On WAN se
 39 stages) the best order of the plan's own stage counts, found by scoring all 720 orders with
 the cost model (204 fit memory), was 214.2 s against the plan's 249.1 s; no swap of two
 neighbours improved the plan, nor did reversing it (259.3 s by the first screen): the best
-order was a move of this tier away from other starts. The tier is not among the plain moves because it doubles a step's neighbourhood at
-6-8 islands, and a step's screen costs about its neighbourhood.
+order was a move of this tier away from other starts. The tier is not among the plain moves
+because it doubles a step's neighbourhood at 6-8 islands, and a step's screen costs about its
+neighbourhood.
 
 **Restarts.** A climb ends in a local optimum of its start. After the climb from the best
 fixed-schedule plan, the polish climbs again from the best plans of the next
