@@ -339,8 +339,8 @@ def test_restarts_climb_from_the_best_plans_of_other_island_orders() -> None:
     cands = sorted([a, b, a2], key=lambda c: c.estimate.iteration_s)
     first = cands[0]
 
-    def order(c: Candidate) -> tuple[str, ...]:
-        return tuple(dict.fromkeys(search.cluster.device(st.devices[0]).island for st in c.plan.stages))
+    def order(c: Candidate) -> tuple[int, ...]:
+        return tuple(s.island for s in segments_of(search, c.plan))
 
     wide = _starts(search, cands, 3)
     assert wide[0] is first

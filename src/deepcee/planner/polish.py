@@ -76,6 +76,7 @@ keep the earlier move.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 from collections.abc import Callable, Iterator
@@ -296,25 +297,22 @@ class _Polish:
         s, m = plan.num_stages, plan.num_microbatches
         return s * m if m <= 2 * short[1] else s * sum(short)
 
-    def layout_moves(self, cur: Candidate, *, raised: bool = False) -> list[tuple[str, Plan]]:
-        """The layout moves of ``cur`` as plans (those with a split that fits); ``raised``: those
-        that need a larger microbatch size."""
+    def layout_moves(self, cur: Candidate, moves: Callable[..., Iterator[_Move]] = _moves) -> list[tuple[str, Plan]]:
+        """``cur``'s neighbours by ``moves`` (default: the plain layout moves) as plans, those with
+        a split that fits."""
         segs = segments_of(self.search, cur.plan)
         if segs is None:
             return []
-        moves = _moves(self.search, segs, cur.plan.microbatch_size, cur.plan.schedule, raised=raised)
-        return [(m.label, p) for m in moves if (p := self.plan(m)) is not None]
+        built = moves(self.search, segs, cur.plan.microbatch_size, cur.plan.schedule)
+        return [(m.label, p) for m in built if (p := self.plan(m)) is not None]
 
     def raised_moves(self, cur: Candidate) -> list[tuple[str, Plan]]:
-        return self.layout_moves(cur, raised=True)
+        """The island moves that need a larger microbatch size, as plans."""
+        return self.layout_moves(cur, functools.partial(_moves, raised=True))
 
     def order_moves(self, cur: Candidate) -> list[tuple[str, Plan]]:
-        """The order tier's moves of ``cur`` as plans (those with a split that fits)."""
-        segs = segments_of(self.search, cur.plan)
-        if segs is None:
-            return []
-        moves = _order_moves(self.search, segs, cur.plan.microbatch_size, cur.plan.schedule)
-        return [(m.label, p) for m in moves if (p := self.plan(m)) is not None]
+        """The order tier's moves, as plans."""
+        return self.layout_moves(cur, _order_moves)
 
     def boundary_moves(self, cur: Candidate) -> list[tuple[str, Plan]]:
         """``cur`` with one stage boundary one layer earlier or later, each stage recomputing
