@@ -147,6 +147,8 @@ def test_polish_budget_and_device_cap_switch_it_off() -> None:
         assert polish_layout(search, [start]) == [] and search.polish_used == 0
     with pytest.raises(PlanError):
         PlannerOptions(polish_budget=-1)
+    with pytest.raises(PlanError, match="polish_restarts"):
+        PlannerOptions(polish_restarts=-1)
 
 
 def test_plan_with_polish_is_no_worse_than_without() -> None:
