@@ -100,6 +100,16 @@ def abort_then_fail_target(rank: int, world_size: int, store_path: str, out_dir:
     raise RuntimeSetupError("receiving from rank 1 timed out")
 
 
+def aborts_at_exit_target(rank: int, world_size: int, store_path: str, out_dir: str) -> None:
+    """Every rank writes its result, then registers an abort for interpreter exit: like a native
+    destructor that aborts ("terminate called without an active exception") after a run that
+    succeeded."""
+    import atexit
+
+    Path(out_dir, f"done-rank{rank}").write_text("ok")
+    atexit.register(os.abort)
+
+
 def _timed_send(sock: socket.socket, nbytes: int) -> float:
     """Send ``nbytes`` and wait for the receiver's 1-byte acknowledgement of all of them."""
     t0 = time.monotonic()

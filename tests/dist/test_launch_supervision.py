@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from _rank_targets import abort_then_fail_target, failing_target, pid_sleeping_target, wait_for
+from _rank_targets import abort_then_fail_target, aborts_at_exit_target, failing_target, pid_sleeping_target, wait_for
 
 from deepcee.errors import RuntimeSetupError
 from deepcee.runtime.launch import launch
@@ -59,6 +59,14 @@ def test_the_first_failure_is_named_even_without_an_error_record(tmp_path):
     with pytest.raises(RuntimeSetupError, match=r"^rank 1 exited abnormally with code -6 and no error record "
                                                 r"\(killed by a signal\?\) \(1 other rank\(s\) failed after it\)"):
         launch(abort_then_fail_target, (str(tmp_path),), world_size=2, deadline_s=60, grace_s=5)
+
+
+def test_a_rank_whose_target_returned_is_not_failed_by_an_abort_at_interpreter_exit(tmp_path):
+    """The children leave with ``os._exit(0)`` once the target returns (supervise.leave_after_success):
+    an abort in exit-time clean-up (seen from native destructors of gloo's threads, exit -6) does
+    not turn a run that succeeded into a failure."""
+    launch(aborts_at_exit_target, (str(tmp_path),), world_size=2, deadline_s=60, grace_s=0.5)
+    assert [(tmp_path / f"done-rank{r}").read_text() for r in range(2)] == ["ok", "ok"]
 
 
 def test_hang_past_the_deadline_is_killed(tmp_path):

@@ -28,9 +28,7 @@ bytes, drops, queueing per link resource) go to ``<run_dir>/relay.json`` of ever
 from __future__ import annotations
 
 import logging
-import os
 import shutil
-import sys
 import tempfile
 import uuid
 from collections.abc import Callable, Sequence
@@ -86,17 +84,7 @@ def _jobs_entry(rank: int, world_size: int, store_path: str, jobs: Sequence[Job]
     # them has closed it (FileStore's clean-up), only with the launch's folder
     elastic = any(elastic_config(j) is not None for j in jobs)
     run_jobs_on_rank(jobs, rank, world_size, rdist.file_store(store_path, -1 if elastic else world_size, timeout_s))
-    # The rank's work is done and written (outputs closed, process group left). Native
-    # destructors at interpreter exit were seen to abort a rank after a run that succeeded
-    # ("terminate called without an active exception", exit -6): first for elastic ranks, which
-    # hold the process groups of earlier generations, some with a lost peer; then (session 19,
-    # 2 of 5 runs of tests/dist/test_docs.py's walkthrough under pytest, 0 of 6 from a shell) for
-    # a plain run's rank 1, which the launch then reported as a failure. So every rank leaves
-    # without running them.
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    # the child then leaves without native destructors at exit (supervise.leave_after_success)
 
 
 def _log_like_parent(level: int) -> None:
