@@ -42,9 +42,9 @@ def test_the_guarded_climbs_take_back_everything_they_add() -> None:
     seen: dict = {}
     real = search_module._guarded_climbs
 
-    def guarded(search, best_chains):
+    def guarded(search, first, later):
         seen["before"] = search_module._snapshot(search)
-        got = real(search, best_chains)
+        got = real(search, first, later)
         seen["after"] = search_module._snapshot(search)
         return got
 

@@ -90,17 +90,19 @@ class PlannerOptions:
     grain_chains: int = 10
     """The best chains (closed form) whose per-island granularities are searched. 10, not 2: on
     WAN seeds 11, 27 and 47 of ``benchmarks/planner_at_scale.py`` the best plan mixes
-    granularities on a chain the closed form ranks below its second (session 8)."""
+    granularities on a chain the closed form ranks below its second (session 8). Chains whose
+    climb cannot beat the best closed form so far (cut at once) do not count."""
     polish_budget: int = 2_000_000
     """Stages x microbatches the layout polish may time in total (see [Note: layout polish] in
     :mod:`deepcee.planner.polish`); 0: no polish. 2,000,000, not 1,200,000: on WAN seeds 12 and
     47 of ``benchmarks/planner_at_scale.py`` (71 and 46 devices, 34 stages x 512 microbatches)
     the fourth step, the one that reaches the reference's plan, did not fit (seed 12: 204.7 ->
     186.1 s, 40 -> 60 CPU s; seed 47: 414.0 -> 362.6 s)."""
-    polish_restarts: int = 1
-    """After the climb from the best fixed-schedule plan, the layout polish climbs again from the
-    best plans of this many other island orders, each with its own ``polish_budget`` (see [Note:
-    layout polish] in :mod:`deepcee.planner.polish`); 0: one climb only."""
+    polish_restarts: int = 2
+    """After the climb from the best fixed-schedule plan, the layout polish climbs again from this
+    many other starts, taking turns between the best plan of another island order and the best
+    plan of another microbatch size, each with its own ``polish_budget`` (see [Note: layout
+    polish] in :mod:`deepcee.planner.polish`); 0: one climb only."""
     polish_max_devices: int = 128
     """The layout polish, the compact recomputation variants and the second look ([Note: second
     look] in :mod:`deepcee.planner.search`) run only on clusters of at most this many devices.

@@ -51,16 +51,20 @@ because it doubles a step's neighbourhood at 6-8 islands, and a step's screen co
 neighbourhood.
 
 **Restarts.** A climb ends in a local optimum of its start. After the climb from the best
-fixed-schedule plan, the polish climbs again from the best plans of the next
-``polish_restarts`` island orders (distinct sequences of islands, in cost-model order, each at
-most :data:`RESTART_WITHIN` slower than the first start), each with its own budget; every end
-joins the candidates. On seed 32, the first climb stayed at 249.1 s while the climbs from the
+fixed-schedule plan, the polish climbs again from ``polish_restarts`` other starts (each with
+its own budget; every end joins the candidates), taking turns: the best plan of an island order
+no start has (a distinct sequence of islands), then the best plan of a microbatch size no start
+has; all in cost-model order and at most :data:`RESTART_WITHIN` slower than the first start
+(:func:`_starts`). On seed 32, the first climb stayed at 249.1 s while the climbs from the
 second and third orders reached 214.2 s (the independent reference's best was 225.4 s); on
-seed 77 the second order's climb led to 181.9 s against 193.0 s (reference: 182.4 s). One
-restart (the default) finds both; over the 100 WAN instances of
-``benchmarks/planner_at_scale.py`` the tier and one restart made 28 plans faster (by up to
-26.7%) and none slower, for a median planning time of 14.7 against 13.4 CPU s (max 56.7
-against 33.5).
+seed 77 the second order's climb led to 181.9 s against 193.0 s (reference: 182.4 s). Over the
+100 WAN instances of ``benchmarks/planner_at_scale.py`` the tier and one such restart made 28
+plans faster (by up to 26.7%) and none slower, for a median planning time of 14.7 against 13.4
+CPU s (max 56.7 against 33.5). The restart by microbatch size came with the closed form's
+neighbour cycle ([Note: neighbour cycle] in :mod:`deepcee.planner.split`), which changed the
+starts: on seed 10 the two best starts, 140.03 and 140.06 s at one sample per microbatch, were
+both local optima, while the climb from the best plan at two samples (147.8 s) reached 105.4 s;
+on seed 52 the climb from the best plan at four samples reached 46.0 s against 58.1 s.
 
 When no layout move improves, the same three rounds climb over the split: every stage boundary
 one layer earlier or later (stages recomputing only where their microbatches in flight need
@@ -363,8 +367,8 @@ class _Polish:
 
 def polish_layout(search: SearchState, cands: list[Candidate]) -> list[Candidate]:
     """Climb from the best fixed-schedule plan of ``cands`` (cost-model order) over its layout,
-    then again from the best plans of the next ``polish_restarts`` island orders (module
-    docstring); the plans on the way and the refined ends, or ``[]`` (nothing to polish: no such
+    then again from ``polish_restarts`` other starts (other island orders and microbatch sizes,
+    :func:`_starts`; module docstring); the plans on the way and the refined ends, or ``[]`` (nothing to polish: no such
     plan, too many devices, or no budget)."""
     opts = search.options
     if opts.polish_budget <= 0 or len(search.cluster.device_names) > opts.polish_max_devices:
@@ -376,33 +380,51 @@ def polish_layout(search: SearchState, cands: list[Candidate]) -> list[Candidate
             if opts.progress is not None:
                 opts.progress("layout polish", (k + min(1.0, share)) / len(starts))
 
-        out += _climb(search, start, "the search's best fixed-schedule plan" if k == 0 else
-                      f"the best plan of island order {k + 1} (restart {k})", report)
+        out += _climb(search, start, _start_label(search, starts, k), report)
     return out
+
+
+def _start_label(search: SearchState, starts: list[Candidate], k: int) -> str:
+    """What start ``k`` of :func:`_starts` is, for the polish's note."""
+    if k == 0:
+        return "the search's best fixed-schedule plan"
+    orders = [tuple(s.island for s in segments_of(search, c.plan) or ()) for c in starts[: k + 1]]
+    if orders[k] not in orders[:k]:
+        return f"the best plan of island order {len(dict.fromkeys(orders))} (restart {k})"
+    return f"the best plan at microbatch size {starts[k].plan.microbatch_size} (restart {k})"
 
 
 def _starts(search: SearchState, cands: list[Candidate], count: int) -> list[Candidate]:
     """The first fixed-schedule plan of ``cands`` (cost-model order) with its stages in runs of
-    one island each, then the first plans of other island orders, ``count`` in all."""
-    out: list[Candidate] = []
-    seen: set[tuple[int, ...]] = set()
+    one island each, then, taking turns, the first plan of an island order no start has and the
+    first plan of a microbatch size no start has (module docstring), ``count`` in all, each at
+    most :data:`RESTART_WITHIN` slower than the first."""
+    pool: list[tuple[Candidate, tuple[int, ...]]] = []
     for c in cands:
-        if len(out) >= count:
-            break
         if c.plan.schedule == "compact":
             continue
         segs = segments_of(search, c.plan)
         if segs is None:
-            if not out:  # the best fixed-schedule plan spans islands: no climb at all, as before
+            if not pool:  # the best fixed-schedule plan spans islands: no climb at all, as before
                 return []
             continue
-        order = tuple(s.island for s in segs)
-        if out and c.estimate.iteration_s > out[0].estimate.iteration_s * (1 + RESTART_WITHIN):
+        if pool and c.estimate.iteration_s > pool[0][0].estimate.iteration_s * (1 + RESTART_WITHIN):
             break  # cost-model order: every later plan is further off
-        if order not in seen:
-            seen.add(order)
-            out.append(c)
-    return out
+        pool.append((c, tuple(s.island for s in segs)))
+    if not pool:
+        return []
+    out = [pool[0]]
+    while len(out) < count:
+        orders = {o for _, o in out}
+        sizes = {c.plan.microbatch_size for c, _ in out}
+        by_order = next((x for x in pool if x[1] not in orders), None)
+        by_size = next((x for x in pool if x[0].plan.microbatch_size not in sizes), None)
+        turns = (by_order, by_size) if len(out) % 2 else (by_size, by_order)
+        got = next((x for x in turns if x is not None), None)
+        if got is None:
+            break
+        out.append(got)
+    return [c for c, _ in out]
 
 
 def _climb(search: SearchState, start: Candidate, what: str,

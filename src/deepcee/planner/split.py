@@ -15,6 +15,33 @@ cannot finish ``M`` microbatches in less than ``M x h / k`` (Little's law). ``k`
 schedule's in-flight count (1F1B/ZB-H1 ``S - s``, ZB-H2 ``2(S-s)-1``, GPipe ``M``), or, for a
 compact schedule, what the stage's memory holds. This is how memory limits the link round
 trip time a pipeline can hide; the closed form and :func:`in_flight_split` both count it.
+
+[Note: neighbour cycle]
+The in-flight limit of a whole stage is not the only one. In a fixed schedule's steady state a
+stage ``s`` runs its next ``F`` only after the backward of a microbatch ``k_s`` earlier, and
+stage ``s+1`` sends a backward only after the ``F`` it receives (simulated orders: ZB-H2 stage
+21 of 32 runs ``I(i) W(i) F(i+21)``, stage 22 ``F(j) I(j-18)``). So between two neighbours only
+``k_s - k_{s+1} + 1`` microbatches circulate (3 for ZB-H2, 2 for 1F1B and ZB-H1), and each
+turn of that cycle takes stage ``s``'s ``F+I+W``, the link there, stage ``s+1``'s ``F+I`` and
+the link back: over a slow link with latency the cycle, not the link's bytes, sets the pace.
+The closed form counts it as one more term per boundary: the first ``k_s`` microbatches at the
+link's pace (the warm-up does not wait), the rest at ``cycle / (k_s - k_{s+1} + 1)``. "The link
+there and back" is what one receiving device waits for (per device and link resource, the
+largest latency plus its shares' bytes over the bandwidth; :class:`BoundaryArrays`
+``pair_trip``). Found on WAN seed 84 of ``benchmarks/planner_at_scale.py``: a chain of
+us-west, us-east, me-central had a closed form of 112.8 s against the cost model's 139.8 s,
+its link busy 82% of the time (1.5 s per three microbatches, the cycle); the closed form had
+ranked it first (with the cycle: 136.4 s). Over 1,091 fixed-schedule plans the search scored on
+WAN seeds 0-39, the closed form's error against the cost model went from a mean of 5.0% (down
+to -41%; 168 plans more than 10% too fast) to 1.4% (-7.2% to +5.8%), and its Kendall tau
+against the cost model per seed from 0.38 to 0.64 on average. Stages that hold every
+microbatch (``k_s >= M``) have no such cycle. Compact schedules get the term too, from the microbatches their memory holds, though their
+orders are the builder's: there it overrates the time (87 of 95 compact plans of seeds 0-14
+more than 10% above the cost model, median +94%), but without it their closed form is as
+optimistic as before (down to -74%), and a configuration's value is the least over its
+schedules, so it masked the corrected fixed-schedule values again: on the first 66 WAN
+instances, 14 plans worse than session 19's and 24 better, against 7 and 27 with the term.
+Compact schedules are built for the best pipelines either way (step 3 of [Note: search]).
 """
 
 from __future__ import annotations
@@ -34,12 +61,17 @@ _INF = math.inf
 
 @dataclass(slots=True)
 class BoundaryArrays:
-    """Per boundary layer ``a``: forward/backward (latency, serialisation) of one microbatch."""
+    """Per boundary layer ``a``: forward/backward (latency, serialisation) of one microbatch, and
+    ``pair_trip``, what one receiving device waits for there and back: forward, the slowest
+    device of the later stage, backward, of the earlier one; each the largest over link resources
+    of the latency plus the bytes of the shares it receives over that resource
+    ([Note: neighbour cycle])."""
 
     lat_f: np.ndarray
     ser_f: np.ndarray
     lat_b: np.ndarray
     ser_b: np.ndarray
+    pair_trip: np.ndarray
 
 
 def boundary_arrays(cluster: Cluster, tables: RangeTables, src: tuple[str, ...], src_shares: tuple[int, ...],
@@ -47,9 +79,17 @@ def boundary_arrays(cluster: Cluster, tables: RangeTables, src: tuple[str, ...],
     """One boundary between device sets ``src`` and ``dst`` for every boundary layer (see the module docstring)."""
     per: list[dict[str, list[float]]] = [{}, {}]
     fwd, bwd, link = per[0], per[1], cluster.link
+    # per receiving device (forward: a device of dst; backward: of src) and link resource: the
+    # latency and the seconds per boundary byte of the shares it waits for
+    waits: list[dict[tuple[str, str], list[float]]] = [{}, {}]
     for i, j, lo, hi in share_overlaps(src_shares, dst_shares):
         a, b = src[i], dst[j]
-        for got, lk in ((fwd, link(a, b)), (bwd, link(b, a))):
+        there, back = link(a, b), link(b, a)
+        for got, who, lk in ((waits[0], b, there), (waits[1], a, back)):
+            w = got.setdefault((who, lk.resource), [0.0, 0.0])
+            w[0] = max(w[0], max(0.0, lk.latency_s))
+            w[1] += (hi - lo) / lk.bandwidth_bytes_per_s
+        for got, lk in ((fwd, there), (bwd, back)):
             r = got.get(lk.resource)
             if r is None:
                 got[lk.resource] = [float(hi - lo), max(0.0, lk.latency_s), lk.bandwidth_bytes_per_s]
@@ -63,7 +103,8 @@ def boundary_arrays(cluster: Cluster, tables: RangeTables, src: tuple[str, ...],
         lats = np.array([lat for _, lat, _ in per[d].values()])[:, None]
         ser = sers.max(axis=0)
         out += [(sers + lats).max(axis=0) - ser, ser]
-    return BoundaryArrays(*out)
+    trip = sum(np.max([lat + per_byte * bnd for lat, per_byte in w.values()], axis=0) for w in waits)
+    return BoundaryArrays(*out, trip)
 
 
 @dataclass(slots=True)
@@ -198,6 +239,12 @@ class SplitTables:
             if s:
                 terms.append(links[s].item(a))
                 per_mb.append(max(self.bounds[s - 1].ser_f.item(a), self.bounds[s - 1].ser_b.item(a)))
+                if caps[s - 1] < self.m:  # [Note: neighbour cycle]
+                    cycle = (computes[s - 1] + rc.round_trip_s(fused, flags[s]).item(a, b)
+                             + self.bounds[s - 1].pair_trip.item(a)) \
+                        / max(1, caps[s - 1] - caps[s] + 1)
+                    terms.append(caps[s - 1] * per_mb[-1] + (self.m - caps[s - 1]) * cycle)
+                    per_mb.append(cycle)
         # the first largest term, as numpy's argmax
         k = max(range(len(terms)), key=terms.__getitem__)
         fill = sum(computes)
