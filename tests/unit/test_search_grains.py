@@ -63,7 +63,7 @@ def test_only_a_mixed_layout_fits() -> None:
     assert all(b <= c.memory_bytes(d) for d, b in sim.peak_memory_bytes.items())
 
 
-def test_chains_whose_climb_is_cut_at_once_do_not_take_a_place() -> None:
+def test_chains_whose_climb_is_cut_at_once_do_not_take_a_place(monkeypatch) -> None:
     """The granularity climbs run on the best ``grain_chains`` chains whose climb returns a value:
     a climb that cannot beat the best closed form so far returns ``inf`` at once, and such chains
     took 8 of the 10 places on WAN seed 6 of ``benchmarks/planner_at_scale.py``, where the chain
@@ -92,11 +92,8 @@ def test_chains_whose_climb_is_cut_at_once_do_not_take_a_place() -> None:
         calls.append((chain, got))
         return got
 
-    search_module.climb_grains = climb
-    try:
-        _search_chains(search, island_distances(cluster, search.grouping))
-    finally:
-        search_module.climb_grains = real
+    monkeypatch.setattr(search_module, "climb_grains", climb)
+    _search_chains(search, island_distances(cluster, search.grouping))
     assert len({c for c, _ in calls}) == len(calls)  # each chain climbed once
     finite = [c for c, v in calls if math.isfinite(v)]
     assert len(finite) == 2 and len(calls) == 4
