@@ -368,8 +368,8 @@ class _Polish:
 def polish_layout(search: SearchState, cands: list[Candidate]) -> list[Candidate]:
     """Climb from the best fixed-schedule plan of ``cands`` (cost-model order) over its layout,
     then again from ``polish_restarts`` other starts (other island orders and microbatch sizes,
-    :func:`_starts`; module docstring); the plans on the way and the refined ends, or ``[]`` (nothing to polish: no such
-    plan, too many devices, or no budget)."""
+    :func:`_starts`; module docstring); the plans on the way and the refined ends, or ``[]``
+    (nothing to polish: no such plan, too many devices, or no budget)."""
     opts = search.options
     if opts.polish_budget <= 0 or len(search.cluster.device_names) > opts.polish_max_devices:
         return []

@@ -293,8 +293,8 @@ refinement gained up to 15% on the WAN instances; [Note: second look])."""
 def _guarded_climbs(search: SearchState, first: list[Chain], later: list[tuple[float, Chain]]) -> list[Config]:
     """The granularity climbs again, with two-island moves, on the chains ``first`` (those the
     main search climbed) and on the next ``grain_chains`` of ``later`` (the chains after them,
-    best first) ([Note: second look]). Everything they add is taken back; it is returned only where the
-    cost model's best screen of it beats that of the configurations before (as
+    best first) ([Note: second look]). Everything they add is taken back; it is returned only
+    where the cost model's best screen of it beats that of the configurations before (as
     :func:`_confirmed_end`), else ``[]``."""
     n = search.options.grain_chains
     extra = [chain for value, chain in later[:n] if math.isfinite(value)]

@@ -35,8 +35,8 @@ ranked it first (with the cycle: 136.4 s). Over 1,091 fixed-schedule plans the s
 WAN seeds 0-39, the closed form's error against the cost model went from a mean of 5.0% (down
 to -41%; 168 plans more than 10% too fast) to 1.4% (-7.2% to +5.8%), and its Kendall tau
 against the cost model per seed from 0.38 to 0.64 on average. Stages that hold every
-microbatch (``k_s >= M``) have no such cycle. Compact schedules get the term too, from the microbatches their memory holds, though their
-orders are the builder's: there it overrates the time (87 of 95 compact plans of seeds 0-14
+microbatch (``k_s >= M``) have no such cycle. Compact schedules get the term too, from the
+microbatches their memory holds, though their orders are the builder's: there it overrates the time (87 of 95 compact plans of seeds 0-14
 more than 10% above the cost model, median +94%), but without it their closed form is as
 optimistic as before (down to -74%), and a configuration's value is the least over its
 schedules, so it masked the corrected fixed-schedule values again: on the first 66 WAN
