@@ -35,13 +35,34 @@ ranked it first (with the cycle: 136.4 s). Over 1,091 fixed-schedule plans the s
 WAN seeds 0-39, the closed form's error against the cost model went from a mean of 5.0% (down
 to -41%; 168 plans more than 10% too fast) to 1.4% (-7.2% to +5.8%), and its Kendall tau
 against the cost model per seed from 0.38 to 0.64 on average. Stages that hold every
-microbatch (``k_s >= M``) have no such cycle. Compact schedules get the term too, from the
-microbatches their memory holds, though their orders are the builder's: there it overrates the time (87 of 95 compact plans of seeds 0-14
-more than 10% above the cost model, median +94%), but without it their closed form is as
-optimistic as before (down to -74%), and a configuration's value is the least over its
-schedules, so it masked the corrected fixed-schedule values again: on the first 66 WAN
-instances, 14 plans worse than session 19's and 24 better, against 7 and 27 with the term.
-Compact schedules are built for the best pipelines either way (step 3 of [Note: search]).
+microbatch (``k_s >= M``) have no such cycle.
+
+The same holds for any run of stages: the loop from stage ``s`` to a later stage ``t`` and back
+holds ``k_s - k_t + 1`` microbatches, and each turn takes stage ``s``'s ``F+I+W`` and the
+trips of stages ``s+1..t`` (their ``F+I`` and the links there and back). In a fixed schedule
+the warm-ups fall by one or two per stage, so two neighbours bind; the compact builder's capped
+zero bubble can give a run of stages equal warm-ups (memory caps them alike), and then the loop
+through the whole run binds: one microbatch at a time goes round it. The closed form takes, per
+stage ``s``, the slowest of its loops (session 21; on the four-stage test of
+``tests/unit/test_split_compact_closed_form.py`` with warm-ups 2, 2, 2, 2 the closed form went
+from 8.03 s to 8.59 s against the simulator's 8.90 s).
+
+[Note: compact closed form]
+A compact schedule's order is the builder's (:func:`deepcee.schedule.compact.search_compact`):
+the best of its templates that fit memory (GPipe, ZB-H1, ZB-H2 and the capped zero bubble,
+warm-ups ``min(memory cap, need + 1)``), and, up to ``compact_max_actions`` stages x
+microbatches, of its greedy list scheduler. So its closed form is the least over those
+(:meth:`SplitTables.compact_counts`): each template as a fixed order with its own in-flight
+counts and loops, and the greedy with what memory holds and no loops (it runs a ready backward
+without waiting for a forward, so a stage's own in-flight limit is what binds). Before session
+21 a compact schedule was scored with the neighbour cycle of its memory caps, as if it were a
+fixed order holding that many: 87 of 95 compact plans the search scored on WAN seeds 0-14 came
+out more than 10% too slow (median +94%); before session 20, without the cycle, as optimistic
+as -74%. Now those 95 plans are within -6.5% to +3.6% of the cost model (mean error 1.7%,
+Kendall tau per seed 0.12 in session 20, 0.46 in session 19, now 0.65; all of them above
+compact_max_actions, templates only), and on the tests'
+four-stage pipeline with memory for 3-15 microbatches per stage against the simulated
+compact schedule, greedy or templates only, within 4.2% (the session 20 form: +81% to +470%).
 """
 
 from __future__ import annotations
@@ -120,6 +141,9 @@ class SplitTables:
     bounds: list[BoundaryArrays]
     m: int
     recompute: bool = True
+    greedy_actions: int = 0
+    """The compact builder runs its greedy list scheduler (not only its templates) up to this many
+    stages x microbatches (``PlannerOptions.compact_max_actions``; [Note: compact closed form])."""
     _loads: dict | None = None
     _little: dict | None = None
     _links: list[np.ndarray] | None = None
@@ -216,40 +240,85 @@ class SplitTables:
         return [max(1, int(self.costs[s].in_flight_caps(self.m, flags[s]).item(split[s], split[s + 1])))
                 for s in range(len(self.costs))]
 
+    def compact_counts(self, split: Sequence[int], flags: Sequence[bool],
+                       holds: Sequence[float]) -> list[tuple[list[int], bool]]:
+        """What the compact builder may run ([Note: compact closed form]), as (per-stage in-flight
+        counts, whether its order ties neighbours into loops): its templates that fit memory,
+        GPipe, ZB-H1, ZB-H2 and the capped zero bubble (warm-ups ``min(memory cap, need + 1)``
+        made non-increasing along the pipeline; ``need`` the hold over the bottleneck's time per
+        microbatch, Little's law, as the builder's ``in_flight_need``); and, up to
+        ``greedy_actions`` stages x microbatches, its greedy list scheduler, which holds what
+        memory allows and runs a ready backward without waiting for a forward (no loops)."""
+        n, m = len(self.costs), self.m
+        mem = self.caps_at(split, flags, None)
+        cycle = max(self.costs[s].compute_with(flags[s]).item(split[s], split[s + 1]) for s in range(n))
+        for s in range(1, n):
+            b = self.bounds[s - 1]
+            cycle = max(cycle, b.ser_f.item(split[s]), b.ser_b.item(split[s]))
+        out = [counts for counts in ([m] * n, [min(n - s, m) for s in range(n)],
+                                     [min(2 * (n - s) - 1, m) for s in range(n)])
+               if all(k <= cap for k, cap in zip(counts, mem, strict=True))]
+        warm, prev = [], m
+        for s, cap in enumerate(mem):
+            need = max(1, math.ceil(holds[s] / cycle - 1e-9)) if cycle > 0 else 1
+            prev = max(1, min(cap, need + 1, prev))
+            warm.append(prev)
+        if warm not in out:
+            out.append(warm)
+        got = [(counts, True) for counts in out]
+        if n * m <= self.greedy_actions:
+            got.append((mem, False))
+        return got
+
     def closed_form(self, split: Sequence[int], loads: list[np.ndarray], in_flight: Sequence[int] | None = None,
                     fused: bool = False, flags: Sequence[bool] | None = None) -> float:
         """``T = bottleneck load + one microbatch through everything else`` (see [Note: search]);
-        the loads include each stage's in-flight limit ([Note: in-flight limit]). ``flags``: per
+        the loads include each stage's in-flight limit ([Note: in-flight limit]) and the
+        neighbour cycle ([Note: neighbour cycle]). ``in_flight=None`` (compact): the least over
+        the builder's templates that fit memory ([Note: compact closed form]). ``flags``: per
         stage recomputation (default: only where a stage does not fit without it)."""
         links, fills = self.link_loads(), self.fills()
         flags = self.recompute_flags(split, in_flight) if flags is None else flags
         if not all(math.isfinite(loads[s].item(split[s], split[s + 1])) for s in range(len(self.costs))):
             return _INF
         holds = self.holds(split, flags, fused)
-        caps = self.caps_at(split, flags, in_flight)
-        terms, per_mb, computes = [], [], []
+        # the terms that do not depend on the in-flight counts: (iteration term, per microbatch)
+        own: list[tuple[float, float]] = []
+        link_terms: list[tuple[float, float]] = [(0.0, 0.0)]
+        computes, trips = [], [0.0]
         for s, rc in enumerate(self.costs):
             a, b = split[s], split[s + 1]
             c = rc.compute_with(flags[s]).item(a, b)
             computes.append(c)
-            terms.append(rc.base_load(self.m, flags[s]).item(a, b))
-            per_mb.append(c)
-            terms.append(self.m * holds[s] / caps[s])
-            per_mb.append(holds[s] / caps[s])
+            own.append((rc.base_load(self.m, flags[s]).item(a, b), c))
             if s:
-                terms.append(links[s].item(a))
-                per_mb.append(max(self.bounds[s - 1].ser_f.item(a), self.bounds[s - 1].ser_b.item(a)))
-                if caps[s - 1] < self.m:  # [Note: neighbour cycle]
-                    cycle = (computes[s - 1] + rc.round_trip_s(fused, flags[s]).item(a, b)
-                             + self.bounds[s - 1].pair_trip.item(a)) \
-                        / max(1, caps[s - 1] - caps[s] + 1)
-                    terms.append(caps[s - 1] * per_mb[-1] + (self.m - caps[s - 1]) * cycle)
-                    per_mb.append(cycle)
-        # the first largest term, as numpy's argmax
-        k = max(range(len(terms)), key=terms.__getitem__)
-        fill = sum(computes)
-        fill += sum(fills[s].item(split[s]) for s in range(1, len(self.costs)))
-        return float(terms[k] + fill - per_mb[k])
+                bound = self.bounds[s - 1]
+                link_terms.append((links[s].item(a), max(bound.ser_f.item(a), bound.ser_b.item(a))))
+                trips.append(rc.round_trip_s(fused, flags[s]).item(a, b) + bound.pair_trip.item(a))
+        fill = sum(computes) + sum(fills[s].item(split[s]) for s in range(1, len(self.costs)))
+        options = (self.compact_counts(split, flags, holds) if in_flight is None
+                   else [(self.caps_at(split, flags, in_flight), True)])
+        reach = np.cumsum(trips)  # reach[t] - reach[s]: the trips of stages s+1..t
+        # a loop's time: stage s's F+I+W and the trips of stages s+1..t (only t > s counts)
+        loop_s = np.where(np.triu(np.ones((len(trips), len(trips)), dtype=bool), 1),
+                          (np.asarray(computes) - reach)[:, None] + reach[None, :], 0.0)
+        best = _INF
+        for caps, tied in options:
+            terms = []
+            for s in range(len(self.costs)):
+                terms += [own[s], (self.m * holds[s] / caps[s], holds[s] / caps[s])]
+                if s:
+                    terms.append(link_terms[s])
+            if tied:  # [Note: neighbour cycle]: the loop of stages s..t holds k_s - k_t + 1 microbatches
+                k = np.asarray(caps, dtype=float)
+                worst = np.max(loop_s / np.maximum(1.0, k[:, None] - k[None, :] + 1.0), axis=1)
+                for s in range(len(self.costs) - 1):
+                    if caps[s] < self.m:
+                        terms.append((caps[s] * link_terms[s + 1][1] + (self.m - caps[s]) * worst[s], worst[s]))
+            # the first largest term, as numpy's argmax
+            top, per_mb = max(terms, key=lambda t: t[0])
+            best = min(best, top + fill - per_mb)
+        return float(best)
 
 
 def in_flight_split(tab: SplitTables, tau: float, in_flight: Sequence[int] | None, *,

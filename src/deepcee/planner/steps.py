@@ -191,7 +191,8 @@ class SearchState:
                                                         layout.slots[s], shares[s])
                 bounds.append(self.bounds[bkey])
             got = self.dp_tables[key] = SplitTables(costs=costs, bounds=bounds, m=self.global_batch // n,
-                                                    recompute=self.options.recompute)
+                                                    recompute=self.options.recompute,
+                                                    greedy_actions=self.options.compact_max_actions)
         return got
 
     def lower_bound(self, layout: StageLayout) -> float:
