@@ -65,7 +65,8 @@ def _chain_search(monkeypatch, cluster: Cluster):
     _search_chains(search, island_distances(cluster, search.grouping))
     result = search.chain_result
     assert result.exact and result.gap > 0 and result.evaluated == 150  # the budget stopped it
-    assert 0 < search.chain_moves <= 2 * (150 // 5)
+    # two starts, each ``150 // 5`` single moves and as many pair drops where none improves
+    assert 0 < search.chain_moves <= 2 * 2 * (150 // 5)
     return search, got
 
 
@@ -106,3 +107,29 @@ def test_the_local_search_without_reorders_only_changes_the_devices_used() -> No
     full = _moves(chain, 4, [2, 2, 2, 2], True)
     assert set(moves) == {x for x in full if set(x) != set(chain)}
     assert len(full) > len(moves)
+
+
+def test_where_no_single_drop_improves_two_islands_are_dropped_together() -> None:
+    """A chain of islands 0-4 at 10 s: dropping any one island alone is worse (12 s), dropping 3
+    and 4 together is better (8 s). Without ``pair_drops`` the local search stops at the start;
+    with it, it ends on (0, 1, 2), and the evaluations of the pairs are counted."""
+    from deepcee.planner.chains import improve_chain
+
+    start = tuple((i, 1) for i in range(5))
+    calls: list = []
+
+    def evaluate(chain) -> float:
+        calls.append(chain)
+        used = {i for i, _ in chain}
+        if used == {0, 1, 2}:
+            return 8.0
+        return 12.0 if len(used) == 4 else 20.0
+
+    kwargs = {"islands": 5, "keeps": [1] * 5, "allow_exclusion": True, "budget": 30, "reorder": False}
+    value, end, spent = improve_chain(start, 10.0, evaluate, **kwargs)
+    assert (value, end) == (10.0, start) and spent == 5  # the five single drops, none better
+    calls.clear()
+    value, end, spent = improve_chain(start, 10.0, evaluate, pair_drops=True, **kwargs)
+    assert (value, end) == (8.0, ((0, 1), (1, 1), (2, 1)))
+    assert spent == len(calls) == len(set(calls))  # every chain evaluated once, all counted
+    assert ((0, 1), (1, 1), (2, 1)) in calls

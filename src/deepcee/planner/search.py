@@ -376,7 +376,7 @@ def _devices_used_search(search: SearchState, best_chains: list[tuple[float, Cha
         if math.isfinite(value):
             _, end, spent = improve_chain(chain, value, evaluate, islands=len(g.islands), keeps=keeps,
                                           allow_exclusion=True, budget=opts.chain_budget // 5, reorder=False,
-                                          known=known)
+                                          known=known, pair_drops=True)
             search.chain_moves += spent
             if end != chain and end not in ends:
                 ends.append(end)
