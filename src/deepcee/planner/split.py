@@ -67,6 +67,7 @@ compact schedule, greedy or templates only, within 4.2% (the session 20 form: +8
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -275,7 +276,7 @@ class SplitTables:
         """``T = bottleneck load + one microbatch through everything else`` (see [Note: search]);
         the loads include each stage's in-flight limit ([Note: in-flight limit]) and the
         neighbour cycle ([Note: neighbour cycle]). ``in_flight=None`` (compact): the least over
-        the builder's templates that fit memory ([Note: compact closed form]). ``flags``: per
+        what the compact builder can run ([Note: compact closed form]). ``flags``: per
         stage recomputation (default: only where a stage does not fit without it)."""
         links, fills = self.link_loads(), self.fills()
         flags = self.recompute_flags(split, in_flight) if flags is None else flags
@@ -300,8 +301,7 @@ class SplitTables:
                    else [(self.caps_at(split, flags, in_flight), True)])
         reach = np.cumsum(trips)  # reach[t] - reach[s]: the trips of stages s+1..t
         # a loop's time: stage s's F+I+W and the trips of stages s+1..t (only t > s counts)
-        loop_s = np.where(np.triu(np.ones((len(trips), len(trips)), dtype=bool), 1),
-                          (np.asarray(computes) - reach)[:, None] + reach[None, :], 0.0)
+        loop_s = np.where(_later(len(trips)), (np.asarray(computes) - reach)[:, None] + reach[None, :], 0.0)
         best = _INF
         for caps, tied in options:
             terms = []
@@ -319,6 +319,14 @@ class SplitTables:
             top, per_mb = max(terms, key=lambda t: t[0])
             best = min(best, top + fill - per_mb)
         return float(best)
+
+
+@functools.cache
+def _later(n: int) -> np.ndarray:
+    """``[s, t]``: whether ``t > s`` (read only)."""
+    out = np.triu(np.ones((n, n), dtype=bool), 1)
+    out.flags.writeable = False
+    return out
 
 
 def in_flight_split(tab: SplitTables, tau: float, in_flight: Sequence[int] | None, *,
