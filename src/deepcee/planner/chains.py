@@ -172,7 +172,7 @@ def search_chains(units: list[Unit], bounds: ChainBounds, evaluate: Callable[[Ch
     best closed form so far (the search state keeps it). Returns the result and every evaluated
     chain with its value."""
     total = [max((bounds.speed[i][k] for run in unit for i, k in run), default=0.0) for unit in units]
-    heap: list[tuple[float, int, int, tuple[int, ...], Chain]] = []
+    heap: list[tuple[float, float, int, int, tuple[int, ...], Chain]] = []
     tick = itertools.count()
     considered = 0
 
@@ -180,10 +180,13 @@ def search_chains(units: list[Unit], bounds: ChainBounds, evaluate: Callable[[Ch
         nonlocal considered
         considered += 1
         rest = sum(total[u] for u in range(len(units)) if u not in used)
+        # ties in the bound (the compute term binds for every order of one set of islands) go to
+        # the chain with the least worst hop plus round-trip latency ([Note: chain search])
+        links = sum(bounds.hops(chain))
         if (allow_exclusion or len(used) == len(units)) and bounds.fits(chain):
-            heapq.heappush(heap, (bounds.bound(chain), next(tick), 0, used, chain))
+            heapq.heappush(heap, (bounds.bound(chain), links, next(tick), 0, used, chain))
         if len(used) < len(units):
-            heapq.heappush(heap, (bounds.bound(chain, rest), next(tick), 1, used, chain))
+            heapq.heappush(heap, (bounds.bound(chain, rest), links, next(tick), 1, used, chain))
 
     for u, unit in enumerate(units):
         for run in unit:
@@ -191,7 +194,7 @@ def search_chains(units: list[Unit], bounds: ChainBounds, evaluate: Callable[[Ch
     done: list[tuple[float, Chain]] = []
     gap, open_bound = 0.0, _INF
     while heap:
-        bound, _, kind, used, chain = heapq.heappop(heap)
+        bound, _, _, kind, used, chain = heapq.heappop(heap)
         best = incumbent()
         if bound >= best * (1 + PRUNE_MARGIN):
             open_bound = bound
