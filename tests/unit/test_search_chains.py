@@ -133,37 +133,3 @@ def test_where_no_single_drop_improves_two_islands_are_dropped_together() -> Non
     assert (value, end) == (8.0, ((0, 1), (1, 1), (2, 1)))
     assert spent == len(calls) == len(set(calls))  # every chain evaluated once, all counted
     assert ((0, 1), (1, 1), (2, 1)) in calls
-
-
-class _TiedBounds:
-    """Three islands whose compute term binds every chain of all three (the bounds tie); the
-    hop between islands 0 and 1 is slow, the others fast."""
-
-    speed = [[0.0, 1.0], [0.0, 1.0], [0.0, 1.0]]
-    slow = {frozenset((0, 1))}
-
-    def hops(self, chain) -> tuple[float, float]:
-        pairs = [frozenset((i, j)) for (i, _), (j, _) in zip(chain, chain[1:], strict=False)]
-        return max((5.0 if p in self.slow else 1.0 for p in pairs), default=0.0), 0.1 * len(pairs)
-
-    def bound(self, chain, extra_speed: float = 0.0) -> float:
-        speed = sum(self.speed[i][k] for i, k in chain) + extra_speed
-        return max(300.0 / speed, *self.hops(chain))
-
-    def fits(self, chain) -> bool:
-        return True
-
-
-def test_ties_in_the_chain_bound_go_to_the_chain_with_the_fastest_hops() -> None:
-    """Every order of the three islands has the bound 100 (compute); with a budget of one, the
-    best-first search evaluates an order that avoids the slow 0-1 hop (before, the first order
-    generated, 0 > 1 > 2)."""
-    from deepcee.planner.chains import search_chains
-
-    units = [(((i, 1),),) for i in range(3)]
-    seen: list = []
-    result, done = search_chains(units, _TiedBounds(), lambda chain: seen.append(chain) or 100.0, budget=1,
-                                 allow_exclusion=False, incumbent=lambda: 100.0)
-    assert result.evaluated == 1 and len(seen) == 1
-    order = [i for i, _ in seen[0]]
-    assert order in ([0, 2, 1], [1, 2, 0])

@@ -11,10 +11,7 @@ island (with each choice of groups kept); above that, islands are first merged i
 ``exhaustive_islands`` clusters by their 1 MB transfer time (average linkage) and a unit is a
 cluster's islands in a short-path order (or its reverse). Every ordered subset of units is a
 chain. Chains are taken best first by a lower bound that no plan on the chain beats in the
-simulator (:meth:`ChainBounds.bound`; ties, as between every order of one set of islands when
-the compute term binds, go to the chain with the least worst hop plus round-trip latency: on
-WAN seeds 13 and 60 the 150 chains evaluated had one bound, and the order of generation had
-left out the orders of the best plans, 157.7 -> 146.2 s and 140.7 -> 126.9 s):
+simulator (:meth:`ChainBounds.bound`):
 
 - compute: all samples over the summed speed of the chain's devices;
 - each hop between consecutive islands: all samples x the model's smallest boundary bytes
@@ -175,7 +172,7 @@ def search_chains(units: list[Unit], bounds: ChainBounds, evaluate: Callable[[Ch
     best closed form so far (the search state keeps it). Returns the result and every evaluated
     chain with its value."""
     total = [max((bounds.speed[i][k] for run in unit for i, k in run), default=0.0) for unit in units]
-    heap: list[tuple[float, float, int, int, tuple[int, ...], Chain]] = []
+    heap: list[tuple[float, int, int, tuple[int, ...], Chain]] = []
     tick = itertools.count()
     considered = 0
 
@@ -183,13 +180,10 @@ def search_chains(units: list[Unit], bounds: ChainBounds, evaluate: Callable[[Ch
         nonlocal considered
         considered += 1
         rest = sum(total[u] for u in range(len(units)) if u not in used)
-        # ties in the bound (the compute term binds for every order of one set of islands) go to
-        # the chain with the least worst hop plus round-trip latency ([Note: chain search])
-        links = sum(bounds.hops(chain))
         if (allow_exclusion or len(used) == len(units)) and bounds.fits(chain):
-            heapq.heappush(heap, (bounds.bound(chain), links, next(tick), 0, used, chain))
+            heapq.heappush(heap, (bounds.bound(chain), next(tick), 0, used, chain))
         if len(used) < len(units):
-            heapq.heappush(heap, (bounds.bound(chain, rest), links, next(tick), 1, used, chain))
+            heapq.heappush(heap, (bounds.bound(chain, rest), next(tick), 1, used, chain))
 
     for u, unit in enumerate(units):
         for run in unit:
@@ -197,7 +191,7 @@ def search_chains(units: list[Unit], bounds: ChainBounds, evaluate: Callable[[Ch
     done: list[tuple[float, Chain]] = []
     gap, open_bound = 0.0, _INF
     while heap:
-        bound, _, _, kind, used, chain = heapq.heappop(heap)
+        bound, _, kind, used, chain = heapq.heappop(heap)
         best = incumbent()
         if bound >= best * (1 + PRUNE_MARGIN):
             open_bound = bound
