@@ -271,6 +271,8 @@ def _chain_lines(search: SearchState, best_s: float) -> list[str]:
         how = f"every ordered subset of islands, then local search over the devices used ({search.chain_moves} more chains)"
     else:
         how = "every ordered subset of islands"
+    if r.exact and search.chain_walk:
+        how += f", then a walk over islands and orders ({search.chain_walk} more chains)"
     gap = chain_gap(search, best_s)
     budget = f" (stopped at chain_budget {search.options.chain_budget})" if r.gap > 0 else ""
     proof = ("no chain left unevaluated can beat the simulated best" if gap == 0 else

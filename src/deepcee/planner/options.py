@@ -84,6 +84,11 @@ class PlannerOptions:
     have bounds below the best plan found (the printed gap then says how much could be missed;
     a local search over the devices used then evaluates up to ``chain_budget // 5`` more chains
     from each of the two best, [Note: chain search])."""
+    walk_budget: int = 600
+    """Chains the chain walk evaluates after a budget-stopped chain search, on clusters of at most
+    ``polish_max_devices`` devices ([Note: chain search] in :mod:`deepcee.planner.chains`); 0: no
+    walk. Its chain is searched on its own after the main search and kept only where the simulator
+    rates its plan faster."""
     grain_budget: int = 24
     """Layouts the per-island granularity search evaluates per chain, on the best chains (see
     [Note: mixed granularity] in :mod:`deepcee.planner.grains`); 0: one granularity per chain."""
@@ -138,7 +143,7 @@ class PlannerOptions:
         if self.max_stages is not None and self.max_stages < 1:
             raise PlanError(f"max_stages must be >= 1, got {self.max_stages!r}", field="max_stages")
         for name in ("sweep_top", "model_top", "refine_top", "compact_top", "confirm_top", "exhaustive_islands",
-                     "chain_budget", "refine_best_guides", "grain_budget", "grain_chains", "screen_top", "screen_keep",
+                     "chain_budget", "walk_budget", "refine_best_guides", "grain_budget", "grain_chains", "screen_top", "screen_keep",
                      "polish_budget", "polish_restarts", "polish_max_devices", "recompute_variant_budget"):
             if getattr(self, name) < 0:
                 raise PlanError(f"must be >= 0, got {getattr(self, name)!r}", field=name)

@@ -105,6 +105,7 @@ from deepcee.planner.chains import (
     island_units,
     merged_units,
     search_chains,
+    walk_chains,
 )
 from deepcee.planner.cost_model import AnalyticCostModel
 from deepcee.planner.explain import Counterfactual, explain
@@ -222,6 +223,9 @@ def _search_chains(search: SearchState, dist: np.ndarray) -> None:
     search.chain_result = result
     best_chains = sorted(done)
     ends = _devices_used_search(search, best_chains, evaluate) if exact and result.gap > 0 else []
+    walked = (_chain_walk(search, bounds, best_chains, evaluate)
+              if exact and result.gap > 0 and opts.walk_budget > 0
+              and len(search.cluster.device_names) <= opts.polish_max_devices else [])
     for _, chain in best_chains[:4]:  # the best chains with every microbatch size
         _lay_out_in_full(search, chain, grains=False)
     if opts.grain_budget > 0:  # each island its own granularity on the best chains
@@ -241,6 +245,8 @@ def _search_chains(search: SearchState, dist: np.ndarray) -> None:
             search.second_look = _guarded_climbs(search, climbed, best_chains[tried:])  # [Note: second look]
     for chain in ends:
         _confirmed_end(search, chain)
+    if walked:  # searched on their own after the main search, as the second look's
+        search.walk_look = _laid_out_apart(search, walked)
     if not exact and done:
         keeps = [len(isl.groups) for isl in g.islands]
         for value, chain in best_chains[:2]:  # the two best merged chains seed the local search
@@ -313,13 +319,15 @@ def _guarded_climbs(search: SearchState, first: list[Chain], later: list[tuple[f
     return added if keep else []
 
 
-def _second_look(search: SearchState, top: list[Candidate], cands: list[Candidate]) -> tuple[list[Candidate], list[Candidate]]:
-    """Steps 2-4 on :attr:`~deepcee.planner.steps.SearchState.second_look`'s configurations alone
-    ([Note: second look]); ``(top, cands)`` with its plans where its best simulates faster than
-    ``top[0]``, else as they were (and the search state restored)."""
+def _second_look(search: SearchState, top: list[Candidate], cands: list[Candidate], extra: list[Config] | None = None,
+                 what: str = "the granularity climbs with two-island moves") -> tuple[list[Candidate], list[Candidate]]:
+    """Steps 2-4 on the configurations ``extra`` alone (:attr:`~deepcee.planner.steps.SearchState.
+    second_look`'s unless given) ([Note: second look]); ``(top, cands)`` with its plans where its
+    best simulates faster than ``top[0]``, else as they were (and the search state restored);
+    ``what``: where the configurations came from, for the note."""
     opts = search.options
     saved = _snapshot(search)
-    extra = search.second_look
+    extra = search.second_look if extra is None else extra
     for cfg in extra:
         search.configs.setdefault((cfg.layout.slots, cfg.n, cfg.split, cfg.recompute), cfg)
     layouts = {cfg.layout.slots for cfg in extra}
@@ -346,9 +354,8 @@ def _second_look(search: SearchState, top: list[Candidate], cands: list[Candidat
         new = sorted(_dedupe(new + _compacts(search, new, ranked)), key=rank_key)
         got = _confirm(search, new)
         if got and got[0].simulated is not None and got[0].score_s < top[0].score_s * (1 - 1e-9):  # faster, not a tie
-            search.notes.append(f"the best plan came from a second look at the granularity climbs with two-island "
-                                f"moves ({got[0].score_s:.4g} s against the main search's {top[0].score_s:.4g} s, "
-                                "simulated)")
+            search.notes.append(f"the best plan came from a second look at {what} ({got[0].score_s:.4g} s against "
+                                f"the main search's {top[0].score_s:.4g} s, simulated)")
             search.compact_used, search.refine_used = saved.counters[:2]  # the main search's budgets
             return sorted(got + top, key=final_rank_key), sorted(_dedupe(cands + new), key=rank_key)
     _restore(search, saved)  # not taken: the search as the main search left it
@@ -382,6 +389,38 @@ def _devices_used_search(search: SearchState, best_chains: list[tuple[float, Cha
                 ends.append(end)
     _restore(search, saved)
     return ends
+
+
+def _chain_walk(search: SearchState, bounds: ChainBounds, best_chains: list[tuple[float, Chain]],
+                evaluate: Callable[[Chain], float]) -> list[Chain]:
+    """The chain walk after a budget-stopped chain search ([Note: chain search]) from the best
+    chain: ``[its end]`` where it beats the best chain's closed form, else ``[]``. Every
+    configuration it added is taken back."""
+    if not best_chains or not math.isfinite(best_chains[0][0]):
+        return []
+    g, opts = search.grouping, search.options
+    saved = _snapshot(search)
+    value, chain = best_chains[0]
+    got, end, spent = walk_chains(chain, value, evaluate, islands=len(g.islands),
+                                  keeps=[len(isl.groups) for isl in g.islands], allow_exclusion=opts.allow_exclusion,
+                                  budget=opts.walk_budget, fits=bounds.fits,
+                                  known={c: v for v, c in best_chains})
+    search.chain_walk = spent
+    _restore(search, saved)
+    return [end] if got < value * (1 - 1e-9) else []
+
+
+def _laid_out_apart(search: SearchState, chains: list[Chain]) -> list[Config]:
+    """The configurations of ``chains`` laid out in full (with the granularity search), taken back
+    from the main search and returned, to be searched on their own ([Note: chain search])."""
+    saved = _snapshot(search)
+    for chain in chains:
+        _lay_out_in_full(search, chain, grains=search.options.grain_budget > 0)
+    added = [cfg for key, cfg in search.configs.items() if key not in saved.configs]
+    _restore(search, saved)
+    for cfg in added:
+        cfg.screened.clear()
+    return added
 
 
 def _confirmed_end(search: SearchState, chain: Chain) -> bool:
@@ -530,6 +569,8 @@ def _plan_training(cluster: Cluster, model: ModelProfile, global_batch: int, *,
     top = _confirm(search, cands)
     if search.second_look:  # [Note: second look]
         top, cands = _second_look(search, top, cands)
+    if search.walk_look:  # the chain walk's chain ([Note: chain search] in deepcee.planner.chains)
+        top, cands = _second_look(search, top, cands, search.walk_look, "the chain walk's island chain")
     best = top[0]
     _progress(options, "explanation", 0.0)
     explanation, counterfactuals = explain(search, best, cands)

@@ -132,11 +132,17 @@ class SearchState:
     second_look: list[Config] = field(default_factory=list)
     """Configurations of the guarded granularity climbs, taken back from the main search and
     searched on their own after it ([Note: second look] in :mod:`deepcee.planner.search`)."""
+    walk_look: list[Config] = field(default_factory=list)
+    """Configurations of the chain walk's chain, taken back from the main search and searched on
+    their own after it, as the second look's ([Note: chain search] in
+    :mod:`deepcee.planner.chains`)."""
     _pipes: dict[tuple, float] = field(default_factory=dict)
     chain_result: ChainResult | None = None
     """What the chain search did (see [Note: chain search])."""
     chain_moves: int = 0
     """Chains evaluated by the local search (clusters of more than ``exhaustive_islands`` islands)."""
+    chain_walk: int = 0
+    """Chains evaluated by the chain walk after a budget-stopped chain search ([Note: chain search])."""
     pieces: dict[tuple, tuple] = field(default_factory=dict)
     """Each island's stages per (island, groups kept, merged, granularity): the memo of
     :func:`~deepcee.planner.space.chain_layouts` (chains share islands)."""
