@@ -164,13 +164,15 @@ def test_cli_no_polish(tmp_path, monkeypatch) -> None:
     budgets = []
     real = search_mod.polish_layout
     monkeypatch.setattr(search_mod, "polish_layout", lambda search, cands: budgets.append(
-        (search.options.polish_budget, search.options.second_look)) or real(search, cands))
+        (search.options.polish_budget, search.options.second_look, search.options.walk_budget))
+        or real(search, cands))
     for flag in ((), ("--no-polish",)):
         out = tmp_path / "p.json"
         assert cli.main(["plan", "--scenario", "local-small", "--model", "resnet-tiny", "--global-batch", "16",
                          *flag, "-o", str(out)]) == 0
         assert json.loads(out.read_text())["schema_version"]
-    assert budgets == [(PlannerOptions().polish_budget, True), (0, False)]  # no polish, no second look
+    # no polish, no second look, no chain walk
+    assert budgets == [(PlannerOptions().polish_budget, True, PlannerOptions().walk_budget), (0, False, 0)]
 
 
 def test_boundary_moves_are_one_layer_and_recompute_only_where_needed() -> None:
