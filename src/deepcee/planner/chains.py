@@ -92,6 +92,7 @@ PRUNE_MARGIN = 0.3
 closed form can be optimistic, and the bound must not cut a chain the simulator would prefer.
 The gap printed is against the simulated best, so it holds whatever the closed form said."""
 
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ChainResult:
     """What :func:`search_chains` did."""
