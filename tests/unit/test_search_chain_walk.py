@@ -104,7 +104,9 @@ def test_the_walk_never_makes_the_plan_slower(slow: float) -> None:
     assert any("the chain walk's island chain" in line for line in with_walk.explanation)
 
 
-def test_walk_budget_is_validated() -> None:
-    with pytest.raises(PlanError, match="walk_budget"):
-        PlannerOptions(walk_budget=-1)
+@pytest.mark.parametrize("bad", [-1, 2.5, float("nan"), "600", True])
+@pytest.mark.parametrize("field", ["walk_budget", "chain_budget"])
+def test_walk_budget_is_validated(field: str, bad) -> None:
+    with pytest.raises(PlanError, match=f"{field}: must be an integer >= 0"):
+        PlannerOptions(**{field: bad})
     assert PlannerOptions().walk_budget > 0 and PlannerOptions(walk_budget=0).walk_budget == 0

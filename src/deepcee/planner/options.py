@@ -7,6 +7,7 @@ and its callers (``compare``, the adapter, the CLI) import it without importing 
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -145,8 +146,9 @@ class PlannerOptions:
         for name in ("sweep_top", "model_top", "refine_top", "compact_top", "confirm_top", "exhaustive_islands",
                      "chain_budget", "walk_budget", "refine_best_guides", "grain_budget", "grain_chains", "screen_top", "screen_keep",
                      "polish_budget", "polish_restarts", "polish_max_devices", "recompute_variant_budget"):
-            if getattr(self, name) < 0:
-                raise PlanError(f"must be >= 0, got {getattr(self, name)!r}", field=name)
+            value = getattr(self, name)
+            if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 0:
+                raise PlanError(f"must be an integer >= 0, got {value!r}", field=name)
         if not isinstance(self.second_look, bool):
             raise PlanError(f"must be true or false, got {self.second_look!r}", field="second_look")
         if self.exhaustive_islands < 1:
