@@ -110,3 +110,12 @@ def test_walk_budget_is_validated(field: str, bad) -> None:
     with pytest.raises(PlanError, match=f"{field}: must be an integer >= 0"):
         PlannerOptions(**{field: bad})
     assert PlannerOptions().walk_budget > 0 and PlannerOptions(walk_budget=0).walk_budget == 0
+
+
+def test_a_budget_beyond_the_chains_within_reach_ends() -> None:
+    """Islands 0-2 hold 15 ordered subsets: a budget of 10**12 evaluates each once and returns."""
+    calls: list = []
+    value, end, spent = walk_chains(START, 10.0, _toy(calls), islands=3, keeps=[1] * 3, allow_exclusion=True,
+                                    budget=10**12, fits=_fits)
+    assert spent == len(calls) == len(set(calls)) <= 15
+    assert value <= 10.0

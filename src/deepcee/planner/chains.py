@@ -93,6 +93,11 @@ closed form can be optimistic, and the bound must not cut a chain the simulator 
 The gap printed is against the simulated best, so it holds whatever the closed form said."""
 
 
+WALK_MAX_BUDGET = 10_000
+"""The chain walk's perturbations are at most 4x this (and 4x its budget): past it, a budget larger
+than the chains within reach would keep perturbing among chains already seen."""
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ChainResult:
     """What :func:`search_chains` did."""
@@ -291,7 +296,8 @@ def walk_chains(start: Chain, value: float, evaluate: Callable[[Chain], float], 
 
     best_v, best_c = descend(start, value)
     tries = 0
-    while spent < budget and tries < 4 * budget:  # tries: perturbations that only met chains seen before
+    while spent < budget and tries < 4 * min(budget, WALK_MAX_BUDGET):  # once the space is seen, perturbations
+        # evaluate nothing new: bounded, or a huge budget on a small space would never end
         tries += 1
         chain = best_c
         for _ in range(2):
