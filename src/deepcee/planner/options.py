@@ -145,7 +145,9 @@ class PlannerOptions:
             raise PlanError(f"max_stages must be >= 1, got {self.max_stages!r}", field="max_stages")
         for name in ("sweep_top", "model_top", "refine_top", "compact_top", "confirm_top", "exhaustive_islands",
                      "chain_budget", "walk_budget", "refine_best_guides", "grain_budget", "grain_chains", "screen_top", "screen_keep",
-                     "polish_budget", "polish_restarts", "polish_max_devices", "recompute_variant_budget"):
+                     "polish_budget", "polish_restarts", "polish_max_devices", "recompute_variant_budget",
+                     "compact_budget", "refine_budget", "score_budget", "screen_budget", "confirm_max_work",
+                     "compact_max_actions"):
             value = getattr(self, name)
             if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 0:
                 raise PlanError(f"must be an integer >= 0, got {value!r}", field=name)
