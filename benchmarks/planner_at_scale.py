@@ -12,10 +12,12 @@ most :data:`STATE_FRACTION` of the summed memory, sequence
 length 1024 or 2048, global batch 256-2048.
 
 The reference (:mod:`wan_reference`, beside this script) shares no search code with the planner.
-Its **global search** enumerates island chains by its own lower bound, lays each out, splits
-layers by its own DP and simulates the best configurations with every schedule, within a
-budget of CPU seconds of its own process (``--budget-s``); it is *not* exhaustive over splits
-and devices per stage (none is affordable at these sizes). Its **polish** starts from deepcee's
+Its **global search** (version 2) screens island chains in the order of its own lower bound,
+walks from the best of them, lays the best chains out with any number of stages per region,
+splits layers by its own DP (for 1F1B's and ZB-H2's microbatches in flight), simulates the
+pooled configurations best first and the best few with every schedule, within a budget of CPU
+seconds of its own process (``--budget-s``); it is *not* exhaustive over chains, splits and
+devices per stage (none is affordable at these sizes). Its **polish** starts from deepcee's
 own plan and takes, step by step, any neighbour in the plan space that simulates faster (another
 schedule, microbatch size, stage count of one region, region order, a region left out or added,
 one stage's recomputation, one boundary), within a count of simulations (the same on any
@@ -52,7 +54,7 @@ from deepcee.simulator.runtime_model import runtime_for
 from deepcee.units import GIB
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from wan_reference import POLISH_SIMULATIONS, polish, reference_search  # noqa: E402  (beside this script)
+from wan_reference import POLISH_SIMULATIONS, REFERENCE_VERSION, polish, reference_search  # noqa: E402  (beside this script)
 
 REGIONS = (  # name, latitude, longitude (public cloud region locations)
     ("us-east", 38.9, -77.4), ("us-west", 45.6, -121.2), ("us-central", 41.3, -95.9), ("ca-central", 45.5, -73.6),
@@ -164,7 +166,8 @@ def _cached_reference(entry: dict, cluster: Cluster, model: ModelProfile) -> dic
             "chains": entry["reference_chains"], "simulated": entry["reference_simulated"],
             "exhausted": entry["reference_exhausted"], "seconds": entry["reference_seconds"],
             "cpu_s": entry.get("reference_cpu_s"), "cached": True,
-            "later_configurations": entry.get("reference_later"), "later_left": entry.get("reference_later_left")}
+            "later_configurations": entry.get("reference_later"), "later_left": entry.get("reference_later_left"),
+            "screened": entry.get("reference_screened"), "walk_steps": entry.get("reference_walk_steps")}
 
 
 SCENARIO_CASES = (
@@ -236,6 +239,8 @@ def run_instance(seed: int | str, budget_s: float = 120.0, tau: bool = False, ca
         "reference_seconds": ref["seconds"], "reference_cpu_s": ref["cpu_s"], "reference_budget_cpu_s": budget_s,
         "reference_cached": bool(ref.get("cached")),
         "reference_plan": ref["plan"].to_dict() if ref["plan"] is not None else None,
+        "reference_version": REFERENCE_VERSION, "reference_screened": ref.get("screened"),
+        "reference_walk_steps": ref.get("walk_steps"),
         "reference_chains": ref["chains"], "reference_later": ref.get("later_configurations"),
         "reference_later_left": ref.get("later_left"),
         "reference_simulated": ref["simulated"], "reference_exhausted": ref["exhausted"], "chain_search": gap_note,
@@ -357,11 +362,15 @@ def main(argv: list[str] | None = None) -> int:
         except (OSError, ValueError, AttributeError) as err:
             ap.error(f"--reference-from: cannot read {args.reference_from!r} as an earlier run's JSON ({err})")
         for r in rows_before:
-            if r.get("reference_budget_cpu_s") == budget and "reference_plan" in r:
+            # a reference of another version of the global search is searched anew (a JSON
+            # without the field is version 1's)
+            if (r.get("reference_budget_cpu_s") == budget and "reference_plan" in r
+                    and r.get("reference_version", 1) == REFERENCE_VERSION):
                 earlier[r["seed"]] = r
         missing = [s for s in seeds if s not in earlier]
         if missing:
-            print(f"{args.reference_from}: no reference at --budget-s {budget:g} for seeds {missing}; searched anew")
+            print(f"{args.reference_from}: no version-{REFERENCE_VERSION} reference at --budget-s {budget:g} for seeds "
+                  f"{missing}; searched anew")
     t0 = time.perf_counter()
     print(f"{'seed':>5}{'dev':>5}{'reg':>4}{'params':>7}{'batch':>6}{'planner s':>11}{'ref s':>11}{'gap %':>8}"
           f"{'plan t':>8}{'cpu t':>7}{'ref cpu':>8}{'regions p/r':>12}{'tau':>6}  note")

@@ -4,22 +4,39 @@ no search code with the planner, scored by the simulator.
 It reuses only the plan format, the compact schedule builder, the memory model and the
 simulator. Two parts:
 
-**The global search** (:func:`reference_search`) enumerates island chains (every ordered subset
-of regions) in increasing order of its own lower bound on the simulated time (all samples over
-the summed device speed; every hop's bytes over its summed pipes plus its latency; the summed
-round-trip latency) and stops when the bound reaches the best simulated time. For each chain it
-tries stages per region (``ceil(devices / g)`` balanced chunks for ``g`` in 1, 2, 4, 8, 16 chosen
-per region independently: every combination up to 3,125, else the same ``g`` everywhere plus one
-region changed at a time), every microbatch size, and the layer split by its own dynamic program
-over a bottleneck-plus-fill bound (memory, plan and runtime terms, with 1F1B's microbatches in
-flight; recomputation where a stage does not fit). The best 4 configurations of each chain are
-simulated with every schedule (compact: the builder's own schedule for the split, as the planner
-builds it), the best plan's split refined by moving one boundary at a time, scored by the
-simulator; then, while the budget lasts, the other configurations of the chains searched (the
-best 2,000 by the DP's value) are simulated in that order, and a new best is refined again. Its
-budget is CPU seconds of its own process, so a busy machine does not weaken it much; it is *not*
-exhaustive over splits and devices per stage (no exhaustive search of those is affordable at
-these sizes).
+**The global search** (:func:`reference_search`), version 2 (:data:`REFERENCE_VERSION`), in
+phases, each ending at a fraction of its budget of CPU seconds of its own process (so a busy
+machine does not weaken it much):
+
+1. *Screen* (to :data:`SCREEN_SHARE`): island chains (every ordered subset of regions that holds
+   the model's state) in increasing order of its own lower bound on the simulated time (all
+   samples over the summed device speed; every hop's bytes over its summed pipes plus its
+   latency; the summed round-trip latency), each valued by its best configuration with the same
+   stages-per-region rule everywhere (``ceil(devices / g)`` balanced chunks, ``g`` in 1, 2, 4, 8,
+   16).
+2. *Descents* (to :data:`WALK_SHARE`, only where the screen did not reach every chain): from each
+   of the :data:`WALK_STARTS` best screened chains, the neighbour chain (two islands swapped, one
+   moved, replaced by a left-out one, dropped or added) the screen values best, while it improves;
+   then from the best chain found, two seeded random moves away, again and again (an iterated
+   local search, deterministic).
+3. *Layouts* (to :data:`LAYOUT_SHARE`): the chains in the screen's order, each with any number of
+   balanced stages per region (from the best screen layout, a descent that changes one region's
+   count at a time; the best :data:`KEEP` layouts seen with every size), and the layer split by its own
+   dynamic program over a bottleneck-plus-fill bound (memory with the plan and runtime terms and
+   the microbatches in flight of 1F1B and of ZB-H2, each its own split; recomputation where a
+   stage does not fit). The best :data:`KEEP` configurations of each chain are pooled.
+4. *Quick simulations* (to :data:`SIMULATE_SHARE`): the pool by the DP's value, each with the
+   schedule its split was made for, where a device is over its memory its stages recomputing too.
+5. *Final*: the :data:`FINAL` best simulated get every schedule, with the DP's recomputation and
+   with every stage recomputing, and compact (the builder's own schedule for the split, as the
+   planner builds it); the best plan's split is refined by moving one boundary at a time.
+
+Every plan is scored by the simulator. It is *not* exhaustive over chains, splits and devices
+per stage (no exhaustive search of those is affordable at these sizes); ``exhausted`` says when
+every chain under its final bound was laid out and simulated. Version 1 (sessions up to 22)
+enumerated chains by the bound alone, laid out ``g`` in 1, 2, 4, 8, 16 only, split for 1F1B
+only, and simulated every schedule of each chain's best 4 at once: at 20 CPU s deepcee beat it
+on 99 of 100 instances (by 28% at the median).
 
 **The polish** (:func:`polish`) is a local search from a given plan (``planner_at_scale`` gives
 it deepcee's own plan), every neighbour scored by the simulator, first improvement of more than
@@ -44,6 +61,7 @@ import dataclasses
 import heapq
 import itertools
 import math
+import random
 import time
 from collections.abc import Iterator
 
@@ -60,8 +78,20 @@ from deepcee.simulator.engine import simulate
 from deepcee.simulator.memory import device_memory
 from deepcee.simulator.runtime_model import runtime_for
 
-LATER = 2000
-"""At most this many configurations are kept for the reference's later phase."""
+REFERENCE_VERSION = 2
+"""Bumped when the global search changes (a cached result of another version is not reused)."""
+KEEP = 8
+"""Configurations of each chain (best by the split DP's value) pooled for simulation."""
+SCREEN_SHARE, LAYOUT_SHARE, SIMULATE_SHARE = 0.15, 0.6, 0.85
+"""The budget's fractions (CPU seconds) by which the screen of chains, the layouts of the best
+screened chains and the quick simulations stop; the rest is for the final schedules and the
+refinement."""
+WALK_SHARE = 0.4
+"""The budget's fraction by which the descents over chains stop."""
+WALK_STARTS = 3
+"""Chains (best screened) each descent starts from."""
+FINAL = 3
+"""Configurations (best simulated) that get every schedule and compact."""
 SCHEDULES = ("gpipe", "1f1b", "zb-h1", "zb-h2")
 POLISH_SIMULATIONS = 80
 """Most simulations one polish spends (a count, so the polish is the same on any machine)."""
@@ -86,6 +116,7 @@ class _Reference:
         self.flops = model.flops_per_sample()
         self.least_bytes = min(model.boundary_bytes(b) for b in range(1, self.L))
         self.best: tuple[float, Plan | None] = (math.inf, None)
+        self.last = None  # the last plan's simulation (None where it did not simulate)
         self.simulated = 0
         self.chains = 0
         self.exhausted = True
@@ -94,6 +125,7 @@ class _Reference:
         # the reference's budget rebuilding them; the results are the same, the reference just
         # gets further within its budget).
         self._memo: dict = {}
+        self.sizes = [n for n in range(1, batch + 1) if batch % n == 0]
 
     # -- bound and chains ---------------------------------------------------------------
     def _speed(self, devs: tuple[str, ...]) -> float:
@@ -117,52 +149,91 @@ class _Reference:
         for i, j in itertools.permutations(range(n), 2):
             hop[i, j] = self.batch * self.least_bytes / self._pipes(self.islands[i], self.islands[j])
             lat[i, j] = self.c.link(self.islands[i][0], self.islands[j][0]).latency_s
-        out = []
-        for k in range(1, n + 1):
-            for order in itertools.permutations(range(n), k):
-                if sum(mem[i] for i in order) < state:
-                    continue
-                worst = max((max(hop[a, b] + lat[a, b], hop[b, a] + lat[b, a])
-                             for a, b in itertools.pairwise(order)), default=0.0)
-                trip = sum(lat[a, b] + lat[b, a] for a, b in itertools.pairwise(order))
-                out.append((max(self.batch / sum(speed[i] for i in order), worst, trip), order))
+        pair = [[max(hop[a, b] + lat[a, b], hop[b, a] + lat[b, a]) for b in range(n)] for a in range(n)]
+        trips = [[lat[a, b] + lat[b, a] for b in range(n)] for a in range(n)]
+        out: list[tuple[float, tuple[int, ...]]] = []
+
+        def grow(order: tuple[int, ...], fast: float, room: float, worst: float, trip: float) -> None:
+            # every chain once, its terms summed along the way (the same bound as over permutations)
+            if order and room >= state:
+                out.append((max(self.batch / fast, worst, trip), order))
+            for i in range(n):
+                if i not in order:
+                    a = order[-1] if order else None
+                    grow(order + (i,), fast + speed[i], room + mem[i],
+                         worst if a is None else max(worst, pair[a][i]), trip if a is None else trip + trips[a][i])
+
+        grow((), 0.0, 0.0, 0.0, 0.0)
         out.sort()
         return out
 
     def layouts(self, order: tuple[int, ...]) -> list[list[tuple[str, ...]]]:
-        opts = []
-        for i in order:
-            devs = self.islands[i]
-            ks = sorted({math.ceil(len(devs) / g) for g in (1, 2, 4, 8, 16)})
-            opts.append([_chunks(devs, k) for k in ks])
-        combos = math.prod(len(o) for o in opts)
-        if combos <= 3125:
-            picks = itertools.product(*[range(len(o)) for o in opts])
-        else:  # the same g everywhere, then one region changed at a time
-            uniform = [tuple(min(g, len(o) - 1) for o in opts) for g in range(5)]
-            picks = list(dict.fromkeys(uniform + [u[:r] + (x,) + u[r + 1:] for u in uniform
-                                                  for r in range(len(opts)) for x in range(len(opts[r]))]))
-        out = []
-        for pick in picks:
-            slots = [c for o, p in zip(opts, pick, strict=True) for c in o[p]]
-            if len(slots) <= self.L:
-                out.append(slots)
-        every = tuple(d for i in order for d in self.islands[i])
+        """The screen's layouts of a chain: the same ``g`` in every region (``ceil(devices / g)``
+        balanced chunks, ``g`` in 1, 2, 4, 8, 16), and the whole chain as one stage."""
+        opts = [[_chunks(self.islands[i], math.ceil(len(self.islands[i]) / g)) for g in (1, 2, 4, 8, 16)]
+                for i in order]
+        out = [slots for g in range(5) if len(slots := [c for o in opts for c in o[g]]) <= self.L]
+        out = list({tuple(x): x for x in out}.values())
         if len(order) > 1:
-            out.append([every])
+            out.append([tuple(d for i in order for d in self.islands[i])])
+        return out
+
+    def configs(self, slots: list[tuple[str, ...]], pairs: list[tuple[int, str]] | None = None) -> list[tuple]:
+        """Every microbatch size and split (the DP's, for 1F1B's and ZB-H2's microbatches in
+        flight) of a layout, or those of ``pairs`` (size, schedule) only:
+        ``(value, slots, n, cut, recompute, schedule)``."""
+        out = []
+        for n, schedule in pairs or [(n, s) for n in self.sizes for s in ("zb-h1", "zb-h2")]:
+            if n >= max(len(s) for s in slots):
+                got = self.split(slots, n, schedule)
+                if got is not None:
+                    out.append((got[0], slots, n, got[1], got[2], schedule))
+        return out
+
+    def chain_configs(self, order: tuple[int, ...], keep: int) -> list[tuple]:
+        """The configurations of a chain over any number of balanced stages per region: from the
+        best screen layout, a descent that changes one region's stage count at a time while the
+        DP's value (its best microbatch size, split for 1F1B's microbatches in flight) improves;
+        then every size and schedule of the best ``keep`` layouts seen."""
+        opts = [[_chunks(self.islands[i], k) for k in range(1, len(self.islands[i]) + 1)] for i in order]
+        starts = {tuple(math.ceil(len(o) / g) - 1 for o in opts) for g in (1, 2, 4, 8, 16)}
+        pairs = [(n, "zb-h1") for n in self.sizes]
+        seen: dict[tuple[int, ...], float] = {}
+
+        def value(pick: tuple[int, ...]) -> float:
+            if pick not in seen:
+                slots = [c for o, x in zip(opts, pick, strict=True) for c in o[x]]
+                seen[pick] = (min((c[0] for c in self.configs(slots, pairs)), default=math.inf)
+                              if len(slots) <= self.L else math.inf)
+            return seen[pick]
+
+        here = min(starts, key=lambda p: (value(p), p))
+        moved = math.isfinite(value(here))
+        while moved:
+            moved = False
+            for r, o in enumerate(opts):
+                best = min((here[:r] + (x,) + here[r + 1:] for x in range(len(o))), key=lambda p: (value(p), p))
+                if value(best) < value(here):
+                    here, moved = best, True
+        top = sorted((v, p) for p, v in seen.items() if math.isfinite(v))[:keep]
+        out = [c for _, p in top for c in self.configs([c for o, x in zip(opts, p, strict=True) for c in o[x]])]
+        if len(order) > 1:
+            out += self.configs([tuple(d for i in order for d in self.islands[i])])
         return out
 
     # -- the split ------------------------------------------------------------------------
-    def split(self, slots: list[tuple[str, ...]], n: int) -> tuple[float, list[int], list[bool]] | None:
-        """Bottleneck DP (memory with 1F1B's microbatches in flight, ``min(S - s, M)`` on stage
-        ``s`` of ``S``; recompute where needed), then the bound ``bottleneck + one microbatch
-        through everything else``."""
+    def split(self, slots: list[tuple[str, ...]], n: int,
+              schedule: str = "zb-h1") -> tuple[float, list[int], list[bool]] | None:
+        """Bottleneck DP (memory with the schedule's microbatches in flight: ``min(S - s, M)`` on
+        stage ``s`` of ``S`` for 1F1B and ZB-H1, ``min(2 (S - s) - 1, M)`` for ZB-H2; recompute
+        where needed), then the bound ``bottleneck + one microbatch through everything else``."""
         m, L = self.batch // n, self.L
         size = L + 1
         invalid = np.tril(np.ones((size, size), dtype=bool))
         loads, per_mb, flags = [], [], []
         for s, devs in enumerate(slots):
-            key = ("stage", devs, n, m, min(len(slots) - s, m))
+            ahead = len(slots) - s
+            key = ("stage", devs, n, m, min(2 * ahead - 1 if schedule == "zb-h2" else ahead, m))
             if key not in self._memo:
                 comp, rc = self._stage(devs, _shares(self.c, devs, n), m, key[-1])
                 self._memo[key] = (np.where(invalid, np.inf, comp), comp / m, rc)
@@ -272,18 +343,45 @@ class _Reference:
         return max(per.values()) * bytes_, np.full(self.L + 1, lat)
 
     # -- simulated candidates ----------------------------------------------------------
-    def plans(self, slots: list[tuple[str, ...]], n: int, cut: list[int], flags: list[bool]) -> list[Plan]:
-        stages = tuple(StagePlan(layer_start=cut[s], layer_stop=cut[s + 1], devices=devs,
-                                 shares=_shares(self.c, devs, n), recompute=flags[s]) for s, devs in enumerate(slots))
-        base = Plan(system="reference", cluster=self.c.name, model=self.m.name, global_batch=self.batch,
-                    microbatch_size=n, num_microbatches=self.batch // n, stages=stages, schedule="zb-h1")
+    def plans(self, slots: list[tuple[str, ...]], n: int, cut: list[int], flags: list[bool],
+              schedule: str = "zb-h1") -> list[Plan]:
         # The split DP counts 1F1B's microbatches in flight; schedules that keep more in flight
         # (GPipe, ZB-H2) may only fit when every stage recomputes, so both variants are simulated.
-        every = base.replace(stages=tuple(dataclasses.replace(st, recompute=True) for st in stages))
+        base, every = self._variants(slots, n, cut, flags)
+        stages = base.stages
         out = [p.replace(schedule=s) for p in (base, every) for s in SCHEDULES]
         if len(stages) > 1:
             out += [got for got in (_compact(p, self.c, self.m) for p in (base, every)) if got is not None]
         return out
+
+    def quick(self, slots: list[tuple[str, ...]], n: int, cut: list[int], flags: list[bool],
+              schedule: str = "zb-h1") -> float:
+        """The quick simulation of a configuration: the schedule its split was made for, with the
+        DP's recomputation, repaired where it does not fit."""
+        base, _ = self._variants(slots, n, cut, flags)
+        return self.fitted(base.replace(schedule=schedule))
+
+    def fitted(self, plan: Plan) -> float:
+        """``plan`` simulated; while a device is over its memory, its stages recompute too and
+        the plan is simulated again (the recomputation the schedule needs, stage by stage)."""
+        got = self.score(plan)
+        while not math.isfinite(got) and self.last is not None:
+            over = {d for d, v in self.last.peak_memory_bytes.items() if v > self.c.memory_bytes(d)}
+            stages = tuple(dataclasses.replace(st, recompute=True) if not st.recompute and over & set(st.devices)
+                           else st for st in plan.stages)
+            if stages == plan.stages:
+                break
+            plan = plan.replace(stages=stages)
+            got = self.score(plan)
+        return got
+
+    def _variants(self, slots: list[tuple[str, ...]], n: int, cut: list[int], flags: list[bool]) -> tuple[Plan, Plan]:
+        """The configuration as a plan with the DP's recomputation, and with every stage recomputing."""
+        stages = tuple(StagePlan(layer_start=cut[s], layer_stop=cut[s + 1], devices=devs,
+                                 shares=_shares(self.c, devs, n), recompute=flags[s]) for s, devs in enumerate(slots))
+        base = Plan(system="reference", cluster=self.c.name, model=self.m.name, global_batch=self.batch,
+                    microbatch_size=n, num_microbatches=self.batch // n, stages=stages, schedule="zb-h1")
+        return base, base.replace(stages=tuple(dataclasses.replace(st, recompute=True) for st in stages))
 
     def over(self) -> bool:
         """Past the CPU budget once a feasible plan is known (else past three budgets)."""
@@ -294,11 +392,13 @@ class _Reference:
         if self.over():
             self.exhausted = False
             return math.inf
+        self.last = None
         try:
             sim = simulate(plan, self.c, self.m, record=False)
         except DeepceeError:
             return math.inf
         self.simulated += 1
+        self.last = sim
         if any(v > self.c.memory_bytes(d) for d, v in sim.peak_memory_bytes.items()):
             return math.inf
         if sim.iteration_s < self.best[0]:
@@ -385,55 +485,123 @@ def _compact(plan: Plan, cluster: Cluster, model: ModelProfile) -> Plan | None:
 
 
 def reference_search(cluster: Cluster, model: ModelProfile, batch: int, *, budget_s: float = 120.0,
-                     keep: int = 4) -> dict:
+                     keep: int = KEEP) -> dict:
     """The reference of the module docstring; returns its best plan, time and effort."""
     t0, c0 = time.perf_counter(), time.process_time()
     ref = _Reference(cluster, model, batch, budget_s)
-    sizes = [n for n in range(1, batch + 1) if batch % n == 0]
-    # Every configuration the chains gave beyond the ``keep`` simulated at once, best first by
-    # the DP's value: simulated afterwards while the budget lasts (on small clusters the chain
-    # bound ends the chain phase early, and the DP's value is only a guide: simulated times
-    # were 0.97-1.9x it, in a different order), at most ``LATER`` of them.
-    later: list[tuple[float, int, list, int, list[int], list[bool]]] = []
-    tick = itertools.count()
-    for bound, order in ref.chain_bounds():
-        if bound >= ref.best[0] or ref.over():
-            ref.exhausted = bool(ref.exhausted and bound >= ref.best[0])  # a numpy bool is no JSON
+
+    def configs(order: tuple[int, ...], uniform: bool) -> list[tuple]:
+        if uniform:
+            return [c for slots in ref.layouts(order) for c in ref.configs(slots)]
+        return ref.chain_configs(order, keep)
+
+    # 1. the screen: every chain in bound order, valued by its best configuration with the same
+    # stages-per-region rule in every region (cheap: a few DPs per microbatch size)
+    chains = ref.chain_bounds()
+    screened: list[tuple[float, float, tuple[int, ...]]] = []
+    for bound, order in chains:
+        if time.process_time() > c0 + SCREEN_SHARE * budget_s and len(screened) >= WALK_STARTS:
             break
+        value = min((v for v, *_ in configs(order, uniform=True)), default=math.inf)
+        if math.isfinite(value):
+            screened.append((value, bound, order))
+    # 2. where the screen did not reach every chain: a descent from each of its best chains,
+    # taking the neighbour (two islands swapped, one moved, replaced, dropped or added) the screen
+    # values best while it improves; every chain it values joins the screened ones
+    value_of = {order: value for value, _, order in screened}
+    bound_of = dict((order, bound) for bound, order in chains)  # the chains that fit memory
+
+    def screen_value(order: tuple[int, ...]) -> float:
+        if order not in value_of:
+            value_of[order] = min((v for v, *_ in configs(order, uniform=True)), default=math.inf)
+        return value_of[order]
+
+    walked = 0
+    if len(value_of) < len(chains):
+        rng = random.Random(0)  # deterministic: the same instance gives the same reference
+        starts = [order for _, _, order in sorted(screened)[:WALK_STARTS]]
+        best = min(starts, key=lambda o: (screen_value(o), o), default=None)
+        while (best is not None and time.process_time() < c0 + WALK_SHARE * budget_s
+               and len(value_of) < len(bound_of)):  # (every chain valued is in bound_of)
+            if starts:
+                here = starts.pop(0)
+            else:  # then from the best chain, two random moves away (iterated local search)
+                here = best
+                for _ in range(2):
+                    here = rng.choice([o for o in _chain_moves(here, len(ref.islands)) if o in bound_of] or [here])
+            while time.process_time() < c0 + WALK_SHARE * budget_s:
+                steps = [o for o in _chain_moves(here, len(ref.islands)) if o in bound_of]
+                step = min(steps, key=lambda o: (screen_value(o), o), default=None)
+                if step is None or screen_value(step) >= screen_value(here):
+                    break
+                here, walked = step, walked + 1
+            if screen_value(here) < screen_value(best):
+                best = here
+    screened = sorted((v, bound_of[o], o) for o, v in value_of.items() if math.isfinite(v))
+    # 2. every layout of the chains in the screen's order, their configurations pooled
+    pool: list[tuple] = []
+    tick = itertools.count()
+    full: set[tuple[int, ...]] = set()
+    for _, _, order in screened:
+        if time.process_time() > c0 + LAYOUT_SHARE * budget_s:
+            break
+        best = heapq.nsmallest(keep, ((v, next(tick), *rest) for v, *rest in configs(order, uniform=False)))
+        pool.extend(best)
+        full.add(order)
         ref.chains += 1
-        local: list = []
-        for slots in ref.layouts(order):
-            if ref.over():  # one chain can hold thousands of layouts
-                ref.exhausted = False
-                break
-            for n in sizes:
-                if n < max(len(s) for s in slots):
-                    continue
-                got = ref.split(slots, n)
-                if got is not None:
-                    heapq.heappush(local, (got[0], next(tick), slots, n, got[1], got[2]))
-        best = heapq.nsmallest(keep + LATER, local)
-        for item in best[:keep]:
-            for plan in ref.plans(*item[2:]):
-                ref.score(plan)
-        later = heapq.nsmallest(LATER, later + best[keep:])
+    pool.sort()
+    # 3. the pooled configurations by the DP's value, two zero-bubble schedules each (the
+    # cheap simulations); 4. every schedule and compact on the best few, and the best refined
+    done, results = 0, []
+    for item in pool:
+        if time.process_time() > c0 + SIMULATE_SHARE * budget_s and ref.best[1] is not None:
+            break
+        got = ref.quick(*item[2:])
+        results.append((got, next(tick), item))
+        done += 1
+    for _, _, item in heapq.nsmallest(FINAL, results):
+        for plan in ref.plans(*item[2:]):
+            ref.score(plan)
     if ref.best[1] is not None:
         ref.refine(ref.best[1])
-    chains_done, refined = ref.exhausted, ref.best[1]
-    done = 0
-    # the later phase leaves a fifth of the budget to refine a new best
-    while done < len(later) and time.process_time() < ref.deadline - 0.2 * budget_s and ref.best[1] is not None:
-        for plan in ref.plans(*later[done][2:]):
-            ref.score(plan)
-        done += 1
-    if ref.best[1] is not refined:
-        ref.refine(ref.best[1])
-    ref.exhausted = chains_done
-    return {"plan": ref.best[1], "iteration_s": ref.best[0], "chains": ref.chains, "simulated": ref.simulated,
-            "later_configurations": done, "later_left": len(later) - done,
+    # every chain under the final bound searched in full (its best ``keep`` simulated)
+    simulated_orders = {tuple(_order_of(ref, item[2])) for _, _, item in results}
+    ref.exhausted = all(order in full and order in simulated_orders for bound, order in chains
+                        if bound < ref.best[0])
+    return {"plan": ref.best[1], "iteration_s": ref.best[0], "chains": ref.chains, "screened": len(screened),
+            "walk_steps": walked,
+            "simulated": ref.simulated, "later_configurations": done, "later_left": len(pool) - done,
             "exhausted": ref.exhausted, "seconds": time.perf_counter() - t0, "cpu_s": time.process_time() - c0}
 
 
+def _chain_moves(order: tuple[int, ...], islands: int) -> Iterator[tuple[int, ...]]:
+    """The chains one step from ``order``: two islands swapped, one moved, one replaced by an
+    island left out, one dropped, one added at any place."""
+    n, out = len(order), [i for i in range(islands) if i not in order]
+    for a, b in itertools.combinations(range(n), 2):
+        yield order[:a] + (order[b],) + order[a + 1:b] + (order[a],) + order[b + 1:]
+    for a in range(n):
+        rest = order[:a] + order[a + 1:]
+        for b in range(n):
+            if b != a:
+                yield rest[:b] + (order[a],) + rest[b:]
+        for i in out:
+            yield order[:a] + (i,) + order[a + 1:]
+        if n > 1:
+            yield rest
+    for i in out:
+        for b in range(n + 1):
+            yield order[:b] + (i,) + order[b:]
+
+
+def _order_of(ref: _Reference, slots: list[tuple[str, ...]]) -> list[int]:
+    region = {d: k for k, devs in enumerate(ref.islands) for d in devs}
+    out: list[int] = []
+    for devs in slots:
+        for d in devs:
+            if not out or out[-1] != region[d]:
+                out.append(region[d])
+    return out
 
 
 # ----------------------------------------------------------------------------- the polish
