@@ -79,3 +79,91 @@ def test_polish_from_a_worse_plan_improves_it_and_reports_the_simulated_figure()
     assert got["iteration_s"] == pytest.approx(simulate(got["plan"], c, m, record=False).iteration_s, rel=1e-9)
     assert [s for _, s in got["moves"]] == sorted((s for _, s in got["moves"]), reverse=True)
     assert got["simulated"] <= 40 + 1
+
+
+# ----------------------------------------------------------------- the global search (version 2)
+
+
+def test_the_chain_bounds_are_those_of_every_permutation():
+    """The chains are enumerated by a depth-first walk with running sums: the same chains and
+    bounds, in the same order, as over ``itertools.permutations`` (version 1's enumeration)."""
+    import itertools
+    import math
+
+    import numpy as np
+
+    ref_mod = _module()
+    for seed in (2, 5, 9):
+        c, m = _instance(seed)
+        ref = ref_mod._Reference(c, m, 64, 1e9)
+        n = len(ref.islands)
+        speed = [ref._speed(devs) for devs in ref.islands]
+        mem = [sum(c.memory_bytes(d) for d in devs) for devs in ref.islands]
+        state = m.parameter_count * m.state_bytes_per_parameter
+        hop, lat = np.zeros((n, n)), np.zeros((n, n))
+        for i, j in itertools.permutations(range(n), 2):
+            hop[i, j] = 64 * ref.least_bytes / ref._pipes(ref.islands[i], ref.islands[j])
+            lat[i, j] = c.link(ref.islands[i][0], ref.islands[j][0]).latency_s
+        want = []
+        for k in range(1, n + 1):
+            for order in itertools.permutations(range(n), k):
+                if sum(mem[i] for i in order) >= state:
+                    worst = max((max(hop[a, b] + lat[a, b], hop[b, a] + lat[b, a])
+                                 for a, b in itertools.pairwise(order)), default=0.0)
+                    trip = sum(lat[a, b] + lat[b, a] for a, b in itertools.pairwise(order))
+                    want.append((max(64 / sum(speed[i] for i in order), worst, trip), order))
+        want.sort()
+        got = ref.chain_bounds()
+        assert [o for _, o in got] == [o for _, o in want]
+        assert all(math.isclose(a, b, rel_tol=1e-12) for (a, _), (b, _) in zip(got, want, strict=True))
+
+
+def test_chain_moves_are_the_chains_one_edit_away():
+    ref_mod = _module()
+    start = (0, 2, 1)
+    moves = list(ref_mod._chain_moves(start, 5))
+    for o in moves:
+        assert len(set(o)) == len(o) and set(o) <= set(range(5)) and o
+    # swaps, moves of one island, replacements, drops and additions are all there
+    for want in [(1, 2, 0), (2, 0, 1), (0, 2, 4), (0, 1), (3, 0, 2, 1), (0, 2, 1, 4)]:
+        assert want in moves, want
+    # every chain they give differs from the start by one swap, move, replace, drop or add
+    assert all(abs(len(o) - len(start)) <= 1 for o in moves)
+    assert len(set(moves) - {start}) == len(set(moves)) - (start in moves)
+
+
+def test_the_global_search_is_deterministic_and_reports_simulated_plans_that_fit():
+    import math
+
+    ref_mod = _module()
+    for seed in (1, 4):
+        c, m = _instance(seed)
+        first = ref_mod.reference_search(c, m, 32, budget_s=60.0)
+        again = ref_mod.reference_search(c, m, 32, budget_s=60.0)
+        assert first["plan"] is not None and math.isfinite(first["iteration_s"])
+        # a small instance: every chain screened and laid out and the whole pool simulated
+        assert first["later_left"] == 0 and first["cpu_s"] < 60.0
+        assert first["plan"] == again["plan"] and first["iteration_s"] == again["iteration_s"]
+        sim = simulate(first["plan"], c, m, record=False)
+        assert first["iteration_s"] == pytest.approx(sim.iteration_s, rel=1e-9)
+        assert all(v <= c.memory_bytes(d) for d, v in sim.peak_memory_bytes.items())
+
+
+def test_a_plan_over_memory_is_repaired_by_recomputing_its_stages():
+    """``fitted`` turns recomputation on for the stages of the devices over their memory until
+    the plan fits; the result is the simulated time of the repaired plan."""
+    import math
+
+    ref_mod = _module()
+    c, _ = _instance(4)
+    big = toy_model(8, params=2_000_000, act=2e9)  # activations dominate: the planner's plan recomputes
+    r = plan_training(c, big, 32, options=PlannerOptions(schedules=("zb-h2",), confirm_top=1))
+    ref = ref_mod._Reference(c, big, 32, 1e9)
+    bare = r.plan.replace(stages=tuple(dataclasses.replace(st, recompute=False) for st in r.plan.stages),
+                          estimate=None)
+    assert not math.isfinite(ref.score(bare)), "without its recomputation the plan is over memory"
+    got = ref.fitted(bare)
+    assert math.isfinite(got)
+    best = ref.best[1]
+    assert any(st.recompute for st in best.stages) and best.stages != bare.stages
+    assert got == pytest.approx(simulate(best, c, big, record=False).iteration_s, rel=1e-9)
