@@ -345,6 +345,8 @@ class _Reference:
     # -- simulated candidates ----------------------------------------------------------
     def plans(self, slots: list[tuple[str, ...]], n: int, cut: list[int], flags: list[bool],
               schedule: str = "zb-h1") -> list[Plan]:
+        """Every schedule, with the DP's recomputation and with every stage recomputing, and
+        compact (``schedule``, the one the split was made for, is among them)."""
         # The split DP counts 1F1B's microbatches in flight; schedules that keep more in flight
         # (GPipe, ZB-H2) may only fit when every stage recomputes, so both variants are simulated.
         base, every = self._variants(slots, n, cut, flags)
@@ -389,10 +391,10 @@ class _Reference:
         return now > self.deadline if self.best[1] is not None else now > self.deadline + 2 * self.budget_s
 
     def score(self, plan: Plan) -> float:
+        self.last = None
         if self.over():
             self.exhausted = False
             return math.inf
-        self.last = None
         try:
             sim = simulate(plan, self.c, self.m, record=False)
         except DeepceeError:
@@ -538,7 +540,8 @@ def reference_search(cluster: Cluster, model: ModelProfile, batch: int, *, budge
             if screen_value(here) < screen_value(best):
                 best = here
     screened = sorted((v, bound_of[o], o) for o, v in value_of.items() if math.isfinite(v))
-    # 2. every layout of the chains in the screen's order, their configurations pooled
+    # 3. any number of stages per region on the chains in the screen's order, their best
+    # configurations pooled
     pool: list[tuple] = []
     tick = itertools.count()
     full: set[tuple[int, ...]] = set()
@@ -550,8 +553,8 @@ def reference_search(cluster: Cluster, model: ModelProfile, batch: int, *, budge
         full.add(order)
         ref.chains += 1
     pool.sort()
-    # 3. the pooled configurations by the DP's value, two zero-bubble schedules each (the
-    # cheap simulations); 4. every schedule and compact on the best few, and the best refined
+    # 4. the pool by the DP's value, one quick simulation each; 5. every schedule and compact on
+    # the best few simulated, and the best refined
     done, results = 0, []
     for item in pool:
         if time.process_time() > c0 + SIMULATE_SHARE * budget_s and ref.best[1] is not None:
