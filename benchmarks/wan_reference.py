@@ -492,10 +492,13 @@ def reference_search(cluster: Cluster, model: ModelProfile, batch: int, *, budge
     t0, c0 = time.perf_counter(), time.process_time()
     ref = _Reference(cluster, model, batch, budget_s)
 
-    def configs(order: tuple[int, ...], uniform: bool) -> list[tuple]:
-        if uniform:
-            return [c for slots in ref.layouts(order) for c in ref.configs(slots)]
-        return ref.chain_configs(order, keep)
+    value_of: dict[tuple[int, ...], float] = {}  # the screen's value of every chain it valued
+
+    def screen_value(order: tuple[int, ...]) -> float:
+        if order not in value_of:
+            value_of[order] = min((c[0] for slots in ref.layouts(order) for c in ref.configs(slots)),
+                                  default=math.inf)
+        return value_of[order]
 
     # 1. the screen: every chain in bound order, valued by its best configuration with the same
     # stages-per-region rule in every region (cheap: a few DPs per microbatch size)
@@ -508,20 +511,13 @@ def reference_search(cluster: Cluster, model: ModelProfile, batch: int, *, budge
         # chains of 8 regions for 536 CPU s and found 3)
         if now > SCREEN_SHARE * budget_s and (len(screened) >= WALK_STARTS or now > budget_s):
             break
-        value = min((v for v, *_ in configs(order, uniform=True)), default=math.inf)
-        if math.isfinite(value):
-            screened.append((value, bound, order))
+        if math.isfinite(screen_value(order)):
+            screened.append((value_of[order], bound, order))
     # 2. where the screen did not reach every chain: a descent from each of its best chains,
     # taking the neighbour (two islands swapped, one moved, replaced, dropped or added) the screen
     # values best while it improves; every chain it values joins the screened ones
-    value_of = {order: value for value, _, order in screened}
+    # (chains the screen found infeasible are in value_of too, so they are not valued again)
     bound_of = dict((order, bound) for bound, order in chains)  # the chains that fit memory
-
-    def screen_value(order: tuple[int, ...]) -> float:
-        if order not in value_of:
-            value_of[order] = min((v for v, *_ in configs(order, uniform=True)), default=math.inf)
-        return value_of[order]
-
     walked = 0
     if len(value_of) < len(chains):
         rng = random.Random(0)  # deterministic: the same instance gives the same reference
@@ -553,7 +549,7 @@ def reference_search(cluster: Cluster, model: ModelProfile, batch: int, *, budge
         # past its share once some chains are laid out (else until the search is over)
         if time.process_time() > c0 + LAYOUT_SHARE * budget_s and (ref.chains >= WALK_STARTS or ref.over()):
             break
-        best = heapq.nsmallest(keep, ((v, next(tick), *rest) for v, *rest in configs(order, uniform=False)))
+        best = heapq.nsmallest(keep, ((v, next(tick), *rest) for v, *rest in ref.chain_configs(order, keep)))
         pool.extend(best)
         full.add(order)
         ref.chains += 1
