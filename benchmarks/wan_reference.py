@@ -13,7 +13,8 @@ machine does not weaken it much):
    samples over the summed device speed; every hop's bytes over its summed pipes plus its
    latency; the summed round-trip latency), each valued by its best configuration with the same
    stages-per-region rule everywhere (``ceil(devices / g)`` balanced chunks, ``g`` in 1, 2, 4, 8,
-   16).
+   16), the most stages the chain allows (``min(layers, devices)``, spread by devices) and the
+   whole chain as one stage.
 2. *Descents* (to :data:`WALK_SHARE`, only where the screen did not reach every chain): from each
    of the :data:`WALK_STARTS` best screened chains, the neighbour chain (two islands swapped, one
    moved, replaced by a left-out one, dropped or added) the screen values best, while it improves;
@@ -43,7 +44,7 @@ it deepcee's own plan), every neighbour scored by the simulator, first improveme
 :data:`POLISH_MIN_GAIN` taken, in a fixed order (deterministic), until no neighbour improves or
 :data:`POLISH_SIMULATIONS` simulations are spent. Neighbours, in this order:
 
-1. another schedule (each fixed one and compact; recomputing every stage too);
+1. another schedule (each fixed one and compact; recomputing every stage too); the other sync;
 2. the next smaller and larger microbatch size (split and recomputation kept);
 3. one region's stages one more or one fewer (its devices in balanced chunks);
 4. two neighbouring regions swapped; a region left out; a left-out region added at any place;
@@ -78,7 +79,7 @@ from deepcee.simulator.engine import simulate
 from deepcee.simulator.memory import device_memory
 from deepcee.simulator.runtime_model import runtime_for
 
-REFERENCE_VERSION = 2
+REFERENCE_VERSION = 3
 """Bumped when the global search changes (a cached result of another version is not reused)."""
 KEEP = 8
 """Configurations of each chain (best by the split DP's value) pooled for simulation."""
@@ -93,6 +94,8 @@ WALK_STARTS = 3
 FINAL = 3
 """Configurations (best simulated) that get every schedule and compact."""
 SCHEDULES = ("gpipe", "1f1b", "zb-h1", "zb-h2")
+SYNCS = ("allreduce-ring", "allreduce-hier")
+"""The syncs of exact plans the planner searches (``deepcee.planner.options.SYNC_CHOICES``)."""
 POLISH_SIMULATIONS = 80
 """Most simulations one polish spends (a count, so the polish is the same on any machine)."""
 POLISH_MIN_GAIN = 1e-3
@@ -125,6 +128,7 @@ class _Reference:
         # the reference's budget rebuilding them; the results are the same, the reference just
         # gets further within its budget).
         self._memo: dict = {}
+        self._seen: dict[tuple[int, ...], dict[tuple[int, ...], float]] = {}  # layouts valued, per chain
         self.sizes = [n for n in range(1, batch + 1) if batch % n == 0]
 
     # -- bound and chains ---------------------------------------------------------------
@@ -173,6 +177,12 @@ class _Reference:
         opts = [[_chunks(self.islands[i], math.ceil(len(self.islands[i]) / g)) for g in (1, 2, 4, 8, 16)]
                 for i in order]
         out = [slots for g in range(5) if len(slots := [c for o in opts for c in o[g]]) <= self.L]
+        # and the most stages the chain allows (min(layers, devices), spread over its regions by
+        # their devices): where memory is tight (seeds 41 and 61) the uniform rules jump from
+        # more stages than layers (g = 1) to too few to fit (g = 2)
+        sizes = [len(self.islands[i]) for i in order]
+        most = _spread(min(self.L, sum(sizes)), sizes)
+        out.append([c for i, k in zip(order, most, strict=True) for c in _chunks(self.islands[i], k)])
         out = list({tuple(x): x for x in out}.values())
         if len(order) > 1:
             out.append([tuple(d for i in order for d in self.islands[i])])
@@ -190,15 +200,18 @@ class _Reference:
                     out.append((got[0], slots, n, got[1], got[2], schedule))
         return out
 
-    def chain_configs(self, order: tuple[int, ...], keep: int) -> list[tuple]:
+    def chain_configs(self, order: tuple[int, ...], keep: int, spread: int = 0) -> list[tuple]:
         """The configurations of a chain over any number of balanced stages per region: from the
         best screen layout, a descent that changes one region's stage count at a time while the
         DP's value (its best microbatch size, split for 1F1B's microbatches in flight) improves;
-        then every size and schedule of the best ``keep`` layouts seen."""
+        ``spread`` times more, every one-region change of the best ``keep`` layouts seen is valued
+        too (the widening rounds); then every size and schedule of the best ``keep`` layouts seen.
+        The layouts valued are kept per chain, so a later call with a larger ``keep`` or
+        ``spread`` values only new ones."""
         opts = [[_chunks(self.islands[i], k) for k in range(1, len(self.islands[i]) + 1)] for i in order]
         starts = {tuple(math.ceil(len(o) / g) - 1 for o in opts) for g in (1, 2, 4, 8, 16)}
         pairs = [(n, "zb-h1") for n in self.sizes]
-        seen: dict[tuple[int, ...], float] = {}
+        seen: dict[tuple[int, ...], float] = self._seen.setdefault(order, {})
 
         def value(pick: tuple[int, ...]) -> float:
             if pick not in seen:
@@ -206,6 +219,10 @@ class _Reference:
                 seen[pick] = (min((c[0] for c in self.configs(slots, pairs)), default=math.inf)
                               if len(slots) <= self.L else math.inf)
             return seen[pick]
+
+        def changes(pick: tuple[int, ...]) -> Iterator[tuple[int, ...]]:
+            for r, o in enumerate(opts):
+                yield from (pick[:r] + (x,) + pick[r + 1:] for x in range(len(o)) if x != pick[r])
 
         here = min(starts, key=lambda p: (value(p), p))
         moved = math.isfinite(value(here))
@@ -215,6 +232,12 @@ class _Reference:
                 best = min((here[:r] + (x,) + here[r + 1:] for x in range(len(o))), key=lambda p: (value(p), p))
                 if value(best) < value(here):
                     here, moved = best, True
+        for _ in range(spread):
+            for _, pick in sorted((v, p) for p, v in seen.items() if math.isfinite(v))[:keep]:
+                for other in changes(pick):
+                    if self.over():
+                        break
+                    value(other)
         top = sorted((v, p) for p, v in seen.items() if math.isfinite(v))[:keep]
         out = [c for _, p in top for c in self.configs([c for o, x in zip(opts, p, strict=True) for c in o[x]])]
         if len(order) > 1:
@@ -226,7 +249,8 @@ class _Reference:
               schedule: str = "zb-h1") -> tuple[float, list[int], list[bool]] | None:
         """Bottleneck DP (memory with the schedule's microbatches in flight: ``min(S - s, M)`` on
         stage ``s`` of ``S`` for 1F1B and ZB-H1, ``min(2 (S - s) - 1, M)`` for ZB-H2; recompute
-        where needed), then the bound ``bottleneck + one microbatch through everything else``."""
+        where needed; of the splits with the least bottleneck, one whose busiest stage is least),
+        then the bound ``bottleneck + one microbatch through everything else``."""
         m, L = self.batch // n, self.L
         size = L + 1
         invalid = np.tril(np.ones((size, size), dtype=bool))
@@ -242,24 +266,13 @@ class _Reference:
             per_mb.append(per)
             flags.append(rc)
         links = [None] + [self._memo_link(slots[k], slots[k + 1], n) for k in range(len(slots) - 1)]
-        value = loads[0][0].copy()
-        back = []
-        for s in range(1, len(slots)):
-            x = np.maximum(np.maximum(value, m * links[s][0] + links[s][1])[:, None], loads[s])
-            arg = np.argmin(x, axis=0)
-            value = x[arg, np.arange(size)]
-            back.append(arg)
-        if not np.isfinite(value[-1]):
+        hops = [None] + [m * links[s][0] + links[s][1] for s in range(1, len(slots))]
+        value, cut = _split_cut(loads, hops)
+        if not math.isfinite(value):
             return None
-        cut, b = [L], L
-        for arg in reversed(back):
-            b = int(arg[b])
-            cut.append(b)
-        cut.append(0)
-        cut = cut[::-1]
         fill = sum(per_mb[s][cut[s], cut[s + 1]] for s in range(len(slots)))
         fill += sum(2 * (links[s][0][cut[s]] + links[s][1][cut[s]]) for s in range(1, len(slots)))
-        return float(value[-1] + fill), cut, [bool(flags[s][cut[s], cut[s + 1]]) for s in range(len(slots))]
+        return float(value + fill), cut, [bool(flags[s][cut[s], cut[s + 1]]) for s in range(len(slots))]
 
     def _prefix(self, values: list[float]) -> np.ndarray:
         p = np.concatenate([[0.0], np.cumsum(values)])
@@ -313,7 +326,9 @@ class _Reference:
         if ("ar", devs) not in self._memo:
             grad = t["params"] * model.gradient_bytes_per_parameter
             xs = np.unique(np.geomspace(max(1.0, grad[grad > 0].min()), grad.max(), 6))
-            ys = [allreduce_s(self.c, devs, float(x), "allreduce-ring") for x in xs]
+            # the faster of the syncs the planner searches (the plan's sync is chosen per plan,
+            # :meth:`_sync`; a bound may take each stage's best)
+            ys = [min(allreduce_s(self.c, devs, float(x), sync) for sync in SYNCS) for x in xs]
             self._memo["ar", devs] = np.where(grad > 0, np.interp(grad, xs, ys), 0.0)
         ar = self._memo["ar", devs]
         load = np.where(plain, m * worst, np.where(again, m * worst_rc, np.inf)) + ar
@@ -351,10 +366,23 @@ class _Reference:
         # (GPipe, ZB-H2) may only fit when every stage recomputes, so both variants are simulated.
         base, every = self._variants(slots, n, cut, flags)
         stages = base.stages
-        out = [p.replace(schedule=s) for p in (base, every) for s in SCHEDULES]
+        # both syncs where they differ for these stages (hierarchical all-reduce only differs
+        # from the ring where a stage spans nodes)
+        syncs = [base.sync] + [s for s in SYNCS if s != base.sync and self._sync_s(stages, s) != self._sync_s(stages, base.sync)]
+        variants = [p.replace(sync=s) for s in syncs for p in (base, every)]
+        out = [p.replace(schedule=s) for p in variants for s in SCHEDULES]
         if len(stages) > 1:
-            out += [got for got in (_compact(p, self.c, self.m) for p in (base, every)) if got is not None]
+            out += [got for got in (_compact(p, self.c, self.m) for p in variants) if got is not None]
         return out
+
+    def _sync_s(self, stages: tuple[StagePlan, ...], sync: str) -> float:
+        """Summed gradient all-reduce seconds of ``stages`` with ``sync``."""
+        return sum(allreduce_s(self.c, st.devices, self.m.gradient_bytes(st.layer_start, st.layer_stop), sync)
+                   for st in stages if len(st.devices) > 1)
+
+    def _sync(self, stages: tuple[StagePlan, ...]) -> str:
+        """The sync (of those the planner searches) whose summed all-reduce is least; ties go to the ring."""
+        return min(SYNCS, key=lambda s: (self._sync_s(stages, s), SYNCS.index(s)))
 
     def quick(self, slots: list[tuple[str, ...]], n: int, cut: list[int], flags: list[bool],
               schedule: str = "zb-h1") -> float:
@@ -382,7 +410,8 @@ class _Reference:
         stages = tuple(StagePlan(layer_start=cut[s], layer_stop=cut[s + 1], devices=devs,
                                  shares=_shares(self.c, devs, n), recompute=flags[s]) for s, devs in enumerate(slots))
         base = Plan(system="reference", cluster=self.c.name, model=self.m.name, global_batch=self.batch,
-                    microbatch_size=n, num_microbatches=self.batch // n, stages=stages, schedule="zb-h1")
+                    microbatch_size=n, num_microbatches=self.batch // n, stages=stages, schedule="zb-h1",
+                    sync=self._sync(stages))
         return base, base.replace(stages=tuple(dataclasses.replace(st, recompute=True) for st in stages))
 
     def over(self) -> bool:
@@ -432,6 +461,79 @@ class _Reference:
                     break
 
 
+def _bottleneck(loads: list[np.ndarray], hops: list[np.ndarray | None]) -> tuple[float, list[int]]:
+    """The split of layers ``0..L`` into ``len(loads)`` ranges whose largest term is least:
+    ``loads[s][a, b]`` for stage ``s`` on layers ``a..b``, ``hops[s][a]`` for the boundary at
+    layer ``a`` before stage ``s``. Returns that term and the cut (``inf`` where none fits)."""
+    size = loads[0].shape[0]
+    value = loads[0][0].copy()
+    back = []
+    for s in range(1, len(loads)):
+        x = np.maximum(np.maximum(value, hops[s])[:, None], loads[s])
+        arg = np.argmin(x, axis=0)
+        value = x[arg, np.arange(size)]
+        back.append(arg)
+    last = size - 1
+    cut, b = [last], last
+    for arg in reversed(back):
+        b = int(arg[b])
+        cut.append(b)
+    cut.append(0)
+    return float(value[-1]), cut[::-1]
+
+
+def _split_cut(loads: list[np.ndarray], hops: list[np.ndarray | None]) -> tuple[float, list[int]]:
+    """The split whose largest term (:func:`_bottleneck`) is least; of those, one whose busiest
+    stage is least; of those, one whose summed terms are least (each exact for that order).
+
+    Where a link is the bottleneck every split under it ties, and the first tie can be far off:
+    on the DeepCEE testbed with llama-7b it simulated 13% slower than the planner's split."""
+    value, cut = _bottleneck(loads, hops)
+    if not math.isfinite(value):
+        return value, cut
+    cap = value * (1 + 1e-9)
+    if max(loads[s][cut[s], cut[s + 1]] for s in range(len(loads))) < value / (1 + 1e-9):
+        fits = [None] + [np.where(h <= cap, 0.0, np.inf) for h in hops[1:]]
+        top, cut = _bottleneck([np.where(x <= cap, x, np.inf) for x in loads], fits)
+        top_cap = top * (1 + 1e-9)
+        cut = _least_sum([np.where(x <= top_cap, x, np.inf) for x in loads], fits)
+    return value, cut
+
+
+def _least_sum(loads: list[np.ndarray], hops: list[np.ndarray | None]) -> list[int]:
+    """The split of layers (as :func:`_bottleneck`) whose summed terms are least."""
+    size = loads[0].shape[0]
+    value = loads[0][0].copy()
+    back = []
+    for s in range(1, len(loads)):
+        x = (value + hops[s])[:, None] + loads[s]
+        arg = np.argmin(x, axis=0)
+        value = x[arg, np.arange(size)]
+        back.append(arg)
+    last = size - 1
+    cut, b = [last], last
+    for arg in reversed(back):
+        b = int(arg[b])
+        cut.append(b)
+    cut.append(0)
+    return cut[::-1]
+
+
+def _spread(total: int, sizes: list[int]) -> list[int]:
+    """``total`` stages over regions of ``sizes`` devices, proportional to them (largest
+    remainder), each region at least 1 and at most its devices (``len(sizes) <= total <= sum(sizes)``)."""
+    ideal = [total * k / sum(sizes) for k in sizes]
+    out = [min(k, max(1, int(x))) for k, x in zip(sizes, ideal, strict=True)]
+    for j in sorted(range(len(sizes)), key=lambda j: (-(ideal[j] - out[j]), j)):
+        if sum(out) >= total:
+            break
+        out[j] += min(sizes[j] - out[j], total - sum(out))
+    while sum(out) > total:  # the floor of 1 can overshoot
+        j = max((j for j in range(len(out)) if out[j] > 1), key=lambda j: (out[j] - ideal[j], j))
+        out[j] -= 1
+    return out
+
+
 def _chunks(devs: tuple[str, ...], k: int) -> list[tuple[str, ...]]:
     base, extra = divmod(len(devs), k)
     out, i = [], 0
@@ -448,7 +550,7 @@ def _shares(cluster: Cluster, devs: tuple[str, ...], n: int) -> tuple[int, ...]:
     ideal = [n * v / sum(speed) for v in speed]
     out = [max(1, int(x)) for x in ideal]
     while sum(out) > n:
-        j = max(range(len(out)), key=lambda k: (out[k] - ideal[k], k))
+        j = max((k for k in range(len(out)) if out[k] > 1), key=lambda k: (out[k] - ideal[k], k))
         out[j] -= 1
     for j in sorted(range(len(devs)), key=lambda k: (-(ideal[k] - out[k]), k))[: n - sum(out)]:
         out[j] += 1
@@ -556,25 +658,92 @@ def reference_search(cluster: Cluster, model: ModelProfile, batch: int, *, budge
     pool.sort()
     # 4. the pool by the DP's value, one quick simulation each; 5. every schedule and compact on
     # the best few simulated, and the best refined
-    done, results = 0, []
-    for item in pool:
-        if time.process_time() > c0 + SIMULATE_SHARE * budget_s and ref.best[1] is not None:
-            break
-        got = ref.quick(*item[2:])
-        results.append((got, next(tick), item))
-        done += 1
-    for _, _, item in heapq.nsmallest(FINAL, results):
-        for plan in ref.plans(*item[2:]):
-            ref.score(plan)
+    results: list[tuple] = []
+    tried: set[tuple] = set()  # configurations simulated quickly
+    finished: set[tuple] = set()  # configurations given every schedule
+
+    def key(item: tuple) -> tuple:
+        slots, n, cut, _, schedule = item[2:]
+        return tuple(slots), n, tuple(cut), schedule
+
+    def simulate_quickly(items: list[tuple], share: float) -> None:
+        for item in items:
+            if key(item) in tried:
+                continue
+            if (time.process_time() > c0 + share * budget_s and ref.best[1] is not None) or ref.over():
+                break
+            tried.add(key(item))
+            results.append((ref.quick(*item[2:]), next(tick), item))
+
+    def finish(items: list[tuple], refine: bool = False) -> None:
+        for item in items:
+            finished.add(key(item))
+            scored = [(ref.score(plan), k, plan) for k, plan in enumerate(ref.plans(*item[2:]))]
+            got, _, plan = min(scored, default=(math.inf, 0, None))
+            if refine and math.isfinite(got):
+                ref.refine(plan)
+
+    simulate_quickly(pool, SIMULATE_SHARE)
+    finish([item for _, _, item in heapq.nsmallest(FINAL, results)])
     if ref.best[1] is not None:
         ref.refine(ref.best[1])
+    # 6. widening, while the budget lasts (on small clusters phases 1-5 end within a few CPU
+    # seconds), its CPU time shared evenly between two tasks: every schedule and compact for the
+    # best configuration simulated quickly and not yet so (its best plan refined, the split DP's
+    # cut being a bound's), and rounds of more layouts (twice the layouts kept per chain, their
+    # one-region changes valued too, and the next FINAL chains laid out), each new configuration
+    # simulated quickly
+    rounds = 0
+
+    def widen() -> Iterator[None]:
+        nonlocal rounds
+        while True:
+            rounds += 1
+            laid = len(full)
+            orders = [order for _, _, order in screened if order in full]
+            orders += [order for _, _, order in screened if order not in full][:FINAL]
+            wider = []
+            for order in orders:
+                full.add(order)
+                wider += [(v, next(tick), *rest) for v, *rest in ref.chain_configs(order, keep << rounds, spread=1)]
+                yield
+            ref.chains = len(full)
+            new = 0
+            for item in sorted(wider):
+                if key(item) not in tried:
+                    tried.add(key(item))
+                    results.append((ref.quick(*item[2:]), next(tick), item))
+                    heapq.heappush(queue, results[-1])
+                    new += 1
+                    yield
+            if not new and len(full) == laid and all(keep << rounds >= len(ref._seen.get(o, ())) for o in full):
+                return
+
+    queue = [r for r in results if key(r[2]) not in finished]
+    heapq.heapify(queue)
+    spent = [0.0, 0.0]  # CPU seconds of finishing, of widening
+    more: Iterator[None] | None = widen()
+    while not ref.over():
+        while queue and key(queue[0][2]) in finished:
+            heapq.heappop(queue)
+        t = time.process_time()
+        if queue and (spent[0] <= spent[1] or more is None):
+            finish([heapq.heappop(queue)[2]], refine=True)
+            spent[0] += time.process_time() - t
+        elif more is not None:
+            if next(more, StopIteration) is StopIteration:
+                more = None
+            spent[1] += time.process_time() - t
+        else:
+            break
     # every chain under the final bound searched in full (its best ``keep`` simulated)
     simulated_orders = {tuple(_order_of(ref, item[2])) for _, _, item in results}
     ref.exhausted = all(order in full and order in simulated_orders for bound, order in chains
                         if bound < ref.best[0])
     return {"plan": ref.best[1], "iteration_s": ref.best[0], "chains": ref.chains, "screened": len(screened),
             "walk_steps": walked,
-            "simulated": ref.simulated, "later_configurations": done, "later_left": len(pool) - done,
+            "simulated": ref.simulated, "later_configurations": len(results),
+            "later_left": sum(key(item) not in tried for item in pool), "widening_rounds": rounds,
             "exhausted": ref.exhausted, "seconds": time.perf_counter() - t0, "cpu_s": time.process_time() - c0}
 
 
@@ -678,6 +847,9 @@ def _neighbours(ref: _Reference, plan: Plan) -> Iterator[tuple[str, Plan]]:
                 built = _with_schedule(plan, sched, ref, stages=stages)
                 if built is not None:
                     yield f"schedule {sched}{', every stage recomputing' if stages is every else ''}", built
+    for sync in SYNCS:
+        if sync != plan.sync and plan.sync in SYNCS:
+            yield f"sync {sync}", plan.replace(sync=sync)
     sizes = [n for n in range(1, ref.batch + 1) if ref.batch % n == 0 and n >= max(len(s.devices) for s in plan.stages)]
     k = sizes.index(plan.microbatch_size) if plan.microbatch_size in sizes else None
     for n in ([] if k is None else [sizes[j] for j in (k - 1, k + 1) if 0 <= j < len(sizes)]):

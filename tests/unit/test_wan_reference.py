@@ -167,3 +167,85 @@ def test_a_plan_over_memory_is_repaired_by_recomputing_its_stages():
     best = ref.best[1]
     assert any(st.recompute for st in best.stages) and best.stages != bare.stages
     assert got == pytest.approx(simulate(best, c, big, record=False).iteration_s, rel=1e-9)
+
+
+def _cuts(layers: int, stages: int):
+    """Every split of ``layers`` layers into ``stages`` non-empty ranges (as cut lists)."""
+    import itertools
+
+    for inner in itertools.combinations(range(1, layers), stages - 1):
+        yield [0, *inner, layers]
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_split_dp_breaks_ties_under_a_bottleneck_link_exactly(seed):
+    """``_split_cut`` against every split: least largest term; of those, least busiest stage; of
+    those, least summed load. Link terms are drawn so that a link often binds (every split ties)."""
+    import math
+
+    import numpy as np
+
+    ref_mod = _module()
+    rng = np.random.default_rng(seed)
+    layers, stages = int(rng.integers(3, 8)), int(rng.integers(2, 4))
+    size = layers + 1
+    loads = []
+    for _ in range(stages):
+        per_layer = rng.integers(1, 5, size=layers).astype(float)  # integers: exact ties happen
+        p = np.concatenate([[0.0], np.cumsum(per_layer)])
+        table = p[None, :] - p[:, None]
+        table[np.tril(np.ones((size, size), dtype=bool))] = np.inf
+        if rng.random() < 0.3:  # some ranges do not fit
+            table[0, size - 1] = np.inf
+        loads.append(table)
+    hops = [None] + [np.full(size, float(rng.choice([2.0, 30.0]))) for _ in range(stages - 1)]
+
+    def terms(cut):
+        stage = [loads[s][cut[s], cut[s + 1]] for s in range(stages)]
+        link = [hops[s][cut[s]] for s in range(1, stages)]
+        return max(stage + link), max(stage), sum(stage)
+
+    every = [terms(cut) for cut in _cuts(layers, stages)]
+    value, cut = ref_mod._split_cut(loads, hops)
+    best = min(every)
+    if not math.isfinite(best[0]):
+        assert not math.isfinite(value)
+        return
+    assert value == best[0]
+    assert cut[0] == 0 and cut[-1] == layers and all(a < b for a, b in zip(cut, cut[1:]))
+    assert terms(cut) == best, (cut, terms(cut), best)
+
+
+def test_shares_are_whole_samples_of_at_least_one_each():
+    """The reference's shares: every device at least one sample, summing to the microbatch (a
+    fast device beside slow ones once gave a slow one 0 samples, an invalid plan)."""
+    ref_mod = _module()
+    rng = random.Random(3)
+    for _ in range(200):
+        c = random_cluster(rng, name="shares")
+        devs = tuple(c.device_names[: rng.randint(1, len(c.device_names))])
+        n = rng.randint(len(devs), 4 * len(devs))
+        got = ref_mod._shares(c, devs, n)
+        assert sum(got) == n and min(got) >= 1 and len(got) == len(devs)
+
+
+def test_the_reference_searches_both_syncs_where_they_differ():
+    """The planner searches ring and hierarchical all-reduce; the reference's plans carry the
+    sync whose summed all-reduce is least, and both are simulated where they differ."""
+    ref_mod = _module()
+    for seed in range(20):
+        c, m = _instance(seed)
+        ref = ref_mod._Reference(c, m, 32, 1e9)
+        # one stage of every device: it spans nodes wherever the cluster has several
+        slots = [tuple(c.device_names)]
+        got = ref.split(slots, 32)
+        if got is None:
+            continue
+        plans = ref.plans(slots, 32, got[1], got[2])
+        syncs = {p.sync for p in plans}
+        ring, hier = (ref._sync_s(plans[0].stages, s) for s in ref_mod.SYNCS)
+        assert plans[0].sync == ("allreduce-hier" if hier < ring else "allreduce-ring")
+        assert syncs == (set(ref_mod.SYNCS) if ring != hier else {plans[0].sync})
+        if ring != hier:
+            return
+    pytest.fail("no seed gave a stage whose syncs differ")
