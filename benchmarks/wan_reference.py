@@ -183,10 +183,38 @@ class _Reference:
         sizes = [len(self.islands[i]) for i in order]
         most = _spread(min(self.L, sum(sizes)), sizes)
         out.append([c for i, k in zip(order, most, strict=True) for c in _chunks(self.islands[i], k)])
+        # and, for the 4 smallest microbatch sizes, the most stages that fit: each region in
+        # chunks of the fewest devices on which one layer fits with the stages ahead of it in
+        # flight (:meth:`_group`; small devices share a layer's samples), spread as above where
+        # they are more than the layers (seed 41: its 8 GiB devices fit only in pairs)
+        for n in self.sizes[:4]:
+            fit: list[int] = []
+            for i in order:  # the stages ahead of a region (about one layer each) are in flight
+                ahead = max(1, min(self.L - sum(fit), self.batch // n))
+                fit.append(math.ceil(len(self.islands[i]) / self._group(i, n, ahead)))
+            fit = _spread(min(self.L, sum(fit)), fit)
+            out.append([c for i, k in zip(order, fit, strict=True) for c in _chunks(self.islands[i], k)])
         out = list({tuple(x): x for x in out}.values())
         if len(order) > 1:
             out.append([tuple(d for i in order for d in self.islands[i])])
         return out
+
+    def _group(self, region: int, n: int, k: int) -> int:
+        """The fewest devices of ``region`` (its first ones, at most ``n``) on which every inner
+        layer fits alone at microbatch size ``n`` with ``k`` microbatches in flight, recomputing
+        (``min(n, devices)`` where none does)."""
+        if ("group", region, n, k) not in self._memo:
+            devs = self.islands[region]
+            inner = range(1, self.L - 1) if self.L > 2 else range(self.L)
+            m = self.batch // n
+
+            def fits(g: int) -> bool:
+                load = self._stage(devs[:g], _shares(self.c, devs[:g], n), m, k)[0]
+                return all(np.isfinite(load[a, a + 1]) for a in inner)
+
+            top = min(n, len(devs))
+            self._memo["group", region, n, k] = next((g for g in range(1, top + 1) if fits(g)), top)
+        return self._memo["group", region, n, k]
 
     def configs(self, slots: list[tuple[str, ...]], pairs: list[tuple[int, str]] | None = None) -> list[tuple]:
         """Every microbatch size and split (the DP's, for 1F1B's and ZB-H2's microbatches in

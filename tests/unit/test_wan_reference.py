@@ -212,7 +212,7 @@ def test_the_split_dp_breaks_ties_under_a_bottleneck_link_exactly(seed):
         assert not math.isfinite(value)
         return
     assert value == best[0]
-    assert cut[0] == 0 and cut[-1] == layers and all(a < b for a, b in zip(cut, cut[1:]))
+    assert cut[0] == 0 and cut[-1] == layers and all(a < b for a, b in zip(cut[:-1], cut[1:], strict=True))
     assert terms(cut) == best, (cut, terms(cut), best)
 
 
@@ -249,3 +249,39 @@ def test_the_reference_searches_both_syncs_where_they_differ():
         if ring != hier:
             return
     pytest.fail("no seed gave a stage whose syncs differ")
+
+
+def test_spread_gives_each_region_between_one_stage_and_its_devices():
+    ref_mod = _module()
+    rng = random.Random(5)
+    for _ in range(500):
+        sizes = [rng.randint(1, 16) for _ in range(rng.randint(1, 8))]
+        total = rng.randint(len(sizes), sum(sizes))
+        got = ref_mod._spread(total, sizes)
+        assert sum(got) == total, (total, sizes, got)
+        assert all(1 <= k <= n for k, n in zip(got, sizes, strict=True)), (total, sizes, got)
+    assert ref_mod._spread(40, [10, 10, 43]) == [7, 6, 27]  # largest remainder
+
+
+def test_group_is_the_fewest_devices_on_which_a_layer_fits():
+    """``_group``: one layer fits on that many of the region's devices, and not on one fewer."""
+    import math
+
+    ref_mod = _module()
+    c, _ = _instance(4)
+    big = toy_model(8, params=2_000_000, act=4e9)  # activations dominate: devices share samples
+    ref = ref_mod._Reference(c, big, 32, 1e9)
+    checked = 0
+    for region, devs in enumerate(ref.islands):
+        for n in (4, 8):
+            g = ref._group(region, n, 4)
+            assert 1 <= g <= min(n, len(devs))
+
+            def fits(k, devs=devs, n=n):
+                load = ref._stage(devs[:k], ref_mod._shares(c, devs[:k], n), 32 // n, 4)[0]
+                return all(math.isfinite(load[a, a + 1]) for a in range(1, ref.L - 1))
+
+            if fits(g):
+                assert g == 1 or not fits(g - 1)
+                checked += g > 1
+    assert checked, "no region needed more than one device per layer: the case is not exercised"
