@@ -4,7 +4,7 @@ no search code with the planner, scored by the simulator.
 It reuses only the plan format, the compact schedule builder, the memory model and the
 simulator. Two parts:
 
-**The global search** (:func:`reference_search`), version 2 (:data:`REFERENCE_VERSION`), in
+**The global search** (:func:`reference_search`), version 3 (:data:`REFERENCE_VERSION`), in
 phases, each ending at a fraction of its budget of CPU seconds of its own process (so a busy
 machine does not weaken it much):
 
@@ -13,8 +13,10 @@ machine does not weaken it much):
    samples over the summed device speed; every hop's bytes over its summed pipes plus its
    latency; the summed round-trip latency), each valued by its best configuration with the same
    stages-per-region rule everywhere (``ceil(devices / g)`` balanced chunks, ``g`` in 1, 2, 4, 8,
-   16), the most stages the chain allows (``min(layers, devices)``, spread by devices) and the
-   whole chain as one stage.
+   16), the most stages the chain allows (``min(layers, devices)``, spread by devices), for the 4
+   smallest microbatch sizes the most stages that fit (each region in chunks of the fewest
+   devices one layer fits on, with the stages ahead of it in flight), and the whole chain as one
+   stage.
 2. *Descents* (to :data:`WALK_SHARE`, only where the screen did not reach every chain): from each
    of the :data:`WALK_STARTS` best screened chains, the neighbour chain (two islands swapped, one
    moved, replaced by a left-out one, dropped or added) the screen values best, while it improves;
@@ -25,19 +27,31 @@ machine does not weaken it much):
    count at a time; the best :data:`KEEP` layouts seen with every size), and the layer split by its own
    dynamic program over a bottleneck-plus-fill bound (memory with the plan and runtime terms and
    the microbatches in flight of 1F1B and of ZB-H2, each its own split; recomputation where a
-   stage does not fit). The best :data:`KEEP` configurations of each chain are pooled.
+   stage does not fit; of the splits with the least bottleneck, the one whose busiest stage is
+   least, then whose summed load is least). The best :data:`KEEP` configurations of each chain
+   are pooled.
 4. *Quick simulations* (to :data:`SIMULATE_SHARE`): the pool by the DP's value, each with the
    schedule its split was made for, where a device is over its memory its stages recomputing too.
 5. *Final*: the :data:`FINAL` best simulated get every schedule, with the DP's recomputation and
    with every stage recomputing, and compact (the builder's own schedule for the split, as the
-   planner builds it); the best plan's split is refined by moving one boundary at a time.
+   planner builds it), with the sync whose summed all-reduce is least and, where they differ, the
+   other of the two the planner searches (ring, hierarchical); the best plan's split is refined
+   by moving one boundary at a time.
+6. *Widening*, while the budget lasts (small clusters finish phases 1-5 in a few CPU seconds):
+   its CPU time shared evenly between finishing the next best quickly simulated configuration
+   as in phase 5 (its best plan refined) and rounds of more layouts (twice the layouts kept per
+   chain, their one-region changes valued, the next chains laid out), each new configuration
+   simulated quickly. It ends when every configuration it can reach is finished.
 
 Every plan is scored by the simulator. It is *not* exhaustive over chains, splits and devices
 per stage (no exhaustive search of those is affordable at these sizes); ``exhausted`` says when
 every chain under its final bound was laid out and simulated. Version 1 (sessions up to 22)
 enumerated chains by the bound alone, laid out ``g`` in 1, 2, 4, 8, 16 only, split for 1F1B
 only, and simulated every schedule of each chain's best 4 at once: at 20 CPU s deepcee beat it
-on 99 of 100 instances (by 28% at the median).
+on 99 of 100 instances (by 28% at the median). Version 2 (session 23) had phases 1-5 without the
+fitted layouts, the tie-breaks, the second sync and the widening: every plan had the ring sync,
+so on ``scale-12/resnet50/256`` deepcee's own layout simulated 0.0856 s instead of 0.0690 s, and
+on small clusters it stopped within 4 CPU s of its 40.
 
 **The polish** (:func:`polish`) is a local search from a given plan (``planner_at_scale`` gives
 it deepcee's own plan), every neighbour scored by the simulator, first improvement of more than
