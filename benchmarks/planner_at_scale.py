@@ -12,12 +12,14 @@ most :data:`STATE_FRACTION` of the summed memory, sequence
 length 1024 or 2048, global batch 256-2048.
 
 The reference (:mod:`wan_reference`, beside this script) shares no search code with the planner.
-Its **global search** (version 2) screens island chains in the order of its own lower bound,
-walks from the best of them, lays the best chains out with any number of stages per region,
-splits layers by its own DP (for 1F1B's and ZB-H2's microbatches in flight), simulates the
-pooled configurations best first and the best few with every schedule, within a budget of CPU
-seconds of its own process (``--budget-s``); it is *not* exhaustive over chains, splits and
-devices per stage (none is affordable at these sizes). Its **polish** starts from deepcee's
+Its **global search** (version 3) screens island chains in the order of its own lower bound
+(with uniform layouts and, where memory is tight, the most stages that fit), walks from the best
+of them, lays the best chains out with any number of stages per region, splits layers by its
+own DP (for 1F1B's and ZB-H2's microbatches in flight), simulates the pooled configurations best
+first and the best few with every schedule and both syncs the planner searches, and, while its
+budget lasts, widens (more layouts per chain, more configurations with every schedule), within
+a budget of CPU seconds of its own process (``--budget-s``); it is *not* exhaustive over chains,
+splits and devices per stage (none is affordable at these sizes). Its **polish** starts from deepcee's
 own plan and takes, step by step, any neighbour in the plan space that simulates faster (another
 schedule, microbatch size, stage count of one region, region order, a region left out or added,
 one stage's recomputation, one boundary), within a count of simulations (the same on any
@@ -167,7 +169,8 @@ def _cached_reference(entry: dict, cluster: Cluster, model: ModelProfile) -> dic
             "exhausted": entry["reference_exhausted"], "seconds": entry["reference_seconds"],
             "cpu_s": entry.get("reference_cpu_s"), "cached": True,
             "later_configurations": entry.get("reference_later"), "later_left": entry.get("reference_later_left"),
-            "screened": entry.get("reference_screened"), "walk_steps": entry.get("reference_walk_steps")}
+            "screened": entry.get("reference_screened"), "walk_steps": entry.get("reference_walk_steps"),
+            "widening_rounds": entry.get("reference_widening_rounds")}
 
 
 SCENARIO_CASES = (
@@ -242,7 +245,7 @@ def run_instance(seed: int | str, budget_s: float = 120.0, tau: bool = False, ca
         "reference_version": REFERENCE_VERSION, "reference_screened": ref.get("screened"),
         "reference_walk_steps": ref.get("walk_steps"),
         "reference_chains": ref["chains"], "reference_later": ref.get("later_configurations"),
-        "reference_later_left": ref.get("later_left"),
+        "reference_later_left": ref.get("later_left"), "reference_widening_rounds": ref.get("widening_rounds"),
         "reference_simulated": ref["simulated"], "reference_exhausted": ref["exhausted"], "chain_search": gap_note,
     }
 
