@@ -13,10 +13,10 @@ machine does not weaken it much):
    samples over the summed device speed; every hop's bytes over its summed pipes plus its
    latency; the summed round-trip latency), each valued by its best configuration with the same
    stages-per-region rule everywhere (``ceil(devices / g)`` balanced chunks, ``g`` in 1, 2, 4, 8,
-   16), the most stages the chain allows (``min(layers, devices)``, spread by devices), for the 4
-   smallest microbatch sizes the most stages that fit (each region in chunks of the fewest
-   devices one layer fits on, with the stages ahead of it in flight), and the whole chain as one
-   stage.
+   16) and the whole chain as one stage; where none of those fits, the most stages the chain
+   allows (``min(layers, devices)``, spread by devices) and, for the 4 smallest microbatch
+   sizes, the most stages that fit (each region in chunks of the fewest devices one layer fits
+   on, with the stages ahead of it in flight).
 2. *Descents* (to :data:`WALK_SHARE`, only where the screen did not reach every chain): from each
    of the :data:`WALK_STARTS` best screened chains, the neighbour chain (two islands swapped, one
    moved, replaced by a left-out one, dropped or added) the screen values best, while it improves;
@@ -191,27 +191,33 @@ class _Reference:
         opts = [[_chunks(self.islands[i], math.ceil(len(self.islands[i]) / g)) for g in (1, 2, 4, 8, 16)]
                 for i in order]
         out = [slots for g in range(5) if len(slots := [c for o in opts for c in o[g]]) <= self.L]
-        # and the most stages the chain allows (min(layers, devices), spread over its regions by
-        # their devices): where memory is tight (seeds 41 and 61) the uniform rules jump from
-        # more stages than layers (g = 1) to too few to fit (g = 2)
+        out = list({tuple(x): x for x in out}.values())
+        if len(order) > 1:
+            out.append([tuple(d for i in order for d in self.islands[i])])
+        return out
+
+    def tight_counts(self, order: tuple[int, ...]) -> list[tuple[int, ...]]:
+        """Stages per region of the screen's layouts for where memory is tight (valued only where
+        no layout of :meth:`layouts` fits): the most stages the chain allows (``min(layers,
+        devices)``, spread over its regions by their devices; on seeds 41 and 61 the uniform rules
+        jump from more stages than layers, ``g`` = 1, to too few to fit, ``g`` = 2), and, for the
+        4 smallest microbatch sizes, the most stages that fit: each region in chunks of the fewest
+        devices on which one layer fits with the stages ahead of it in flight (:meth:`_group`;
+        small devices share a layer's samples), spread as above where they are more than the
+        layers (seed 41: its 8 GiB devices fit only in pairs)."""
         sizes = [len(self.islands[i]) for i in order]
-        most = _spread(min(self.L, sum(sizes)), sizes)
-        out.append([c for i, k in zip(order, most, strict=True) for c in _chunks(self.islands[i], k)])
-        # and, for the 4 smallest microbatch sizes, the most stages that fit: each region in
-        # chunks of the fewest devices on which one layer fits with the stages ahead of it in
-        # flight (:meth:`_group`; small devices share a layer's samples), spread as above where
-        # they are more than the layers (seed 41: its 8 GiB devices fit only in pairs)
+        out = [tuple(_spread(min(self.L, sum(sizes)), sizes))]
         for n in self.sizes[:4]:
             fit: list[int] = []
             for i in order:  # the stages ahead of a region (about one layer each) are in flight
                 ahead = max(1, min(self.L - sum(fit), self.batch // n))
                 fit.append(math.ceil(len(self.islands[i]) / self._group(i, n, ahead)))
-            fit = _spread(min(self.L, sum(fit)), fit)
-            out.append([c for i, k in zip(order, fit, strict=True) for c in _chunks(self.islands[i], k)])
-        out = list({tuple(x): x for x in out}.values())
-        if len(order) > 1:
-            out.append([tuple(d for i in order for d in self.islands[i])])
-        return out
+            out.append(tuple(_spread(min(self.L, sum(fit)), fit)))
+        return list(dict.fromkeys(out))
+
+    def counted(self, order: tuple[int, ...], counts: tuple[int, ...]) -> list[tuple[str, ...]]:
+        """``order`` with ``counts[r]`` balanced stages in its ``r``-th region."""
+        return [c for i, k in zip(order, counts, strict=True) for c in _chunks(self.islands[i], k)]
 
     def _group(self, region: int, n: int, k: int) -> int:
         """The fewest devices of ``region`` (its first ones, at most ``n``) on which every inner
@@ -267,6 +273,8 @@ class _Reference:
                 yield from (pick[:r] + (x,) + pick[r + 1:] for x in range(len(o)) if x != pick[r])
 
         here = min(starts, key=lambda p: (value(p), p))
+        if not math.isfinite(value(here)):  # memory is tight: start from the layouts for that
+            here = min({tuple(k - 1 for k in counts) for counts in self.tight_counts(order)}, key=lambda p: (value(p), p))
         moved = math.isfinite(value(here))
         while moved:
             moved = False
@@ -642,6 +650,9 @@ def reference_search(cluster: Cluster, model: ModelProfile, batch: int, *, budge
         if order not in value_of:
             value_of[order] = min((c[0] for slots in ref.layouts(order) for c in ref.configs(slots)),
                                   default=math.inf)
+            if not math.isfinite(value_of[order]):  # memory is tight: the layouts for that
+                value_of[order] = min((c[0] for counts in ref.tight_counts(order)
+                                       for c in ref.configs(ref.counted(order, counts))), default=math.inf)
         return value_of[order]
 
     # 1. the screen: every chain in bound order, valued by its best configuration with the same
