@@ -511,15 +511,17 @@ class _Reference:
                     break
 
 
-def _bottleneck(loads: list[np.ndarray], hops: list[np.ndarray | None]) -> tuple[float, list[int]]:
-    """The split of layers ``0..L`` into ``len(loads)`` ranges whose largest term is least:
-    ``loads[s][a, b]`` for stage ``s`` on layers ``a..b``, ``hops[s][a]`` for the boundary at
-    layer ``a`` before stage ``s``. Returns that term and the cut (``inf`` where none fits)."""
+def _bottleneck(loads: list[np.ndarray], hops: list[np.ndarray | None], summed: bool = False) -> tuple[float, list[int]]:
+    """The split of layers ``0..L`` into ``len(loads)`` ranges whose largest term is least (or,
+    ``summed``, whose summed terms are): ``loads[s][a, b]`` for stage ``s`` on layers ``a..b``,
+    ``hops[s][a]`` for the boundary at layer ``a`` before stage ``s``. Returns that value and
+    the cut (``inf`` where none fits)."""
     size = loads[0].shape[0]
     value = loads[0][0].copy()
     back = []
     for s in range(1, len(loads)):
-        x = np.maximum(np.maximum(value, hops[s])[:, None], loads[s])
+        x = ((value + hops[s])[:, None] + loads[s] if summed
+             else np.maximum(np.maximum(value, hops[s])[:, None], loads[s]))
         arg = np.argmin(x, axis=0)
         value = x[arg, np.arange(size)]
         back.append(arg)
@@ -546,27 +548,8 @@ def _split_cut(loads: list[np.ndarray], hops: list[np.ndarray | None]) -> tuple[
         fits = [None] + [np.where(h <= cap, 0.0, np.inf) for h in hops[1:]]
         top, cut = _bottleneck([np.where(x <= cap, x, np.inf) for x in loads], fits)
         top_cap = top * (1 + 1e-9)
-        cut = _least_sum([np.where(x <= top_cap, x, np.inf) for x in loads], fits)
+        cut = _bottleneck([np.where(x <= top_cap, x, np.inf) for x in loads], fits, summed=True)[1]
     return value, cut
-
-
-def _least_sum(loads: list[np.ndarray], hops: list[np.ndarray | None]) -> list[int]:
-    """The split of layers (as :func:`_bottleneck`) whose summed terms are least."""
-    size = loads[0].shape[0]
-    value = loads[0][0].copy()
-    back = []
-    for s in range(1, len(loads)):
-        x = (value + hops[s])[:, None] + loads[s]
-        arg = np.argmin(x, axis=0)
-        value = x[arg, np.arange(size)]
-        back.append(arg)
-    last = size - 1
-    cut, b = [last], last
-    for arg in reversed(back):
-        b = int(arg[b])
-        cut.append(b)
-    cut.append(0)
-    return cut[::-1]
 
 
 def _spread(total: int, sizes: list[int]) -> list[int]:
