@@ -535,11 +535,11 @@ def _bottleneck(loads: list[np.ndarray], hops: list[np.ndarray | None], summed: 
 
 
 def _split_cut(loads: list[np.ndarray], hops: list[np.ndarray | None]) -> tuple[float, list[int]]:
-    """The split whose largest term (:func:`_bottleneck`) is least; of those, one whose busiest
-    stage is least; of those, one whose summed terms are least (each exact for that order).
-
-    Where a link is the bottleneck every split under it ties, and the first tie can be far off:
-    on the DeepCEE testbed with llama-7b it simulated 13% slower than the planner's split."""
+    """The split whose largest term (:func:`_bottleneck`) is least. Where that term is a link's
+    (every split under it ties, and the first tie can be far off: on the DeepCEE testbed with
+    llama-7b it simulated 13% slower than the planner's split), of those splits one whose busiest
+    stage is least, and of those one whose summed stage terms are least (each pass exact for
+    that order). Where a stage binds, the first pass's split."""
     value, cut = _bottleneck(loads, hops)
     if not math.isfinite(value):
         return value, cut
