@@ -179,8 +179,9 @@ def _cuts(layers: int, stages: int):
 
 @pytest.mark.parametrize("seed", range(12))
 def test_the_split_dp_breaks_ties_under_a_bottleneck_link_exactly(seed):
-    """``_split_cut`` against every split: least largest term; of those, least busiest stage; of
-    those, least summed load. Link terms are drawn so that a link often binds (every split ties)."""
+    """``_split_cut`` against every split: least largest term; where a link binds, of those the
+    least busiest stage, then the least summed load. Link terms are drawn so that a link often
+    binds (every split ties)."""
     import math
 
     import numpy as np
@@ -213,7 +214,10 @@ def test_the_split_dp_breaks_ties_under_a_bottleneck_link_exactly(seed):
         return
     assert value == best[0]
     assert cut[0] == 0 and cut[-1] == layers and all(a < b for a, b in zip(cut[:-1], cut[1:], strict=True))
-    assert terms(cut) == best, (cut, terms(cut), best)
+    if best[1] < best[0]:  # a link binds: the tie-breaks apply
+        assert terms(cut) == best, (cut, terms(cut), best)
+    else:  # a stage binds: the least largest term
+        assert terms(cut)[0] == best[0]
 
 
 def test_shares_are_whole_samples_of_at_least_one_each():
