@@ -702,14 +702,19 @@ def reference_search(cluster: Cluster, model: ModelProfile, batch: int, *, budge
         slots, n, cut, _, schedule = item[2:]
         return tuple(slots), n, tuple(cut), schedule
 
+    def quick(item: tuple) -> tuple:
+        """``item`` simulated quickly, recorded (tried, results) and returned as a result."""
+        tried.add(key(item))
+        results.append((ref.quick(*item[2:]), next(tick), item))
+        return results[-1]
+
     def simulate_quickly(items: list[tuple], share: float) -> None:
         for item in items:
             if key(item) in tried:
                 continue
             if (time.process_time() > c0 + share * budget_s and ref.best[1] is not None) or ref.over():
                 break
-            tried.add(key(item))
-            results.append((ref.quick(*item[2:]), next(tick), item))
+            quick(item)
 
     def finish(items: list[tuple], refine: bool = False) -> None:
         for item in items:
@@ -747,9 +752,7 @@ def reference_search(cluster: Cluster, model: ModelProfile, batch: int, *, budge
             new = 0
             for item in sorted(wider):
                 if key(item) not in tried:
-                    tried.add(key(item))
-                    results.append((ref.quick(*item[2:]), next(tick), item))
-                    heapq.heappush(queue, results[-1])
+                    heapq.heappush(queue, quick(item))
                     new += 1
                     yield
             if not new and len(full) == laid and all(keep << rounds >= len(ref._seen.get(o, ())) for o in full):
