@@ -32,6 +32,28 @@ form of step 1 (every microbatch size, :meth:`~deepcee.planner.steps.SearchState
   earlier). With ``pairs`` (the guarded climbs of [Note: second look] in
   :mod:`deepcee.planner.search`), when neither improves, also two islands a step coarser, or two
   a step finer, at once, and ``work`` caps the devices laid out.
+
+[Note: stage counts]
+Granularities are powers of two, so an island of 13 devices has 13, 7, 4, 2 or 1 stages and
+never 8-12. The best layouts often need those counts: on planner_at_scale seed 23 the closed
+form of the reference's chain (sa-east 13, us-east 5, eu-central 13, ap-south 9 devices; a
+37-layer model) is 199.0 s with 10, 3, 12 and 5 stages, against 240.8 s for the granularity
+climb's best (13, 3, 13, 5); an exhaustive count over all 7,590 count vectors of that chain puts
+(10, 3, 12, 5) first. So after the granularity climb, :func:`climb_counts` searches each
+island's stage count from where the climb ended (the island's devices cut into that many
+contiguous, even stages, :func:`~deepcee.planner.space.counted_layout`):
+
+- each island in turn, every count between those of the next coarser and finer granularity
+  (:func:`count_window`), the others fixed, taking each improvement at once;
+- when a pass improves nothing, the best *trade*: one island one stage more and another one
+  fewer. The closed form is rugged in the counts: it depends mostly on the total (on that chain
+  29 stages give 293.6 s, 30 give 199.0 s: fewer stages hold more layers each, and fewer
+  microbatches fit in flight to hide the round trips), so a line search alone stops where one
+  island must gain the stage another gives up (there: at (9, 3, 13, 5), 239.5 s; the trade
+  (10, 3, 12, 5) is 199.0 s);
+
+until neither improves or ``count_budget`` layouts are evaluated (the ``work`` budget of the
+guarded climbs also applies). Deterministic (fixed order; ties keep the earlier).
 """
 
 from __future__ import annotations
@@ -39,7 +61,7 @@ from __future__ import annotations
 import itertools
 import math
 
-from deepcee.planner.space import Chain, island_grains, mixed_layout
+from deepcee.planner.space import Chain, StageLayout, counted_layout, island_grains, mixed_layout
 from deepcee.planner.steps import SearchState
 
 _INF = math.inf
@@ -115,8 +137,9 @@ def _moves(cur: tuple[int, ...], choices: list[list[int]], tier: int) -> list[tu
 
 def climb_grains(search: SearchState, chain: Chain, *, pairs: bool = False, work: list[int] | None = None) -> float:
     """Local search over ``chain``'s grains from its best uniform or finest feasible layout (module
-    docstring); returns the best closed form found. ``pairs``: when no single step or trade
-    improves, two islands a step coarser (or finer) at once too. ``work``: a shared budget of
+    docstring), then over each island's stage count from where it ended (:func:`climb_counts`,
+    ``count_budget`` layouts more); returns the best closed form found. ``pairs``: when no single
+    step or trade improves, two islands a step coarser (or finer) at once too. ``work``: a shared budget of
     devices laid out (each layout evaluated charges its devices; the climb stops when spent)."""
     choices = island_grains(search.grouping, chain)
     if all(len(c) == 1 for c in choices):
@@ -159,4 +182,95 @@ def climb_grains(search: SearchState, chain: Chain, *, pairs: bool = False, work
             continue
         best, cur = step
         tier = 0
+    if search.options.count_budget > 0 and (work is None or work[0] > 0):
+        ended = tuple(-(-len(devs) // g) for devs, g in zip(island_sets(search, chain), _grains(choices, cur),
+                                                             strict=True))
+        best = min(best, climb_counts(search, chain, [ended, *speed_counts(search, chain)], near, work))
+    return best
+
+
+def count_window(devices: int, count: int) -> range:
+    """The stage counts an island of ``devices`` cut into ``count`` stages searches: from half to
+    twice ``count`` (about the counts of the next coarser and finer power-of-two granularity),
+    within 1..``devices`` ([Note: stage counts])."""
+    return range(max(1, -(-count // 2)), min(devices, 2 * count) + 1)
+
+
+def island_sets(search: SearchState, chain: Chain) -> list[tuple[str, ...]]:
+    """Each island's kept devices of ``chain`` (one merged set per island), in chain order."""
+    out = []
+    for i, keep in chain:
+        isl = search.grouping.islands[i]
+        member = {d for x in isl.groups[:keep] for d in x.devices}
+        out.append(tuple(d for d in isl.devices if d in member))
+    return out
+
+
+def speed_counts(search: SearchState, chain: Chain) -> list[tuple[int, ...]]:
+    """Stage counts of ``chain`` with each island's stages about its share of the layers: the model's
+    layers split in proportion to the islands' summed device speed, rounded down and up (at least
+    one stage, at most one per device, at most ``max_stages`` in all; [Note: stage counts])."""
+    sets = island_sets(search, chain)
+    speed = [sum(1.0 / search.marginal_s(d) for d in devs) for devs in sets]
+    layers = [search.model.num_layers * s / sum(speed) for s in speed]
+    out = []
+    for rounding in (math.floor, math.ceil):
+        counts = [min(len(devs), max(1, int(rounding(x)))) for devs, x in zip(sets, layers, strict=True)]
+        while sum(counts) > search.max_stages and max(counts) > 1:
+            counts[max(range(len(counts)), key=lambda k: (counts[k], -k))] -= 1
+        if sum(counts) <= search.max_stages:
+            out.append(tuple(counts))
+    return list(dict.fromkeys(out))
+
+
+def counts_layout(search: SearchState, chain: Chain, counts: tuple[int, ...],
+                  sets: list[tuple[str, ...]] | None = None) -> StageLayout:
+    """``chain`` with island ``k`` cut into ``counts[k]`` even stages (``sets``: its
+    :func:`island_sets`, when known)."""
+    sets = island_sets(search, chain) if sets is None else sets
+    return counted_layout(search.grouping, list(zip((i for i, _ in chain), sets, counts, strict=True)))
+
+
+def climb_counts(search: SearchState, chain: Chain, starts: list[tuple[int, ...]], sizes: list[int] | None,
+                 work: list[int] | None = None) -> float:
+    """Local search over each island's stage count (any count, not only those of the powers of two)
+    from the best of ``starts`` ([Note: stage counts]); returns the best closed form found. ``work``
+    as in :func:`climb_grains`."""
+    sets = island_sets(search, chain)
+    seen: dict[tuple[int, ...], float] = {}
+    budget = search.options.count_budget
+
+    def value(counts: tuple[int, ...]) -> float:
+        if counts not in seen:
+            if sum(counts) > search.max_stages:
+                seen[counts] = _INF
+            else:
+                lay = counts_layout(search, chain, counts, sets)
+                if work is not None and (lay.slots, None if sizes is None else tuple(sizes)) not in search.layout_values:
+                    work[0] -= len(lay.devices)
+                seen[counts] = search.evaluate_layout(lay, sizes)[0]
+        return seen[counts]
+
+    def spent() -> bool:
+        return len(seen) >= budget or (work is not None and work[0] <= 0)
+
+    best, cur = min((value(c), c) for c in dict.fromkeys(starts))
+    while not spent() and math.isfinite(best):
+        for k in range(len(chain)):  # each island's count near its own, the others fixed
+            for c in count_window(len(sets[k]), cur[k]):
+                mv = cur[:k] + (c,) + cur[k + 1:]
+                if mv in seen or not spent():
+                    got = value(mv)
+                    if got < best * (1 - 1e-9):
+                        best, cur = got, mv
+        step = None  # then trade one island's stage for another's (the total stays the same)
+        for k, j in itertools.permutations(range(len(chain)), 2):
+            mv = tuple(c + (1 if x == k else -1 if x == j else 0) for x, c in enumerate(cur))
+            if 1 <= mv[j] and mv[k] <= len(sets[k]) and (mv in seen or not spent()):
+                got = value(mv)
+                if got < best * (1 - 1e-9) and (step is None or got < step[0]):
+                    step = (got, mv)
+        if step is None:
+            break
+        best, cur = step
     return best

@@ -109,7 +109,7 @@ from deepcee.planner.chains import (
 )
 from deepcee.planner.cost_model import AnalyticCostModel
 from deepcee.planner.explain import Counterfactual, explain
-from deepcee.planner.grains import climb_grains, feasible_grains
+from deepcee.planner.grains import climb_grains, counts_layout, feasible_grains, speed_counts
 from deepcee.planner.grouping import Grouping, group_devices
 from deepcee.planner.options import SYNC_CHOICES, PlannerOptions
 from deepcee.planner.polish import polish_layout
@@ -180,8 +180,10 @@ def _progress(options: PlannerOptions, step: str, fraction: float) -> None:
         options.progress(step, fraction)
 
 
-def _search_chains(search: SearchState, dist: np.ndarray) -> None:
-    """Islands and their order (see [Note: chain search] in :mod:`deepcee.planner.chains`)."""
+def _search_chains(search: SearchState, dist: np.ndarray, *, speed: bool = False) -> None:
+    """Islands and their order (see [Note: chain search] in :mod:`deepcee.planner.chains`);
+    ``speed``: each chain also laid out with stages in proportion to its islands' speed ([Note:
+    stage counts] in :mod:`deepcee.planner.grains`)."""
     g, opts = search.grouping, search.options
     bounds = ChainBounds(search.cluster, search.model, g, search.global_batch, search.marginal_s,
                          search.pipe_bandwidth)
@@ -210,6 +212,9 @@ def _search_chains(search: SearchState, dist: np.ndarray) -> None:
                 best, found = min(best, value), found + math.isfinite(value)
                 if found >= 1:
                     break
+        if speed:
+            for counts in speed_counts(search, chain):
+                best = min(best, search.evaluate_layout(counts_layout(search, chain, counts), sizes)[0])
         if not math.isfinite(best) and opts.grain_budget > 0:
             best = feasible_grains(search, chain, sizes)  # [Note: mixed granularity]
         return best
@@ -360,6 +365,24 @@ def _second_look(search: SearchState, top: list[Candidate], cands: list[Candidat
             return sorted(got + top, key=final_rank_key), sorted(_dedupe(cands + new), key=rank_key)
     _restore(search, saved)  # not taken: the search as the main search left it
     return top, cands
+
+
+def _count_look(search: SearchState, dist: np.ndarray) -> list[Config]:
+    """The chain search again, from scratch, with every chain also laid out with stages in
+    proportion to its islands' speed ([Note: stage counts] in :mod:`deepcee.planner.grains`); the
+    configurations it adds (its granularity climbs and chain walk included) are taken back and
+    returned, to be searched on their own after the main search, as the second look's."""
+    saved = _snapshot(search)
+    kept = (search.second_look, search.walk_look, search.chain_result, search.chain_moves, search.chain_walk)
+    search.configs, search.layout_values, search.best_closed_form = {}, {}, _INF  # a fresh search: its own pruning
+    _search_chains(search, dist, speed=True)
+    extra = {id(cfg): cfg for cfg in [*search.configs.values(), *search.second_look, *search.walk_look]}
+    added = [cfg for cfg in extra.values() if (cfg.layout.slots, cfg.n, cfg.split, cfg.recompute) not in saved.configs]
+    _restore(search, saved)
+    search.second_look, search.walk_look, search.chain_result, search.chain_moves, search.chain_walk = kept
+    for cfg in added:
+        cfg.screened.clear()
+    return added
 
 
 def _devices_used_search(search: SearchState, best_chains: list[tuple[float, Chain]],
@@ -536,7 +559,10 @@ def _plan_training(cluster: Cluster, model: ModelProfile, global_batch: int, *,
         raise PlanError(f"global batch must be an integer >= 1, got {global_batch!r}", field="global_batch")
     check_planning(cluster, model, global_batch)
     search = new_search(cluster, model, global_batch, options)
-    _search_chains(search, island_distances(cluster, search.grouping))
+    dist = island_distances(cluster, search.grouping)
+    _search_chains(search, dist)
+    if options.count_budget > 0 and len(cluster.device_names) <= options.polish_max_devices:
+        search.count_look = _count_look(search, dist)  # [Note: stage counts]
     _progress(options, "layer splits", 0.0)
     ranked = sorted(search.configs.values(), key=lambda c: c.key)
     for k, cfg in enumerate(ranked[: options.sweep_top]):
@@ -571,6 +597,9 @@ def _plan_training(cluster: Cluster, model: ModelProfile, global_batch: int, *,
         top, cands = _second_look(search, top, cands)
     if search.walk_look:  # the chain walk's chain ([Note: chain search] in deepcee.planner.chains)
         top, cands = _second_look(search, top, cands, search.walk_look, "the chain walk's island chain")
+    if search.count_look:  # [Note: stage counts] in deepcee.planner.grains
+        top, cands = _second_look(search, top, cands, search.count_look,
+                                  "the chain search with stages in proportion to speed")
     best = top[0]
     _progress(options, "explanation", 0.0)
     explanation, counterfactuals = explain(search, best, cands)

@@ -17,8 +17,10 @@ split every microbatch by share and all-reduce their gradients. The planner sear
   most ``g`` devices (``g`` a power of two or the set's size: more stages inside an island,
   for memory or for less all-reduce traffic), the same ``g`` for the whole chain
   (:func:`chain_layouts`) or one per island (:func:`mixed_layout`, searched on the best
-  chains: [Note: mixed granularity] in :mod:`deepcee.planner.grains`); plus, for a chain of
-  several islands, one stage over all of them (data parallel across islands).
+  chains: [Note: mixed granularity] in :mod:`deepcee.planner.grains`), and on those chains any
+  stage count per island near the granularities found ([Note: stage counts] in the same
+  module); plus, for a chain of several islands, one stage over all of them (data parallel
+  across islands).
 - **microbatch size** ``n`` (a divisor of the global batch, at least the largest stage's
   device count so every device gets a sample), **schedule** (gpipe, 1f1b, zb-h1, zb-h2,
   compact), **sync** (ring or hierarchical all-reduce), and the **layer split** (any
@@ -174,7 +176,8 @@ def split_evenly(devices: Sequence[str], count: int) -> list[tuple[str, ...]]:
 def counted_layout(grouping: Grouping, segments: Sequence[tuple[int, tuple[str, ...], int]]) -> StageLayout:
     """Stages of ``segments`` in order, each ``(island index, its devices, stage count)`` cut by
     :func:`split_evenly` (any stage count per island, not only the powers of two of
-    :func:`chain_layouts`; used by [Note: layout polish] in :mod:`deepcee.planner.polish`)."""
+    :func:`chain_layouts`; used by [Note: stage counts] in :mod:`deepcee.planner.grains` and
+    [Note: layout polish] in :mod:`deepcee.planner.polish`)."""
     slots: list[tuple[str, ...]] = []
     parts = []
     for i, devices, count in segments:

@@ -136,6 +136,10 @@ class SearchState:
     """Configurations of the chain walk's chain, taken back from the main search and searched on
     their own after it, as the second look's ([Note: chain search] in
     :mod:`deepcee.planner.chains`)."""
+    count_look: list[Config] = field(default_factory=list)
+    """Configurations of the chain search with stages in proportion to speed, taken back from the
+    main search and searched on their own after it, as the second look's ([Note: stage counts] in
+    :mod:`deepcee.planner.grains`)."""
     _pipes: dict[tuple, float] = field(default_factory=dict)
     chain_result: ChainResult | None = None
     """What the chain search did (see [Note: chain search])."""
