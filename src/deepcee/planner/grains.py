@@ -39,21 +39,37 @@ never 8-12. The best layouts often need those counts: on planner_at_scale seed 2
 form of the reference's chain (sa-east 13, us-east 5, eu-central 13, ap-south 9 devices; a
 37-layer model) is 199.0 s with 10, 3, 12 and 5 stages, against 240.8 s for the granularity
 climb's best (13, 3, 13, 5); an exhaustive count over all 7,590 count vectors of that chain puts
-(10, 3, 12, 5) first. So after the granularity climb, :func:`climb_counts` searches each
-island's stage count from where the climb ended (the island's devices cut into that many
-contiguous, even stages, :func:`~deepcee.planner.space.counted_layout`):
+(10, 3, 12, 5) first. Two steps search any stage count per island (an island's kept devices cut
+into that many contiguous, even stages, :func:`~deepcee.planner.space.counted_layout`):
 
-- each island in turn, every count between those of the next coarser and finer granularity
-  (:func:`count_window`), the others fixed, taking each improvement at once;
-- when a pass improves nothing, the best *trade*: one island one stage more and another one
-  fewer. The closed form is rugged in the counts: it depends mostly on the total (on that chain
-  29 stages give 293.6 s, 30 give 199.0 s: fewer stages hold more layers each, and fewer
-  microbatches fit in flight to hide the round trips), so a line search alone stops where one
-  island must gain the stage another gives up (there: at (9, 3, 13, 5), 239.5 s; the trade
-  (10, 3, 12, 5) is 199.0 s);
+- **the count search** (:func:`climb_counts`), after each granularity climb, from the better of
+  where the climb ended and the two *speed counts* (:func:`speed_counts`: the model's layers
+  split in proportion to each island's summed device speed, rounded down and up; near one layer
+  per stage a stage's time hardly depends on how many stages its island has, while more stages
+  hold fewer layers each and so keep more microbatches in flight):
 
-until neither improves or ``count_budget`` layouts are evaluated (the ``work`` budget of the
-guarded climbs also applies). Deterministic (fixed order; ties keep the earlier).
+  - each island in turn, every count from half to twice its own (:func:`count_window`, about
+    the next coarser and finer granularity's), the others fixed, taking each improvement at once;
+  - when a pass improves nothing, the best *trade*: one island one stage more and another one
+    fewer. The closed form is rugged in the counts: it depends mostly on the total (on that
+    chain 29 stages give 293.6 s and 30 give 199.0 s: fewer stages hold more layers each, and
+    fewer microbatches fit in flight to hide the round trips), so a line search alone stops
+    where one island must gain the stage another gives up (there at (9, 3, 13, 5), 239.5 s;
+    the trade to (10, 3, 12, 5) gives 199.0 s);
+
+  until neither improves or ``count_budget`` layouts are evaluated (the ``work`` budget of the
+  guarded climbs also applies). Deterministic (fixed order; ties keep the earlier).
+- **the count look** (:func:`deepcee.planner.search._count_look`): the chain search values a
+  chain by its uniform layouts, which can be far off what the chain can do (seed 23's chain
+  above: 3,101 s uniform, 240.5 s with its speed counts; seed 75's reference chain: 2,895 s
+  against 180.5 s), so it never reached those chains. Valuing every chain also by its speed
+  counts inside the main search reached them (seeds 23, 75, 53: 224.6 -> 193.6, 225.0 -> 185.0,
+  146.3 -> 136.3 s, simulated) but changed which chains and configurations the main search kept,
+  and lost two (seed 13: 148.8 -> 163.1 s; seed 96: 989.9 -> 1,169 s). So the chain search is
+  run a second time, from scratch, with the speed counts, on clusters of at most
+  ``polish_max_devices`` devices; the configurations it adds are taken back and searched on
+  their own after the main search, and its plan is taken only where the simulator rates it
+  faster, as the second look's ([Note: second look] in :mod:`deepcee.planner.search`).
 """
 
 from __future__ import annotations

@@ -99,7 +99,7 @@ class PlannerOptions:
     count_budget: int = 48
     """Layouts the stage-count search evaluates per chain after its granularity search: any stage
     count per island near the granularities found, not only those of powers of two (see [Note:
-    stage counts] in :mod:`deepcee.planner.grains`); 0: none."""
+    stage counts] in :mod:`deepcee.planner.grains`); 0: neither that search nor the count look."""
     grain_chains: int = 10
     """The best chains (closed form) whose per-island granularities are searched. 10, not 2: on
     WAN seeds 11, 27 and 47 of ``benchmarks/planner_at_scale.py`` the best plan mixes
@@ -117,8 +117,9 @@ class PlannerOptions:
     plan of another microbatch size, each with its own ``polish_budget`` (see [Note: layout
     polish] in :mod:`deepcee.planner.polish`); 0: one climb only."""
     polish_max_devices: int = 128
-    """The layout polish, the compact recomputation variants and the second look ([Note: second
-    look] in :mod:`deepcee.planner.search`) run only on clusters of at most this many devices.
+    """The layout polish, the compact recomputation variants, the second look ([Note: second
+    look] in :mod:`deepcee.planner.search`) and the count look ([Note: stage counts] in
+    :mod:`deepcee.planner.grains`) run only on clusters of at most this many devices.
     128, not 256: at 256 devices in 16 islands (``benchmarks/planning_time.py``
     synthetic-256) the polish took 80 of 99 CPU s for 4% (5.541 -> 5.325 s per iteration), and
     the variants cost 1.4 of the 13 CPU s at 512 devices, where ``plan`` has a 10 s target; the
