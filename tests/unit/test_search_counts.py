@@ -172,3 +172,32 @@ def test_the_count_look_is_taken_back_from_the_main_search() -> None:
     assert added  # on this cluster the speed counts give layouts the main search did not have
     assert all((c.layout.slots, c.n, c.split, c.recompute) not in before for c in added)
     assert all(not c.screened for c in added)
+
+
+def test_count_options_are_checked() -> None:
+    from deepcee.errors import PlanError
+
+    with pytest.raises(PlanError, match="count_look"):
+        PlannerOptions(count_look=1)
+    with pytest.raises(PlanError, match="count_budget"):
+        PlannerOptions(count_budget=-1)
+
+
+@pytest.mark.parametrize(("look", "budget", "calls"), [(True, 48, 1), (False, 48, 0), (True, 0, 0)])
+def test_the_count_look_runs_only_where_asked(monkeypatch, look: bool, budget: int, calls: int) -> None:
+    """``count_look=False`` (``deepcee plan --no-polish``, ``compare``'s sweeps) or ``count_budget=0``
+    skip the second chain search; and a plan comes back either way."""
+    import deepcee.planner.search as search_module
+
+    seen = []
+    real = search_module._count_look
+
+    def spy(search, dist):
+        seen.append(1)
+        return real(search, dist)
+
+    monkeypatch.setattr(search_module, "_count_look", spy)
+    cluster, model = _three_islands()
+    result = search_module.plan_training(cluster, model, 32, options=PlannerOptions(
+        count_look=look, count_budget=budget, explain_counterfactuals=False))
+    assert len(seen) == calls and result.plan.num_stages >= 1

@@ -224,8 +224,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--epochs", type=number(EPOCHS), default=1, help="epochs the one-time data movement is spread over")
     p.add_argument("--no-polish", action="store_true", help="skip the layout polish (a local search over the best "
                    "plan's islands, stage counts and microbatch size), the second look (the granularity climbs "
-                   "with two-island moves, searched on their own) and the chain walk (islands and their order, "
-                   "searched on their own); faster, sometimes a slower plan")
+                   "with two-island moves, searched on their own), the chain walk (islands and their order, "
+                   "searched on their own) and the count look (a second island search with stages in proportion "
+                   "to speed, searched on its own); faster, sometimes a slower plan")
     p.add_argument("-o", "--output", type=out_path(), default="plan.json")
     p.set_defaults(func=cmd_plan)
 

@@ -52,7 +52,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     if args.budget is not None and args.objective != "cost":
         raise SpecError("--budget needs --objective cost", field="--budget")
-    options = PlannerOptions(progress=_progress_printer(), **({"polish_budget": 0, "second_look": False, "walk_budget": 0} if args.no_polish else {}),
+    looks_off = {"polish_budget": 0, "second_look": False, "walk_budget": 0, "count_look": False}
+    options = PlannerOptions(progress=_progress_printer(), **(looks_off if args.no_polish else {}),
                              **({"schedules": tuple(args.schedules.split(","))} if args.schedules else {}))
     searched = args.sync == "relaxed" or args.objective == "cost"
     with _progress(f"planning {model.name} on {cluster.name}"):

@@ -233,7 +233,7 @@ def breakdown(plan: Plan, cluster: Cluster, model: ModelProfile, result: SimResu
 
 
 SWEEP_SEARCH = {"sweep_top": 4, "model_top": 3, "refine_top": 1, "compact_top": 1, "confirm_top": 1,
-                "chain_budget": 24, "walk_budget": 0, "score_budget": 20_000, "explain_counterfactuals": False, "refine_best_guides": 0}
+                "chain_budget": 24, "walk_budget": 0, "count_look": False, "score_budget": 20_000, "explain_counterfactuals": False, "refine_best_guides": 0}
 """Lighter search effort for the ~60 plans of a crossover study (PlannerOptions fields)."""
 
 

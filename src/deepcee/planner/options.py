@@ -129,6 +129,12 @@ class PlannerOptions:
     """After the main search, search the granularity climbs with two-island moves on their own and
     take their plan where the simulator rates it faster ([Note: second look] in
     :mod:`deepcee.planner.search`); ``False`` skips it (``deepcee plan --no-polish``)."""
+    count_look: bool = True
+    """After the main search, search the configurations of a second chain search that values every
+    chain also by its stages in proportion to speed on their own, and take their plan where the
+    simulator rates it faster ([Note: stage counts] in :mod:`deepcee.planner.grains`; clusters of
+    at most ``polish_max_devices`` devices, ``count_budget`` > 0); ``False`` skips it (``deepcee
+    plan --no-polish``, and ``compare``'s crossover sweeps)."""
     explain_counterfactuals: bool = True
     """Plan and simulate the counterfactuals the explanation prints (each island left out or
     added, one stage more or fewer)."""
@@ -159,7 +165,8 @@ class PlannerOptions:
             value = getattr(self, name)
             if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 0:
                 raise PlanError(f"must be an integer >= 0, got {value!r}", field=name)
-        if not isinstance(self.second_look, bool):
-            raise PlanError(f"must be true or false, got {self.second_look!r}", field="second_look")
+        for name in ("second_look", "count_look"):
+            if not isinstance(getattr(self, name), bool):
+                raise PlanError(f"must be true or false, got {getattr(self, name)!r}", field=name)
         if self.exhaustive_islands < 1:
             raise PlanError(f"must be >= 1, got {self.exhaustive_islands!r}", field="exhaustive_islands")
