@@ -151,12 +151,14 @@ def _moves(cur: tuple[int, ...], choices: list[list[int]], tier: int) -> list[tu
     return [mv for mv in pairs if mv is not None]
 
 
-def climb_grains(search: SearchState, chain: Chain, *, pairs: bool = False, work: list[int] | None = None) -> float:
+def climb_grains(search: SearchState, chain: Chain, *, pairs: bool = False, work: list[int] | None = None,
+                 counts: bool = False) -> float:
     """Local search over ``chain``'s grains from its best uniform or finest feasible layout (module
-    docstring), then over each island's stage count from where it ended (:func:`climb_counts`,
-    ``count_budget`` layouts more); returns the best closed form found. ``pairs``: when no single
-    step or trade improves, two islands a step coarser (or finer) at once too. ``work``: a shared budget of
-    devices laid out (each layout evaluated charges its devices; the climb stops when spent)."""
+    docstring); returns the best closed form found. ``pairs``: when no single step or trade
+    improves, two islands a step coarser (or finer) at once too. ``work``: a shared budget of
+    devices laid out (each layout evaluated charges its devices; the climb stops when spent).
+    ``counts``: then over each island's stage count from where it ended (:func:`climb_counts`,
+    ``count_budget`` layouts more; the count look's, [Note: stage counts])."""
     choices = island_grains(search.grouping, chain)
     if all(len(c) == 1 for c in choices):
         return _INF
@@ -198,7 +200,7 @@ def climb_grains(search: SearchState, chain: Chain, *, pairs: bool = False, work
             continue
         best, cur = step
         tier = 0
-    if search.options.count_budget > 0 and (work is None or work[0] > 0):
+    if counts and search.options.count_budget > 0 and (work is None or work[0] > 0):
         ended = tuple(-(-len(devs) // g) for devs, g in zip(island_sets(search, chain), _grains(choices, cur),
                                                              strict=True))
         best = min(best, climb_counts(search, chain, [ended, *speed_counts(search, chain)], near, work))
