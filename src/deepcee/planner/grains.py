@@ -81,6 +81,9 @@ from deepcee.planner.space import Chain, StageLayout, counted_layout, island_gra
 from deepcee.planner.steps import SearchState
 
 _INF = math.inf
+COUNT_GAIN = 0.02
+"""The stage-count search's layouts stay candidates only where its best closed form beats the
+granularity climb's by more than this ([Note: stage counts])."""
 
 
 def _layout_value(search: SearchState, chain: Chain, grains: tuple[int, ...], sizes: list[int] | None) -> float:
@@ -203,7 +206,14 @@ def climb_grains(search: SearchState, chain: Chain, *, pairs: bool = False, work
     if counts and search.options.count_budget > 0 and (work is None or work[0] > 0):
         ended = tuple(-(-len(devs) // g) for devs, g in zip(island_sets(search, chain), _grains(choices, cur),
                                                              strict=True))
-        best = min(best, climb_counts(search, chain, [ended, *speed_counts(search, chain)], near, work))
+        before, bound = set(search.configs), search.best_closed_form
+        got = climb_counts(search, chain, [ended, *speed_counts(search, chain)], near, work)
+        if got < best * (1 - COUNT_GAIN):
+            best = got
+        else:  # not worth their places among the candidates: taken back
+            for key in [k for k in search.configs if k not in before]:
+                del search.configs[key]
+            search.best_closed_form = bound
     return best
 
 

@@ -248,16 +248,14 @@ def _search_chains(search: SearchState, dist: np.ndarray, *, speed: bool = False
             if len(climbed) >= opts.grain_chains or not math.isfinite(value):
                 break
             tried += 1
-            if math.isfinite(climb_grains(search, chain, counts=speed)):
+            if math.isfinite(climb_grains(search, chain)):
                 climbed.append(chain)
-        if not speed:
-            search.climbed = climbed
         if opts.second_look and len(search.cluster.device_names) <= opts.polish_max_devices:
-            search.second_look = _guarded_climbs(search, climbed, best_chains[tried:], counts=speed)  # [Note: second look]
+            search.second_look = _guarded_climbs(search, climbed, best_chains[tried:])  # [Note: second look]
     for chain in ends:
         _confirmed_end(search, chain)
     if walked:  # searched on their own after the main search, as the second look's
-        search.walk_look = _laid_out_apart(search, walked, counts=speed)
+        search.walk_look = _laid_out_apart(search, walked)
     if not exact and done:
         keeps = [len(isl.groups) for isl in g.islands]
         for value, chain in best_chains[:2]:  # the two best merged chains seed the local search
@@ -307,8 +305,7 @@ plan by the cost model is within this of the main search's best (compact schedul
 refinement gained up to 15% on the WAN instances; [Note: second look])."""
 
 
-def _guarded_climbs(search: SearchState, first: list[Chain], later: list[tuple[float, Chain]], *,
-                    counts: bool = False) -> list[Config]:
+def _guarded_climbs(search: SearchState, first: list[Chain], later: list[tuple[float, Chain]]) -> list[Config]:
     """The granularity climbs again, with two-island moves, on the chains ``first`` (those the
     main search climbed) and on the next ``grain_chains`` of ``later`` (the chains after them,
     best first) ([Note: second look]). Everything they add is taken back; it is returned only
@@ -322,7 +319,7 @@ def _guarded_climbs(search: SearchState, first: list[Chain], later: list[tuple[f
     for chain in first + extra:
         if work[0] <= 0:
             break
-        climb_grains(search, chain, pairs=True, work=work, counts=counts)
+        climb_grains(search, chain, pairs=True, work=work)
     added = [cfg for key, cfg in search.configs.items() if key not in before]
     keep = bool(added) and _screen_of_best(search, added) < _screen_of_best(search, before.values())
     _restore(search, saved)
@@ -374,31 +371,22 @@ def _second_look(search: SearchState, top: list[Candidate], cands: list[Candidat
     return top, cands
 
 
-def _count_look(search: SearchState, dist: np.ndarray) -> list[list[Config]]:
-    """The count look's two sets of configurations ([Note: stage counts] in
-    :mod:`deepcee.planner.grains`), each taken back from the main search and returned, to be
-    searched on its own after it, as the second look's: the stage-count search on the chains the
-    main search climbed, and the chain search again, from scratch, with every chain also laid out
-    with stages in proportion to its islands' speed (its climbs, second look and chain walk with
-    the count search too)."""
-    out = []
+def _count_look(search: SearchState, dist: np.ndarray) -> list[Config]:
+    """The chain search again, from scratch, with every chain also laid out with stages in
+    proportion to its islands' speed ([Note: stage counts] in :mod:`deepcee.planner.grains`); the
+    configurations it adds (its granularity climbs and chain walk included) are taken back and
+    returned, to be searched on their own after the main search, as the second look's."""
     saved = _snapshot(search)
-    for chain in search.climbed:
-        climb_grains(search, chain, counts=True)
-    out.append([cfg for key, cfg in search.configs.items() if key not in saved.configs])
-    _restore(search, saved)
-    kept = (search.second_look, search.walk_look, search.chain_result, search.chain_moves, search.chain_walk,
-            search.climbed)
+    kept = (search.second_look, search.walk_look, search.chain_result, search.chain_moves, search.chain_walk)
     search.configs, search.layout_values, search.best_closed_form = {}, {}, _INF  # a fresh search: its own pruning
     _search_chains(search, dist, speed=True)
     extra = {id(cfg): cfg for cfg in [*search.configs.values(), *search.second_look, *search.walk_look]}
-    out.append([cfg for cfg in extra.values() if (cfg.layout.slots, cfg.n, cfg.split, cfg.recompute) not in saved.configs])
+    added = [cfg for cfg in extra.values() if (cfg.layout.slots, cfg.n, cfg.split, cfg.recompute) not in saved.configs]
     _restore(search, saved)
-    (search.second_look, search.walk_look, search.chain_result, search.chain_moves, search.chain_walk,
-     search.climbed) = kept
-    for cfg in (c for group in out for c in group):
+    search.second_look, search.walk_look, search.chain_result, search.chain_moves, search.chain_walk = kept
+    for cfg in added:
         cfg.screened.clear()
-    return [group for group in out if group]
+    return added
 
 
 def _devices_used_search(search: SearchState, best_chains: list[tuple[float, Chain]],
@@ -449,12 +437,12 @@ def _chain_walk(search: SearchState, bounds: ChainBounds, best_chains: list[tupl
     return [end] if got < value * (1 - 1e-9) else []
 
 
-def _laid_out_apart(search: SearchState, chains: list[Chain], *, counts: bool = False) -> list[Config]:
+def _laid_out_apart(search: SearchState, chains: list[Chain]) -> list[Config]:
     """The configurations of ``chains`` laid out in full (with the granularity search), taken back
     from the main search and returned, to be searched on their own ([Note: chain search])."""
     saved = _snapshot(search)
     for chain in chains:
-        _lay_out_in_full(search, chain, grains=search.options.grain_budget > 0, counts=counts)
+        _lay_out_in_full(search, chain, grains=search.options.grain_budget > 0)
     added = [cfg for key, cfg in search.configs.items() if key not in saved.configs]
     _restore(search, saved)
     for cfg in added:
@@ -484,13 +472,12 @@ def _confirmed_end(search: SearchState, chain: Chain) -> bool:
     return False
 
 
-def _lay_out_in_full(search: SearchState, chain: Chain, *, grains: bool, counts: bool = False) -> None:
-    """Every layout of ``chain`` at every microbatch size (and its granularity search; ``counts``:
-    and then its stage-count search)."""
+def _lay_out_in_full(search: SearchState, chain: Chain, *, grains: bool) -> None:
+    """Every layout of ``chain`` at every microbatch size (and its granularity search)."""
     for lay in chain_layouts(search.grouping, chain, search.max_stages, search.pieces):
         search.evaluate_layout(lay)
     if grains:
-        climb_grains(search, chain, counts=counts)
+        climb_grains(search, chain)
 
 
 CONFIRM_END_TOP = 3
@@ -614,8 +601,9 @@ def _plan_training(cluster: Cluster, model: ModelProfile, global_batch: int, *,
         top, cands = _second_look(search, top, cands)
     if search.walk_look:  # the chain walk's chain ([Note: chain search] in deepcee.planner.chains)
         top, cands = _second_look(search, top, cands, search.walk_look, "the chain walk's island chain")
-    for extra in search.count_look:  # [Note: stage counts] in deepcee.planner.grains
-        top, cands = _second_look(search, top, cands, extra, "the stage counts")
+    if search.count_look:  # [Note: stage counts] in deepcee.planner.grains
+        top, cands = _second_look(search, top, cands, search.count_look,
+                                  "the chain search with stages in proportion to speed")
     best = top[0]
     _progress(options, "explanation", 0.0)
     explanation, counterfactuals = explain(search, best, cands)
