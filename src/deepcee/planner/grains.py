@@ -35,41 +35,41 @@ form of step 1 (every microbatch size, :meth:`~deepcee.planner.steps.SearchState
 
 [Note: stage counts]
 Granularities are powers of two, so an island of 13 devices has 13, 7, 4, 2 or 1 stages and
-never 8-12. The best layouts often need those counts: on planner_at_scale seed 23 the closed
-form of the reference's chain (sa-east 13, us-east 5, eu-central 13, ap-south 9 devices; a
-37-layer model) is 199.0 s with 10, 3, 12 and 5 stages, against 240.8 s for the granularity
-climb's best (13, 3, 13, 5); an exhaustive count over all 7,590 count vectors of that chain puts
-(10, 3, 12, 5) first. Two steps search any stage count per island (an island's kept devices cut
-into that many contiguous, even stages, :func:`~deepcee.planner.space.counted_layout`):
+never 8-12, and the chain search values a chain by its uniform layouts (one granularity for
+all its islands), which can be far off what the chain can do. On planner_at_scale seed 23 the
+reference's chain (sa-east 13, us-east 5, eu-central 13, ap-south 9 devices; a 37-layer model)
+has a closed form of 3,101 s over its uniform layouts, 240.8 s after the granularity climb and
+199.0 s with 10, 3, 12 and 5 stages (an exhaustive count over all 7,590 count vectors of that
+chain puts those first); the chain search never reached it (seed 75's reference chain: 2,895 s
+uniform, 180.5 s with the counts below; ranked 110th of 150).
 
-- **the count search** (:func:`climb_counts`), after each granularity climb, from the better of
-  where the climb ended and the two *speed counts* (:func:`speed_counts`: the model's layers
-  split in proportion to each island's summed device speed, rounded down and up; near one layer
-  per stage a stage's time hardly depends on how many stages its island has, while more stages
-  hold fewer layers each and so keep more microbatches in flight):
+*Speed counts* (:func:`speed_counts`): the model's layers split over the chain's islands in
+proportion to their summed device speed, rounded down and up, one stage per layer (at least
+one stage, at most one per device, at most ``max_stages`` in all): near one layer per stage a
+stage's time hardly depends on how many stages its island has, while more stages hold fewer
+layers each and so keep more microbatches in flight to hide the round trips. Each is laid out
+as even contiguous stages per island (:func:`counts_layout`,
+:func:`~deepcee.planner.space.counted_layout`).
 
-  - each island in turn, every count from half to twice its own (:func:`count_window`, about
-    the next coarser and finer granularity's), the others fixed, taking each improvement at once;
-  - when a pass improves nothing, the best *trade*: one island one stage more and another one
-    fewer. The closed form is rugged in the counts: it depends mostly on the total (on that
-    chain 29 stages give 293.6 s and 30 give 199.0 s: fewer stages hold more layers each, and
-    fewer microbatches fit in flight to hide the round trips), so a line search alone stops
-    where one island must gain the stage another gives up (there at (9, 3, 13, 5), 239.5 s;
-    the trade to (10, 3, 12, 5) gives 199.0 s);
+*The count look* (:func:`deepcee.planner.search._count_look`, ``count_look``): valuing every
+chain also by its speed counts inside the main search reached those chains but changed which
+chains and configurations the main search kept. So the chain search runs a second time, from
+scratch, with every chain also laid out with its speed counts, on clusters of at most
+``polish_max_devices`` devices (off for ``deepcee plan --no-polish`` and ``compare``'s
+crossover sweeps); the configurations it adds are taken back and searched on their own after
+the main search, and its plan is taken only where the simulator rates it faster, as the second
+look's ([Note: second look] in :mod:`deepcee.planner.search`). Seeds 23, 75 and 53: 224.6 ->
+198.7, 225.0 -> 185.0 and 146.3 -> 136.6 s (simulated).
 
-  until neither improves or ``count_budget`` layouts are evaluated (the ``work`` budget of the
-  guarded climbs also applies). Deterministic (fixed order; ties keep the earlier).
-- **the count look** (:func:`deepcee.planner.search._count_look`): the chain search values a
-  chain by its uniform layouts, which can be far off what the chain can do (seed 23's chain
-  above: 3,101 s uniform, 240.5 s with its speed counts; seed 75's reference chain: 2,895 s
-  against 180.5 s), so it never reached those chains. Valuing every chain also by its speed
-  counts inside the main search reached them (seeds 23, 75, 53: 224.6 -> 193.6, 225.0 -> 185.0,
-  146.3 -> 136.3 s, simulated) but changed which chains and configurations the main search kept,
-  and lost two (seed 13: 148.8 -> 163.1 s; seed 96: 989.9 -> 1,169 s). So the chain search is
-  run a second time, from scratch, with the speed counts, on clusters of at most
-  ``polish_max_devices`` devices; the configurations it adds are taken back and searched on
-  their own after the main search, and its plan is taken only where the simulator rates it
-  faster, as the second look's ([Note: second look] in :mod:`deepcee.planner.search`).
+Tried and left out (session 25): a local search over each island's stage count after every
+granularity climb (each island's count from half to twice its own, then one island's stage
+traded for another's; it finds seed 23's (10, 3, 12, 5) from the climb's (13, 3, 13, 5)). Inside
+the main search it made 26 of the first 72 WAN seeds faster and 3 slower, seed 43 by 16% (358.9
+-> 416.8 s): its near copies of one chain's layout (35 to 38 stages, closed forms 0.5% apart)
+took all 16 places of the screen's turns ([Note: screening] in :mod:`deepcee.planner.search`).
+Keeping only the layouts it started and ended on, or only where it beat the climb by more than
+2%, left seed 43 at 416.8 s; inside the count look only, it changed no plan on 8 seeds beyond
+what the speed counts gave.
 """
 
 from __future__ import annotations
@@ -81,9 +81,7 @@ from deepcee.planner.space import Chain, StageLayout, counted_layout, island_gra
 from deepcee.planner.steps import SearchState
 
 _INF = math.inf
-COUNT_GAIN = 0.02
-"""The stage-count search's layouts stay candidates only where its best closed form beats the
-granularity climb's by more than this ([Note: stage counts])."""
+
 
 
 def _layout_value(search: SearchState, chain: Chain, grains: tuple[int, ...], sizes: list[int] | None) -> float:
@@ -154,14 +152,11 @@ def _moves(cur: tuple[int, ...], choices: list[list[int]], tier: int) -> list[tu
     return [mv for mv in pairs if mv is not None]
 
 
-def climb_grains(search: SearchState, chain: Chain, *, pairs: bool = False, work: list[int] | None = None,
-                 counts: bool = False) -> float:
+def climb_grains(search: SearchState, chain: Chain, *, pairs: bool = False, work: list[int] | None = None) -> float:
     """Local search over ``chain``'s grains from its best uniform or finest feasible layout (module
     docstring); returns the best closed form found. ``pairs``: when no single step or trade
     improves, two islands a step coarser (or finer) at once too. ``work``: a shared budget of
-    devices laid out (each layout evaluated charges its devices; the climb stops when spent).
-    ``counts``: then over each island's stage count from where it ended (:func:`climb_counts`,
-    ``count_budget`` layouts more; the count look's, [Note: stage counts])."""
+    devices laid out (each layout evaluated charges its devices; the climb stops when spent)."""
     choices = island_grains(search.grouping, chain)
     if all(len(c) == 1 for c in choices):
         return _INF
@@ -203,25 +198,7 @@ def climb_grains(search: SearchState, chain: Chain, *, pairs: bool = False, work
             continue
         best, cur = step
         tier = 0
-    if counts and search.options.count_budget > 0 and (work is None or work[0] > 0):
-        ended = tuple(-(-len(devs) // g) for devs, g in zip(island_sets(search, chain), _grains(choices, cur),
-                                                             strict=True))
-        before, bound = set(search.configs), search.best_closed_form
-        got = climb_counts(search, chain, [ended, *speed_counts(search, chain)], near, work)
-        if got < best * (1 - COUNT_GAIN):
-            best = got
-        else:  # not worth their places among the candidates: taken back
-            for key in [k for k in search.configs if k not in before]:
-                del search.configs[key]
-            search.best_closed_form = bound
     return best
-
-
-def count_window(devices: int, count: int) -> range:
-    """The stage counts an island of ``devices`` cut into ``count`` stages searches: from half to
-    twice ``count`` (about the counts of the next coarser and finer power-of-two granularity),
-    within 1..``devices`` ([Note: stage counts])."""
-    return range(max(1, -(-count // 2)), min(devices, 2 * count) + 1)
 
 
 def island_sets(search: SearchState, chain: Chain) -> list[tuple[str, ...]]:
@@ -257,48 +234,3 @@ def counts_layout(search: SearchState, chain: Chain, counts: tuple[int, ...],
     :func:`island_sets`, when known)."""
     sets = island_sets(search, chain) if sets is None else sets
     return counted_layout(search.grouping, list(zip((i for i, _ in chain), sets, counts, strict=True)))
-
-
-def climb_counts(search: SearchState, chain: Chain, starts: list[tuple[int, ...]], sizes: list[int] | None,
-                 work: list[int] | None = None) -> float:
-    """Local search over each island's stage count (any count, not only those of the powers of two)
-    from the best of ``starts`` ([Note: stage counts]); returns the best closed form found. ``work``
-    as in :func:`climb_grains`."""
-    sets = island_sets(search, chain)
-    seen: dict[tuple[int, ...], float] = {}
-    budget = search.options.count_budget
-
-    def value(counts: tuple[int, ...]) -> float:
-        if counts not in seen:
-            if sum(counts) > search.max_stages:
-                seen[counts] = _INF
-            else:
-                lay = counts_layout(search, chain, counts, sets)
-                if work is not None and (lay.slots, None if sizes is None else tuple(sizes)) not in search.layout_values:
-                    work[0] -= len(lay.devices)
-                seen[counts] = search.evaluate_layout(lay, sizes)[0]
-        return seen[counts]
-
-    def spent() -> bool:
-        return len(seen) >= budget or (work is not None and work[0] <= 0)
-
-    best, cur = min((value(c), c) for c in dict.fromkeys(starts))
-    while not spent() and math.isfinite(best):
-        for k in range(len(chain)):  # each island's count near its own, the others fixed
-            for c in count_window(len(sets[k]), cur[k]):
-                mv = cur[:k] + (c,) + cur[k + 1:]
-                if mv in seen or not spent():
-                    got = value(mv)
-                    if got < best * (1 - 1e-9):
-                        best, cur = got, mv
-        step = None  # then trade one island's stage for another's (the total stays the same)
-        for k, j in itertools.permutations(range(len(chain)), 2):
-            mv = tuple(c + (1 if x == k else -1 if x == j else 0) for x, c in enumerate(cur))
-            if 1 <= mv[j] and mv[k] <= len(sets[k]) and (mv in seen or not spent()):
-                got = value(mv)
-                if got < best * (1 - 1e-9) and (step is None or got < step[0]):
-                    step = (got, mv)
-        if step is None:
-            break
-        best, cur = step
-    return best

@@ -96,10 +96,6 @@ class PlannerOptions:
     grain_budget: int = 24
     """Layouts the per-island granularity search evaluates per chain, on the best chains (see
     [Note: mixed granularity] in :mod:`deepcee.planner.grains`); 0: one granularity per chain."""
-    count_budget: int = 48
-    """Layouts the stage-count search evaluates per chain after its granularity search: any stage
-    count per island near the granularities found, not only those of powers of two (see [Note:
-    stage counts] in :mod:`deepcee.planner.grains`); 0: neither that search nor the count look."""
     grain_chains: int = 10
     """The best chains (closed form) whose per-island granularities are searched. 10, not 2: on
     WAN seeds 11, 27 and 47 of ``benchmarks/planner_at_scale.py`` the best plan mixes
@@ -133,8 +129,8 @@ class PlannerOptions:
     """After the main search, search the configurations of a second chain search that values every
     chain also by its stages in proportion to speed on their own, and take their plan where the
     simulator rates it faster ([Note: stage counts] in :mod:`deepcee.planner.grains`; clusters of
-    at most ``polish_max_devices`` devices, ``count_budget`` > 0); ``False`` skips it (``deepcee
-    plan --no-polish``, and ``compare``'s crossover sweeps)."""
+    at most ``polish_max_devices`` devices); ``False`` skips it (``deepcee plan --no-polish``, and
+    ``compare``'s crossover sweeps)."""
     explain_counterfactuals: bool = True
     """Plan and simulate the counterfactuals the explanation prints (each island left out or
     added, one stage more or fewer)."""
@@ -158,7 +154,7 @@ class PlannerOptions:
         if self.max_stages is not None and self.max_stages < 1:
             raise PlanError(f"max_stages must be >= 1, got {self.max_stages!r}", field="max_stages")
         for name in ("sweep_top", "model_top", "refine_top", "compact_top", "confirm_top", "exhaustive_islands",
-                     "chain_budget", "walk_budget", "refine_best_guides", "grain_budget", "count_budget", "grain_chains", "screen_top", "screen_keep",
+                     "chain_budget", "walk_budget", "refine_best_guides", "grain_budget", "grain_chains", "screen_top", "screen_keep",
                      "polish_budget", "polish_restarts", "polish_max_devices", "recompute_variant_budget",
                      "compact_budget", "refine_budget", "score_budget", "screen_budget", "confirm_max_work",
                      "compact_max_actions"):

@@ -565,7 +565,7 @@ def _plan_training(cluster: Cluster, model: ModelProfile, global_batch: int, *,
     search = new_search(cluster, model, global_batch, options)
     dist = island_distances(cluster, search.grouping)
     _search_chains(search, dist)
-    if options.count_look and options.count_budget > 0 and len(cluster.device_names) <= options.polish_max_devices:
+    if options.count_look and len(cluster.device_names) <= options.polish_max_devices:
         search.count_look = _count_look(search, dist)  # [Note: stage counts]
     _progress(options, "layer splits", 0.0)
     ranked = sorted(search.configs.values(), key=lambda c: c.key)
