@@ -21,8 +21,7 @@ Every public name of those modules that callers used from here is importable fro
    cannot beat the best closed form so far is skipped.
    The best chains' islands then get each their own granularity (devices per stage), by a
    local search from the chain's best uniform layout ([Note: mixed granularity] in
-   :mod:`deepcee.planner.grains`), and then any stage count per island by a local search over
-   the counts ([Note: stage counts] there).
+   :mod:`deepcee.planner.grains`).
 2. The best ranked configurations get a second DP that minimises the fill subject to the
    bottleneck staying under ``tau`` for a few ``tau`` above the optimum (trading a slightly
    worse bottleneck for a shorter pipeline when there are few microbatches).
@@ -45,9 +44,9 @@ Every public name of those modules that callers used from here is importable fro
    in :mod:`deepcee.planner.polish`). After step 4, the configurations of granularity climbs
    with two-island moves get steps 2-4 of their own, and their best plan is taken where the
    simulator rates it faster ([Note: second look]); so do the chain walk's chain and the
-   configurations of a second chain search that lays every chain out with stages in
-   proportion to its islands' speed (the count look, [Note: stage counts] in
-   :mod:`deepcee.planner.grains`).
+   configurations of a second chain search that also lays every chain out with one stage per
+   layer, the layers split over its islands in proportion to their speed (the count look, any
+   stage count per island: [Note: stage counts] in :mod:`deepcee.planner.grains`).
 
 [Note: screening]
 The closed form ranks configurations for step 3, whose cost-model budget (``score_budget``,

@@ -17,10 +17,10 @@ split every microbatch by share and all-reduce their gradients. The planner sear
   most ``g`` devices (``g`` a power of two or the set's size: more stages inside an island,
   for memory or for less all-reduce traffic), the same ``g`` for the whole chain
   (:func:`chain_layouts`) or one per island (:func:`mixed_layout`, searched on the best
-  chains: [Note: mixed granularity] in :mod:`deepcee.planner.grains`), and on those chains any
-  stage count per island near the granularities found ([Note: stage counts] in the same
-  module); plus, for a chain of several islands, one stage over all of them (data parallel
-  across islands).
+  chains: [Note: mixed granularity] in :mod:`deepcee.planner.grains`), and, in the count look,
+  any stage count per island: the layers split over the islands in proportion to their speed
+  ([Note: stage counts] in the same module); plus, for a chain of several islands, one stage
+  over all of them (data parallel across islands).
 - **microbatch size** ``n`` (a divisor of the global batch, at least the largest stage's
   device count so every device gets a sample), **schedule** (gpipe, 1f1b, zb-h1, zb-h2,
   compact), **sync** (ring or hierarchical all-reduce), and the **layer split** (any
