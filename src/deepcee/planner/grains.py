@@ -58,8 +58,11 @@ scratch, with every chain also laid out with its speed counts, on clusters of at
 ``polish_max_devices`` devices (off for ``deepcee plan --no-polish`` and ``compare``'s
 crossover sweeps); the configurations it adds are taken back and searched on their own after
 the main search, and its plan is taken only where the simulator rates it faster, as the second
-look's ([Note: second look] in :mod:`deepcee.planner.search`). Seeds 23 and 53: 224.6 -> 210.2
-and 146.3 -> 136.7 s (simulated).
+look's ([Note: second look] in :mod:`deepcee.planner.search`). On the 100 WAN instances of
+``benchmarks/planner_at_scale.py`` it made 9 plans faster and none slower (simulated; seed 75:
+225.0 -> 185.3 s, 81: 385.4 -> 345.1 s, 37: 120.4 -> 107.2 s, 23: 224.6 -> 210.2 s); median
+planning CPU over the 100: 27.5 s, against 19.5 s in session 24's run (the machine's load
+differed between the runs).
 
 Tried and left out (session 25): a local search over each island's stage count after every
 granularity climb (each island's count from half to twice its own, then one island's stage
