@@ -232,9 +232,7 @@ def speed_counts(search: SearchState, chain: Chain) -> list[tuple[int, ...]]:
     return list(dict.fromkeys(out))
 
 
-def counts_layout(search: SearchState, chain: Chain, counts: tuple[int, ...],
-                  sets: list[tuple[str, ...]] | None = None) -> StageLayout:
-    """``chain`` with island ``k`` cut into ``counts[k]`` even stages (``sets``: its
-    :func:`island_sets`, when known)."""
-    sets = island_sets(search, chain) if sets is None else sets
-    return counted_layout(search.grouping, list(zip((i for i, _ in chain), sets, counts, strict=True)))
+def counts_layout(search: SearchState, chain: Chain, counts: tuple[int, ...]) -> StageLayout:
+    """``chain`` with island ``k``'s kept devices cut into ``counts[k]`` even stages."""
+    return counted_layout(search.grouping, list(zip((i for i, _ in chain), island_sets(search, chain), counts,
+                                                    strict=True)))
