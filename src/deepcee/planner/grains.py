@@ -82,7 +82,14 @@ from __future__ import annotations
 import itertools
 import math
 
-from deepcee.planner.space import Chain, StageLayout, counted_layout, island_grains, mixed_layout
+from deepcee.planner.space import (
+    Chain,
+    StageLayout,
+    counted_layout,
+    island_grains,
+    kept_devices,
+    mixed_layout,
+)
 from deepcee.planner.steps import SearchState
 
 _INF = math.inf
@@ -207,12 +214,8 @@ def climb_grains(search: SearchState, chain: Chain, *, pairs: bool = False, work
 
 def island_sets(search: SearchState, chain: Chain) -> list[tuple[str, ...]]:
     """Each island's kept devices of ``chain`` (one merged set per island), in chain order."""
-    out = []
-    for i, keep in chain:
-        isl = search.grouping.islands[i]
-        member = {d for x in isl.groups[:keep] for d in x.devices}
-        out.append(tuple(d for d in isl.devices if d in member))
-    return out
+    islands = search.grouping.islands
+    return [kept_devices(islands[i], islands[i].groups[:keep]) for i, keep in chain]
 
 
 def speed_counts(search: SearchState, chain: Chain) -> list[tuple[int, ...]]:

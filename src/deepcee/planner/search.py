@@ -321,9 +321,7 @@ def _guarded_climbs(search: SearchState, first: list[Chain], later: list[tuple[f
         climb_grains(search, chain, pairs=True, work=work)
     added = [cfg for key, cfg in search.configs.items() if key not in before]
     keep = bool(added) and _screen_of_best(search, added) < _screen_of_best(search, before.values())
-    _restore(search, saved)
-    for cfg in added:
-        cfg.screened.clear()  # screened under the main search's budget: screened again in the second look
+    added = _taken_back(search, saved, added)
     return added if keep else []
 
 
@@ -337,7 +335,7 @@ def _second_look(search: SearchState, top: list[Candidate], cands: list[Candidat
     saved = _snapshot(search)
     extra = search.second_look if extra is None else extra
     for cfg in extra:
-        search.configs.setdefault((cfg.layout.slots, cfg.n, cfg.split, cfg.recompute), cfg)
+        search.configs.setdefault(cfg.ident, cfg)
     layouts = {cfg.layout.slots for cfg in extra}
     ranked = sorted(extra, key=lambda c: c.key)
     _progress(opts, "second look", 0.0)
@@ -380,9 +378,17 @@ def _count_look(search: SearchState, dist: np.ndarray) -> list[Config]:
     search.configs, search.layout_values, search.best_closed_form = {}, {}, _INF  # a fresh search: its own pruning
     _search_chains(search, dist, speed=True)
     extra = {id(cfg): cfg for cfg in [*search.configs.values(), *search.second_look, *search.walk_look]}
-    added = [cfg for cfg in extra.values() if (cfg.layout.slots, cfg.n, cfg.split, cfg.recompute) not in saved.configs]
-    _restore(search, saved)
+    added = [cfg for cfg in extra.values() if cfg.ident not in saved.configs]
+    added = _taken_back(search, saved, added)
     search.second_look, search.walk_look, search.chain_result, search.chain_moves, search.chain_walk = kept
+    return added
+
+
+def _taken_back(search: SearchState, saved: _Saved, added: list[Config]) -> list[Config]:
+    """Restore ``search`` to ``saved`` and return ``added`` (configurations to be searched on their
+    own) with their screens cleared: screened under the main search's budget, they are screened
+    again when searched on their own."""
+    _restore(search, saved)
     for cfg in added:
         cfg.screened.clear()
     return added
@@ -442,11 +448,7 @@ def _laid_out_apart(search: SearchState, chains: list[Chain]) -> list[Config]:
     saved = _snapshot(search)
     for chain in chains:
         _lay_out_in_full(search, chain, grains=search.options.grain_budget > 0)
-    added = [cfg for key, cfg in search.configs.items() if key not in saved.configs]
-    _restore(search, saved)
-    for cfg in added:
-        cfg.screened.clear()
-    return added
+    return _taken_back(search, saved, [cfg for key, cfg in search.configs.items() if key not in saved.configs])
 
 
 def _confirmed_end(search: SearchState, chain: Chain) -> bool:

@@ -124,8 +124,7 @@ def _island_pieces(isl: IslandGroup, groups: Sequence[DeviceGroup], merged: bool
     key = (isl.name, len(groups), merged, g)
     if memo is not None and key in memo:
         return memo[key]
-    member = {d for x in groups for d in x.devices}
-    sets = [tuple(d for d in isl.devices if d in member)] if merged else [x.devices for x in groups]
+    sets = [kept_devices(isl, groups)] if merged else [x.devices for x in groups]
     pieces = [c for s in sets for c in _chunks(s, g)]
     dropped = len(isl.groups) - len(groups)
     part = (f"{isl.name}[{'+'.join(str(len(p)) for p in pieces)}]"
@@ -133,6 +132,12 @@ def _island_pieces(isl: IslandGroup, groups: Sequence[DeviceGroup], merged: bool
     if memo is not None:
         memo[key] = (pieces, part)
     return pieces, part
+
+
+def kept_devices(isl: IslandGroup, groups: Sequence[DeviceGroup]) -> tuple[str, ...]:
+    """The devices of ``groups`` (island ``isl``'s first ones, kept), in the island's order."""
+    member = {d for x in groups for d in x.devices}
+    return tuple(d for d in isl.devices if d in member)
 
 
 def island_grains(grouping: Grouping, chain: Chain, merged: bool = True) -> list[list[int]]:

@@ -87,6 +87,11 @@ class Config:
     """Per fixed schedule, the screen's extrapolated iteration time ([Note: screening]; empty: not
     screened, or screened by scoring in full)."""
 
+    @property
+    def ident(self) -> tuple:
+        """Its key in :attr:`SearchState.configs`: layout, microbatch size, split, recomputation."""
+        return (self.layout.slots, self.n, self.split, self.recompute)
+
 
 @dataclass(slots=True)
 class SearchState:
