@@ -1,15 +1,19 @@
-"""Stages in proportion to speed ([Note: stage counts] in deepcee.planner.grains): the speed
-counts of a chain, and the count look (a second chain search with them, taken back from the main
-search and searched on its own)."""
+"""Any stage count per island ([Note: stage counts] in deepcee.planner.grains): the speed counts
+of a chain, the windows of counts between two granularity steps, the count search's line searches
+and trades, and the count look (the count search on the climbed chains, and a second chain search
+with the speed counts, each taken back from the main search and searched on its own)."""
 
 from __future__ import annotations
 
 import itertools
 import math
+from types import SimpleNamespace
 
 import pytest
 
 from deepcee.cluster import Cluster, Device, DeviceKind, Island, LinkEntry, LinkSpec, Node
+from deepcee.planner.grains import climb_counts, count_window
+from deepcee.planner.grouping import group_devices
 from deepcee.planner.options import PlannerOptions
 from deepcee.units import GIB
 
@@ -57,6 +61,101 @@ def test_speed_counts_split_the_layers_by_island_speed() -> None:
     assert share[0] > share[1] > 0  # the fast island's share of the layers is the larger
 
 
+@pytest.mark.parametrize("devices", [1, 2, 5, 7, 9, 13, 16, 24])
+def test_the_windows_reach_every_count_the_granularities_skip(devices: int) -> None:
+    """From the stage count of each power-of-two granularity (or the island's size), the windows
+    reach the counts of the next coarser and finer granularity, so together they hold every count
+    from 1 to the devices, and each stays in 1..devices around its own count."""
+    grains = sorted({2 ** k for k in range(max(1, math.ceil(math.log2(devices))))} | {devices})
+    counts = sorted({-(-devices // g) for g in grains})
+    covered: set[int] = set()
+    for lower, higher in zip(counts, counts[1:] + [devices], strict=True):
+        window = count_window(devices, lower)
+        assert lower in window and higher in window
+        assert window.start >= 1 and window.stop - 1 <= devices
+        covered |= set(window)
+    assert covered == set(range(1, devices + 1))
+
+
+def _grouping(sizes: tuple[int, ...]):
+    kind = DeviceKind(name="g", peak_flops_per_s=20e12, memory_bytes=16 * GIB)
+    names = [chr(ord("a") + k) for k in range(len(sizes))]
+    nodes = tuple(Node(name=f"{x}0", island=x, kind="g", devices=tuple(f"{x}0:{j}" for j in range(n)),
+                       intra=LinkSpec(latency_s=5e-6, bandwidth_bytes_per_s=12.5e9))
+                  for x, n in zip(names, sizes, strict=True))
+    cluster = Cluster(name="counts", kinds={"g": kind}, islands=tuple(Island(name=x, intra=FAST) for x in names),
+                      nodes=nodes, devices=tuple(Device(name=d, kind="g", node=n.name, island=n.island)
+                                                 for n in nodes for d in n.devices),
+                      links=tuple(LinkEntry(a=x, b=y, spec=LinkSpec(latency_s=0.05, bandwidth_bytes_per_s=1e8))
+                                  for x, y in itertools.combinations(names, 2)))
+    return group_devices(cluster)
+
+
+def _fake_search(sizes: tuple[int, ...], objective, *, budget: int = 48, max_stages: int = 100):
+    """A stand-in for the search state: ``evaluate_layout`` scores a layout by ``objective`` of its
+    stage count per island (in chain order), and records every call."""
+    grouping = _grouping(sizes)
+    order = [isl.name for isl in grouping.islands]
+    calls: list[tuple[int, ...]] = []
+
+    def evaluate_layout(layout, sizes=None):
+        counts = tuple(sum(1 for s in layout.slots if s[0].startswith(name + "0")) for name in order)
+        calls.append(counts)
+        return objective(counts), 1
+
+    search = SimpleNamespace(grouping=grouping, options=PlannerOptions(count_budget=budget), max_stages=max_stages,
+                             layout_values={}, evaluate_layout=evaluate_layout)
+    chain = tuple((i, len(isl.groups)) for i, isl in enumerate(grouping.islands))
+    return search, chain, calls
+
+
+def _threshold(counts: tuple[int, ...]) -> float:
+    """Rugged like the closed form of WAN seed 23's chain: fewer than 10 stages in all is far worse
+    (the stages hold too many layers to keep enough microbatches in flight); past that, island
+    ``a`` is best at 5 stages and every extra stage costs a little."""
+    a, _ = counts
+    if sum(counts) < 10:
+        return 1000.0
+    return 10.0 + (a - 5) ** 2 + 0.5 * (sum(counts) - 10)
+
+
+def test_a_trade_moves_on_where_every_line_search_stops() -> None:
+    """From counts (7, 3) of islands of 7 and 5 devices: each island's own
+    line search only worsens (one fewer stage in ``a`` drops the total under 10; more in ``b``
+    adds cost), so only trading a stage of ``a`` for one of ``b`` moves on; two trades reach the
+    exhaustive optimum (5, 5)."""
+    search, chain, calls = _fake_search((7, 5), _threshold)
+    start = _threshold((7, 3))
+    line = [(a, 3) for a in count_window(7, 7)] + [(7, b) for b in count_window(5, 3)]
+    assert min(_threshold(c) for c in line) >= start  # the line searches alone stay at the start
+    got = climb_counts(search, chain, [(7, 3)], None)
+    best = min(_threshold(c) for c in itertools.product(range(1, 8), range(1, 6)))
+    assert got == best == 10.0
+    assert (5, 5) in calls and (7, 3) == calls[0]
+
+
+def test_the_count_search_keeps_to_its_budget_and_the_stage_limit() -> None:
+    search, chain, calls = _fake_search((7, 5), _threshold, budget=4)
+    climb_counts(search, chain, [(7, 3)], None)
+    assert len(calls) <= 4
+    search, chain, calls = _fake_search((7, 5), _threshold, max_stages=10)
+    got = climb_counts(search, chain, [(7, 3)], None)
+    assert all(sum(c) <= 10 for c in calls) and got == 10.0
+
+
+def test_the_count_search_is_deterministic_and_never_worse_than_its_start() -> None:
+    def bumpy(counts: tuple[int, ...]) -> float:
+        return 50.0 + math.sin(3.1 * counts[0]) * 7 + math.cos(1.7 * counts[1] * counts[2]) * 5 - 0.3 * sum(counts)
+
+    runs = []
+    for _ in range(2):
+        search, chain, calls = _fake_search((9, 6, 13), bumpy)
+        got = climb_counts(search, chain, [(5, 3, 4)], None)
+        runs.append((got, calls))
+    assert runs[0] == runs[1]
+    assert runs[0][0] <= bumpy((5, 3, 4)) and runs[0][0] == min(bumpy(c) for c in runs[0][1])
+
+
 def test_the_count_look_is_taken_back_from_the_main_search() -> None:
     """The second chain search adds nothing to the main search: its configurations come back apart
     (none of them the main search's), with their screens cleared, and the main search's state and
@@ -69,8 +168,11 @@ def test_the_count_look_is_taken_back_from_the_main_search() -> None:
     _search_chains(search, dist)
     before = dict(search.configs)
     looks = (list(search.second_look), list(search.walk_look), search.chain_result, search.best_closed_form)
-    added = _count_look(search, dist)
-    assert search.configs == before
+    groups = _count_look(search, dist)
+    assert [what for what, _ in groups] == ["the stage counts of the climbed chains",
+                                            "the chain search with stages in proportion to speed"]
+    added = [c for _, group in groups for c in group]
+    assert all(group for _, group in groups) and search.configs == before
     assert (search.second_look, search.walk_look, search.chain_result, search.best_closed_form) == looks
     assert added  # on this cluster the speed counts give layouts the main search did not have
     assert all((c.layout.slots, c.n, c.split, c.recompute) not in before for c in added)
@@ -82,6 +184,8 @@ def test_count_options_are_checked() -> None:
 
     with pytest.raises(PlanError, match="count_look"):
         PlannerOptions(count_look=1)
+    with pytest.raises(PlanError, match="count_budget"):
+        PlannerOptions(count_budget=-1)
 
 
 @pytest.mark.parametrize(("look", "most", "calls"), [(True, 128, 1), (False, 128, 0), (True, 8, 0)])

@@ -163,11 +163,14 @@ def _moves(cur: tuple[int, ...], choices: list[list[int]], tier: int) -> list[tu
     return [mv for mv in pairs if mv is not None]
 
 
-def climb_grains(search: SearchState, chain: Chain, *, pairs: bool = False, work: list[int] | None = None) -> float:
+def climb_grains(search: SearchState, chain: Chain, *, pairs: bool = False, work: list[int] | None = None,
+                 counts: bool = False) -> float:
     """Local search over ``chain``'s grains from its best uniform or finest feasible layout (module
     docstring); returns the best closed form found. ``pairs``: when no single step or trade
     improves, two islands a step coarser (or finer) at once too. ``work``: a shared budget of
-    devices laid out (each layout evaluated charges its devices; the climb stops when spent)."""
+    devices laid out (each layout evaluated charges its devices; the climb stops when spent).
+    ``counts``: then over each island's stage count from where it ended (:func:`climb_counts`,
+    ``count_budget`` layouts more; the count look's, [Note: stage counts])."""
     choices = island_grains(search.grouping, chain)
     if all(len(c) == 1 for c in choices):
         return _INF
@@ -209,7 +212,18 @@ def climb_grains(search: SearchState, chain: Chain, *, pairs: bool = False, work
             continue
         best, cur = step
         tier = 0
+    if counts and search.options.count_budget > 0 and (work is None or work[0] > 0):
+        sets = island_sets(search, chain)
+        ended = tuple(-(-len(devs) // g) for devs, g in zip(sets, _grains(choices, cur), strict=True))
+        best = min(best, climb_counts(search, chain, [ended, *speed_counts(search, chain)], near, work))
     return best
+
+
+def count_window(devices: int, count: int) -> range:
+    """The stage counts an island of ``devices`` cut into ``count`` stages searches: from half to
+    twice ``count`` (about the counts of the next coarser and finer power-of-two granularity),
+    within 1..``devices`` ([Note: stage counts])."""
+    return range(max(1, -(-count // 2)), min(devices, 2 * count) + 1)
 
 
 def island_sets(search: SearchState, chain: Chain) -> list[tuple[str, ...]]:
@@ -235,7 +249,54 @@ def speed_counts(search: SearchState, chain: Chain) -> list[tuple[int, ...]]:
     return list(dict.fromkeys(out))
 
 
-def counts_layout(search: SearchState, chain: Chain, counts: tuple[int, ...]) -> StageLayout:
-    """``chain`` with island ``k``'s kept devices cut into ``counts[k]`` even stages."""
-    return counted_layout(search.grouping, list(zip((i for i, _ in chain), island_sets(search, chain), counts,
-                                                    strict=True)))
+def counts_layout(search: SearchState, chain: Chain, counts: tuple[int, ...],
+                  sets: list[tuple[str, ...]] | None = None) -> StageLayout:
+    """``chain`` with island ``k``'s kept devices cut into ``counts[k]`` even stages (``sets``:
+    its :func:`island_sets`, when known)."""
+    sets = island_sets(search, chain) if sets is None else sets
+    return counted_layout(search.grouping, list(zip((i for i, _ in chain), sets, counts, strict=True)))
+
+
+def climb_counts(search: SearchState, chain: Chain, starts: list[tuple[int, ...]], sizes: list[int] | None,
+                 work: list[int] | None = None) -> float:
+    """Local search over each island's stage count (any count, not only those of the powers of two)
+    from the best of ``starts`` ([Note: stage counts]); returns the best closed form found. ``work``
+    as in :func:`climb_grains`."""
+    sets = island_sets(search, chain)
+    seen: dict[tuple[int, ...], float] = {}
+    budget = search.options.count_budget
+
+    def value(counts: tuple[int, ...]) -> float:
+        if counts not in seen:
+            if sum(counts) > search.max_stages:
+                seen[counts] = _INF
+            else:
+                lay = counts_layout(search, chain, counts, sets)
+                if work is not None and (lay.slots, None if sizes is None else tuple(sizes)) not in search.layout_values:
+                    work[0] -= len(lay.devices)
+                seen[counts] = search.evaluate_layout(lay, sizes)[0]
+        return seen[counts]
+
+    def spent() -> bool:
+        return len(seen) >= budget or (work is not None and work[0] <= 0)
+
+    best, cur = min((value(c), c) for c in dict.fromkeys(starts))
+    while not spent() and math.isfinite(best):
+        for k in range(len(chain)):  # each island's count near its own, the others fixed
+            for c in count_window(len(sets[k]), cur[k]):
+                mv = cur[:k] + (c,) + cur[k + 1:]
+                if mv in seen or not spent():
+                    got = value(mv)
+                    if got < best * (1 - 1e-9):
+                        best, cur = got, mv
+        step = None  # then trade one island's stage for another's (the total stays the same)
+        for k, j in itertools.permutations(range(len(chain)), 2):
+            mv = tuple(c + (1 if x == k else -1 if x == j else 0) for x, c in enumerate(cur))
+            if 1 <= mv[j] and mv[k] <= len(sets[k]) and (mv in seen or not spent()):
+                got = value(mv)
+                if got < best * (1 - 1e-9) and (step is None or got < step[0]):
+                    step = (got, mv)
+        if step is None:
+            break
+        best, cur = step
+    return best

@@ -96,6 +96,11 @@ class PlannerOptions:
     grain_budget: int = 24
     """Layouts the per-island granularity search evaluates per chain, on the best chains (see
     [Note: mixed granularity] in :mod:`deepcee.planner.grains`); 0: one granularity per chain."""
+    count_budget: int = 48
+    """Layouts the stage-count search evaluates per chain after its granularity search, in the
+    count look only: any stage count per island near the granularities found, not only those of
+    powers of two (see [Note: stage counts] in :mod:`deepcee.planner.grains`); 0: no count
+    search (the count look still lays chains out with their speed counts)."""
     grain_chains: int = 10
     """The best chains (closed form) whose per-island granularities are searched. 10, not 2: on
     WAN seeds 11, 27 and 47 of ``benchmarks/planner_at_scale.py`` the best plan mixes
@@ -154,7 +159,7 @@ class PlannerOptions:
         if self.max_stages is not None and self.max_stages < 1:
             raise PlanError(f"max_stages must be >= 1, got {self.max_stages!r}", field="max_stages")
         for name in ("sweep_top", "model_top", "refine_top", "compact_top", "confirm_top", "exhaustive_islands",
-                     "chain_budget", "walk_budget", "refine_best_guides", "grain_budget", "grain_chains", "screen_top", "screen_keep",
+                     "chain_budget", "walk_budget", "refine_best_guides", "grain_budget", "count_budget", "grain_chains", "screen_top", "screen_keep",
                      "polish_budget", "polish_restarts", "polish_max_devices", "recompute_variant_budget",
                      "compact_budget", "refine_budget", "score_budget", "screen_budget", "confirm_max_work",
                      "compact_max_actions"):

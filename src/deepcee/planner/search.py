@@ -247,14 +247,16 @@ def _search_chains(search: SearchState, dist: np.ndarray, *, speed: bool = False
             if len(climbed) >= opts.grain_chains or not math.isfinite(value):
                 break
             tried += 1
-            if math.isfinite(climb_grains(search, chain)):
+            if math.isfinite(climb_grains(search, chain, counts=speed)):
                 climbed.append(chain)
+        if not speed:
+            search.climbed = climbed
         if opts.second_look and len(search.cluster.device_names) <= opts.polish_max_devices:
-            search.second_look = _guarded_climbs(search, climbed, best_chains[tried:])  # [Note: second look]
+            search.second_look = _guarded_climbs(search, climbed, best_chains[tried:], counts=speed)  # [Note: second look]
     for chain in ends:
         _confirmed_end(search, chain)
     if walked:  # searched on their own after the main search, as the second look's
-        search.walk_look = _laid_out_apart(search, walked)
+        search.walk_look = _laid_out_apart(search, walked, counts=speed)
     if not exact and done:
         keeps = [len(isl.groups) for isl in g.islands]
         for value, chain in best_chains[:2]:  # the two best merged chains seed the local search
@@ -304,7 +306,8 @@ plan by the cost model is within this of the main search's best (compact schedul
 refinement gained up to 15% on the WAN instances; [Note: second look])."""
 
 
-def _guarded_climbs(search: SearchState, first: list[Chain], later: list[tuple[float, Chain]]) -> list[Config]:
+def _guarded_climbs(search: SearchState, first: list[Chain], later: list[tuple[float, Chain]], *,
+                    counts: bool = False) -> list[Config]:
     """The granularity climbs again, with two-island moves, on the chains ``first`` (those the
     main search climbed) and on the next ``grain_chains`` of ``later`` (the chains after them,
     best first) ([Note: second look]). Everything they add is taken back; it is returned only
@@ -318,7 +321,7 @@ def _guarded_climbs(search: SearchState, first: list[Chain], later: list[tuple[f
     for chain in first + extra:
         if work[0] <= 0:
             break
-        climb_grains(search, chain, pairs=True, work=work)
+        climb_grains(search, chain, pairs=True, work=work, counts=counts)
     added = [cfg for key, cfg in search.configs.items() if key not in before]
     keep = bool(added) and _screen_of_best(search, added) < _screen_of_best(search, before.values())
     added = _taken_back(search, saved, added)
@@ -368,20 +371,28 @@ def _second_look(search: SearchState, top: list[Candidate], cands: list[Candidat
     return top, cands
 
 
-def _count_look(search: SearchState, dist: np.ndarray) -> list[Config]:
-    """The chain search again, from scratch, with every chain also laid out with stages in
-    proportion to its islands' speed ([Note: stage counts] in :mod:`deepcee.planner.grains`); the
-    configurations it adds (its granularity climbs and chain walk included) are taken back and
-    returned, to be searched on their own after the main search, as the second look's."""
+def _count_look(search: SearchState, dist: np.ndarray) -> list[tuple[str, list[Config]]]:
+    """The count look's two sets of configurations ([Note: stage counts] in
+    :mod:`deepcee.planner.grains`), each taken back from the main search and returned with where
+    it came from, to be searched on its own after it, as the second look's: the stage-count search
+    on the chains the main search climbed, and the chain search again, from scratch, with every
+    chain also laid out with stages in proportion to its islands' speed (its granularity climbs,
+    guarded climbs and chain walk with the stage-count search too). Empty sets are left out."""
     saved = _snapshot(search)
-    kept = (search.second_look, search.walk_look, search.chain_result, search.chain_moves, search.chain_walk)
+    for chain in search.climbed:
+        climb_grains(search, chain, counts=True)
+    climbed = _taken_back(search, saved, [cfg for key, cfg in search.configs.items() if key not in saved.configs])
+    kept = (search.second_look, search.walk_look, search.chain_result, search.chain_moves, search.chain_walk,
+            search.climbed)
     search.configs, search.layout_values, search.best_closed_form = {}, {}, _INF  # a fresh search: its own pruning
     _search_chains(search, dist, speed=True)
     extra = {id(cfg): cfg for cfg in [*search.configs.values(), *search.second_look, *search.walk_look]}
     added = [cfg for cfg in extra.values() if cfg.ident not in saved.configs]
     added = _taken_back(search, saved, added)
-    search.second_look, search.walk_look, search.chain_result, search.chain_moves, search.chain_walk = kept
-    return added
+    (search.second_look, search.walk_look, search.chain_result, search.chain_moves, search.chain_walk,
+     search.climbed) = kept
+    return [(what, group) for what, group in (("the stage counts of the climbed chains", climbed),
+                                              ("the chain search with stages in proportion to speed", added)) if group]
 
 
 def _taken_back(search: SearchState, saved: _Saved, added: list[Config]) -> list[Config]:
@@ -442,12 +453,12 @@ def _chain_walk(search: SearchState, bounds: ChainBounds, best_chains: list[tupl
     return [end] if got < value * (1 - 1e-9) else []
 
 
-def _laid_out_apart(search: SearchState, chains: list[Chain]) -> list[Config]:
+def _laid_out_apart(search: SearchState, chains: list[Chain], *, counts: bool = False) -> list[Config]:
     """The configurations of ``chains`` laid out in full (with the granularity search), taken back
     from the main search and returned, to be searched on their own ([Note: chain search])."""
     saved = _snapshot(search)
     for chain in chains:
-        _lay_out_in_full(search, chain, grains=search.options.grain_budget > 0)
+        _lay_out_in_full(search, chain, grains=search.options.grain_budget > 0, counts=counts)
     return _taken_back(search, saved, [cfg for key, cfg in search.configs.items() if key not in saved.configs])
 
 
@@ -473,12 +484,13 @@ def _confirmed_end(search: SearchState, chain: Chain) -> bool:
     return False
 
 
-def _lay_out_in_full(search: SearchState, chain: Chain, *, grains: bool) -> None:
-    """Every layout of ``chain`` at every microbatch size (and its granularity search)."""
+def _lay_out_in_full(search: SearchState, chain: Chain, *, grains: bool, counts: bool = False) -> None:
+    """Every layout of ``chain`` at every microbatch size (and its granularity search; ``counts``:
+    and then its stage-count search)."""
     for lay in chain_layouts(search.grouping, chain, search.max_stages, search.pieces):
         search.evaluate_layout(lay)
     if grains:
-        climb_grains(search, chain)
+        climb_grains(search, chain, counts=counts)
 
 
 CONFIRM_END_TOP = 3
@@ -602,9 +614,8 @@ def _plan_training(cluster: Cluster, model: ModelProfile, global_batch: int, *,
         top, cands = _second_look(search, top, cands)
     if search.walk_look:  # the chain walk's chain ([Note: chain search] in deepcee.planner.chains)
         top, cands = _second_look(search, top, cands, search.walk_look, "the chain walk's island chain")
-    if search.count_look:  # [Note: stage counts] in deepcee.planner.grains
-        top, cands = _second_look(search, top, cands, search.count_look,
-                                  "the chain search with stages in proportion to speed")
+    for what, extra in search.count_look:
+        top, cands = _second_look(search, top, cands, extra, what)  # [Note: stage counts] in deepcee.planner.grains
     best = top[0]
     _progress(options, "explanation", 0.0)
     explanation, counterfactuals = explain(search, best, cands)

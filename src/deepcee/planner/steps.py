@@ -32,6 +32,7 @@ from deepcee.planner.ranges import RangeTables, largest_remainder_shares
 from deepcee.planner.space import (
     FUSED_BACKWARD,
     SCREEN_RULES,
+    Chain,
     StageLayout,
     build_plan,
     compact_plan,
@@ -141,10 +142,13 @@ class SearchState:
     """Configurations of the chain walk's chain, taken back from the main search and searched on
     their own after it, as the second look's ([Note: chain search] in
     :mod:`deepcee.planner.chains`)."""
-    count_look: list[Config] = field(default_factory=list)
-    """Configurations of the chain search with stages in proportion to speed, taken back from the
-    main search and searched on their own after it, as the second look's ([Note: stage counts] in
-    :mod:`deepcee.planner.grains`)."""
+    climbed: list[Chain] = field(default_factory=list)
+    """The chains whose granularities the main search climbed."""
+    count_look: list[tuple[str, list[Config]]] = field(default_factory=list)
+    """The count look's sets of configurations, each with where it came from (the stage-count
+    search on the climbed chains; a chain search with stages in proportion to speed), taken back
+    from the main search and each searched on its own after it, as the second look's ([Note:
+    stage counts] in :mod:`deepcee.planner.grains`)."""
     _pipes: dict[tuple, float] = field(default_factory=dict)
     chain_result: ChainResult | None = None
     """What the chain search did (see [Note: chain search])."""
