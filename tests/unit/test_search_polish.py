@@ -17,7 +17,7 @@ from deepcee.planner.polish import MIN_GAIN, _moves, _order_moves, polish_layout
 from deepcee.planner.search import PlannerOptions, new_search, plan_training
 from deepcee.planner.space import build_plan, counted_layout, in_flight_counts, split_evenly
 from deepcee.planner.split import split_layers
-from deepcee.planner.steps import Candidate
+from deepcee.planner.steps import Candidate, score_key
 from deepcee.profile import LayerProfile, ModelProfile
 from deepcee.units import GIB
 
@@ -399,3 +399,53 @@ def test_restarts_take_turns_between_another_island_order_and_another_microbatch
     labels = [_start_label(search, starts, k) for k in range(3)]
     assert labels == ["the search's best fixed-schedule plan", "the best plan of island order 2 (restart 1)",
                       "the best plan at microbatch size 2 (restart 2)"]
+
+
+def _wan_seed(seed: int):
+    """``benchmarks/planner_at_scale.py``'s WAN instance ``seed``: (cluster, model, batch)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2] / "benchmarks"
+    sys.path.insert(0, str(root))  # planner_at_scale imports wan_reference by name
+    try:
+        spec = importlib.util.spec_from_file_location("planner_at_scale", root / "planner_at_scale.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        return mod.wan_instance(seed)
+    finally:
+        sys.path.remove(str(root))
+
+
+def test_the_split_tier_climbs_the_split_of_a_move_the_dp_split_makes_slower() -> None:
+    """WAN seed 10 (session 25's miss): ap-southeast, us-west, ca-central and uk-south in 8, 4, 5
+    and 2 stages at 2 samples per microbatch (zb-h2), its split climbed. No plain layout move
+    improves it: ap-southeast in 9 stages, split by the bottleneck DP, is slower. With its split
+    climbed that move is the reference's plan (98.75 s by the cost model, against 105.4 s), and
+    the split tier takes it: the move, then boundary moves, each step a plan scored in full."""
+    from deepcee.planner.polish import RESPLIT_WITHIN, Segment, _Move, _Polish
+
+    cluster, model, batch = _wan_seed(10)
+    search = new_search(cluster, model, batch, PlannerOptions())
+    names = [isl.name for isl in search.grouping.islands]
+    segs = tuple(Segment(names.index(x), search.grouping.islands[names.index(x)].devices, k)
+                 for x, k in (("ap-southeast", 8), ("us-west", 4), ("ca-central", 5), ("uk-south", 2)))
+    climb = _Polish(search, "allreduce-hier")
+    cur = climb.full(climb.plan(_Move("start", segs, 2, "zb-h2")))
+    assert cur is not None
+    while (nxt := climb.step(cur, climb.boundary_moves(cur))) is not None:
+        cur = nxt[0]
+    assert climb.step(cur, climb.layout_moves(cur)) is None, "stuck for the plain moves"
+    nine = next(p for label, p in climb.layout_moves(cur) if label == "ap-southeast in 9 stages (was 8)")
+    dp = climb.full(nine)
+    assert cur.estimate.iteration_s < dp.estimate.iteration_s <= cur.estimate.iteration_s * (1 + RESPLIT_WITHIN)
+    path = climb.resplit_step(cur)
+    assert path is not None
+    labels = [label for _, label in path]
+    assert labels[0] == "ap-southeast in 9 stages (was 8)" and len(labels) > 1
+    assert all(label.startswith("boundary ") for label in labels[1:])
+    times = [c.estimate.iteration_s for c, _ in path]
+    assert times == sorted(times, reverse=True) and times[0] == dp.estimate.iteration_s
+    assert times[-1] < cur.estimate.iteration_s * 0.95
+    assert all(search.scored[score_key(c.plan)] is c for c, _ in path)

@@ -71,7 +71,18 @@ one layer earlier or later (stages recomputing only where their microbatches in 
 it). The refinement of step 3 cannot do that on long pipelines: it scores every neighbour in
 full within ``refine_budget``, which one plan of 22 stages and 1,024 microbatches nearly
 spends (planner_at_scale seed 3: the reference's polish found one boundary one layer later,
-3.3% faster). The plan the climb ends on is refined too (as every candidate) and returned with
+3.3% faster).
+
+**The split tier.** A move's layout is split by the bottleneck DP, and where a link binds, every
+split under the link ties and the DP's first can be far from the best: a layout move can be
+slower with that split and faster once its split is climbed. On WAN seed 10 the plan stuck at
+105.4 s (ap-southeast, us-west, ca-central and uk-south in 8, 4, 5 and 2 stages); ap-southeast
+in 9 stages scored 106.4 s with the DP's split and 98.75 s after three boundary moves, the
+independent reference's plan. So when every tier above is stuck, the best :data:`RESPLIT_TRIES`
+layout moves by the second screen, within :data:`RESPLIT_WITHIN` of the current plan, are scored
+in full and their splits climbed; the best end is the next step where it improves on the
+current plan by more than :data:`MIN_GAIN` (the move and its boundary steps all join the
+candidates). The plan the climb ends on is refined too (as every candidate) and returned with
 the plans scored in full on the way; a compact schedule for it is built by the
 search's compact step like for every other pipeline. Deterministic: fixed move order, ties
 keep the earlier move.
@@ -114,6 +125,13 @@ RESTART_WITHIN = 0.10
 seed 77: the order whose climb found the plan started 7.2% slower)."""
 MIN_GAIN = 1e-3
 """A step must improve the current plan's cost-model time by more than this fraction."""
+RESPLIT_TRIES = 3
+"""The split tier (module docstring): layout moves whose split is climbed, the second screen's
+best."""
+RESPLIT_WITHIN = 0.05
+"""The split tier climbs a layout move's split only where its second screen is at most this much
+slower than the current plan (WAN seed 10: the move that led to the reference's plan was 1.6%
+slower before its split's climb, 6.3% faster after it)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -338,9 +356,9 @@ class _Polish:
             out.append((f"boundary {s} {step:+d} layer", plan.replace(stages=stages, estimate=None)))
         return out
 
-    def step(self, cur: Candidate, built: list[tuple[str, Plan]]) -> tuple[Candidate, str] | None:
-        """The best improving plan of ``built`` (``cur``'s neighbours) scored in full and its
-        label, or ``None`` (none improves, or the budget cannot screen them all)."""
+    def screened(self, cur: Candidate, built: list[tuple[str, Plan]]) -> list[tuple[float, int]] | None:
+        """The moves of ``built`` (``cur``'s neighbours) that pass the first screen, as (second
+        screen's time, index) in ascending order; ``None`` when the budget cannot screen them all."""
         worst = sum(self.cost(p, tuple(x * p.num_stages for x in ROUGH)) for _, p in built)
         if not built or worst > self.left():
             return None
@@ -348,7 +366,12 @@ class _Polish:
         cut = min([cur.estimate.iteration_s] + [t for t, _ in rough]) * (1 + ROUGH_MARGIN)
         fine = sorted((self.timed(built[k][1], tuple(x * built[k][1].num_stages for x in FINE)), k)
                       for t, k in rough if t <= cut)
-        fine = [(t, k) for t, k in fine if math.isfinite(t)]
+        return [(t, k) for t, k in fine if math.isfinite(t)]
+
+    def step(self, cur: Candidate, built: list[tuple[str, Plan]]) -> tuple[Candidate, str] | None:
+        """The best improving plan of ``built`` (``cur``'s neighbours) scored in full and its
+        label, or ``None`` (none improves, or the budget cannot screen them all)."""
+        fine = self.screened(cur, built)
         if not fine:
             return None
         bar = fine[0][0] * (1 + SCREEN_SLACK)
@@ -361,6 +384,32 @@ class _Polish:
             if got is not None and (best is None or rank_key(got) < rank_key(best[0])):
                 best = (got, built[k][0])
         if best is None or best[0].estimate.iteration_s >= cur.estimate.iteration_s * (1 - MIN_GAIN):
+            return None
+        return best
+
+    def resplit_step(self, cur: Candidate) -> list[tuple[Candidate, str]] | None:
+        """The split tier (module docstring): of ``cur``'s layout moves, the best
+        :data:`RESPLIT_TRIES` by the second screen within :data:`RESPLIT_WITHIN` of ``cur``, each
+        scored in full and its split climbed by one-layer boundary moves; the best end's path
+        (the move, then each boundary step, with labels) where it improves on ``cur`` by more
+        than :data:`MIN_GAIN`, else ``None``."""
+        built = self.layout_moves(cur)
+        fine = self.screened(cur, built)
+        if not fine:
+            return None
+        best: list[tuple[Candidate, str]] | None = None
+        for t, k in fine[:RESPLIT_TRIES]:
+            if t > cur.estimate.iteration_s * (1 + RESPLIT_WITHIN):
+                break
+            got = self.full(built[k][1])
+            if got is None:
+                continue
+            path = [(got, built[k][0])]
+            while (nxt := self.step(path[-1][0], self.boundary_moves(path[-1][0]))) is not None:
+                path.append(nxt)
+            if best is None or rank_key(path[-1][0]) < rank_key(best[-1][0]):
+                best = path
+        if best is None or best[-1][0].estimate.iteration_s >= cur.estimate.iteration_s * (1 - MIN_GAIN):
             return None
         return best
 
@@ -452,7 +501,17 @@ def _climb(search: SearchState, start: Candidate, what: str,
         # islands; among the others, a raising move won seed 47's first step and led to a worse
         # end, 421.0 s against 362.6)
         if (nxt := step(climb.order_moves(cur))) is None and (nxt := step(climb.raised_moves(cur))) is None:
-            break
+            # last, the split tier: a layout move that is slower with the DP's split and faster
+            # once its split is climbed (WAN seed 10)
+            path = climb.resplit_step(cur)
+            report(climb.used / max(1, search.options.polish_budget))
+            if path is None:
+                break
+            out += [c for c, _ in path]
+            labels.append(", then ".join(label for _, label in path))
+            cur = path[-1][0]
+            search.polish_steps += 1
+            continue
         cur = nxt[0]
         out.append(cur)
         labels.append(nxt[1])
