@@ -122,20 +122,21 @@ def test_polish_climbs_from_a_poor_layout_and_every_step_is_a_scored_plan() -> N
     isl = search.grouping.islands
     # the slow island first, in one stage, and the fast ones behind it: a poor plan
     start = _scored(search, [(2, isl[2].devices, 1), (0, isl[0].devices, 1), (1, isl[1].devices, 1)], 8)
-    got = polish_layout(search, [start])
+    every = polish_layout(search, [start])
+    got = every[: search.polish_steps + 1]  # one plan per step and the refined end; then the split tier's tries
     assert got, "a poor layout has an improving neighbour"
     times = [x.estimate.iteration_s for x in got]
     assert times[0] < start.estimate.iteration_s * (1 - MIN_GAIN)
     assert all(b < a * (1 - MIN_GAIN) for a, b in zip(times[:-2], times[1:-1], strict=True))
     assert times[-1] <= times[-2] if len(times) > 1 else True  # the refined end
-    for x in got:
+    for x in every:
         fresh = AnalyticCostModel().estimate(x.plan, c, m)
         assert x.estimate.iteration_s == pytest.approx(fresh.iteration_s, rel=1e-12)
-    assert search.polish_steps == len(got) - 1 and search.polish_used > 0
+    assert search.polish_steps >= 1 and len(got) == search.polish_steps + 1 and search.polish_used > 0
     assert [n for n in search.notes if n.startswith("layout polish")], "the explanation says what the polish did"
     again = new_search(c, m, 64, PlannerOptions())
     start2 = _scored(again, [(2, isl[2].devices, 1), (0, isl[0].devices, 1), (1, isl[1].devices, 1)], 8)
-    assert [x.plan for x in polish_layout(again, [start2])] == [x.plan for x in got]  # deterministic
+    assert [x.plan for x in polish_layout(again, [start2])] == [x.plan for x in every]  # deterministic
 
 
 def test_polish_budget_and_device_cap_switch_it_off() -> None:
@@ -163,7 +164,7 @@ def test_cli_no_polish(tmp_path, monkeypatch) -> None:
 
     budgets = []
     real = search_mod.polish_layout
-    monkeypatch.setattr(search_mod, "polish_layout", lambda search, cands: budgets.append(
+    monkeypatch.setattr(search_mod, "polish_layout", lambda search, cands, near=None: budgets.append(
         (search.options.polish_budget, search.options.second_look, search.options.walk_budget))
         or real(search, cands))
     for flag in ((), ("--no-polish",)):
@@ -449,3 +450,28 @@ def test_the_split_tier_climbs_the_split_of_a_move_the_dp_split_makes_slower() -
     assert times == sorted(times, reverse=True) and times[0] == dp.estimate.iteration_s
     assert times[-1] < cur.estimate.iteration_s * 0.95
     assert all(search.scored[score_key(c.plan)] is c for c, _ in path)
+    assert all(any(t is c for t in climb.tried) for c, _ in path), "the tier's plans join the candidates"
+
+
+def test_compact_schedules_are_built_for_the_best_two_near_plans_beyond_compact_top() -> None:
+    """The split tier's plans (one move from where a climb ended) get compact schedules of their
+    own, the best :data:`NEAR_COMPACTS` of them by the cost model, beside the ``compact_top``
+    bases (cee-testbed/resnet101/128's plan is such a move's compact schedule)."""
+    from deepcee.planner.search import NEAR_COMPACTS, _compacts
+    from deepcee.planner.steps import rank_key
+
+    c, m = _cluster(), _model()
+    search = new_search(c, m, 64, PlannerOptions(compact_top=1, refine_budget=0))
+    isl = search.grouping.islands
+    best = _scored(search, [(0, isl[0].devices, 2), (1, isl[1].devices, 2)], 4)
+    near = sorted((_scored(search, [(0, isl[0].devices, k), (1, isl[1].devices, 2)], 4) for k in (1, 3, 4)),
+                  key=rank_key)
+    got = _compacts(search, [best], [], near + [best])
+    pipes = {tuple(st.devices for st in x.plan.stages) for x in got if x.plan.schedule == "compact"}
+
+    def pipe(x: Candidate) -> tuple:
+        return tuple(st.devices for st in x.plan.stages)
+
+    assert NEAR_COMPACTS == 2
+    assert pipe(best) in pipes and pipe(near[0]) in pipes and pipe(near[1]) in pipes
+    assert pipe(near[2]) not in pipes

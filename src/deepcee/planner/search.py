@@ -93,7 +93,7 @@ import itertools
 import logging
 import math
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -372,13 +372,13 @@ def _second_look(search: SearchState, top: list[Candidate], cands: list[Candidat
         got = _confirm(search, new)
         if got and got[0].simulated is not None and got[0].score_s < top[0].score_s * (1 + LOOK_POLISH_MARGIN):
             # near or faster: polished, as the main search's plans are (WAN seeds 17 and 96)
-            first = len(search.notes)
-            polished = polish_layout(search, new)  # [Note: layout polish] in deepcee.planner.polish
+            first, near = len(search.notes), []
+            polished = polish_layout(search, new, near)  # [Note: layout polish] in deepcee.planner.polish
             search.notes[first:] = [f"in the second look at {what}: {x}" for x in search.notes[first:]]
-            if polished:
+            if polished or near:
                 _progress(opts, "second look", 0.9)
                 new = sorted(_dedupe(new + polished), key=rank_key)
-                new = sorted(_dedupe(new + _compacts(search, new, ranked)), key=rank_key)
+                new = sorted(_dedupe(new + _compacts(search, new, ranked, near)), key=rank_key)
                 got = _confirm(search, new)
         if got and got[0].simulated is not None and got[0].score_s < top[0].score_s * (1 - 1e-9):  # faster, not a tie
             search.notes.append(f"the best plan came from a second look at {what} ({got[0].score_s:.4g} s against "
@@ -630,9 +630,10 @@ def _plan_training(cluster: Cluster, model: ModelProfile, global_batch: int, *,
     refined = [search.refine(c) for c in cands[: options.refine_top]]
     cands = sorted(_dedupe(cands + refined), key=rank_key)
     _progress(options, "layout polish", 0.0)
-    cands = sorted(_dedupe(cands + polish_layout(search, cands)), key=rank_key)  # [Note: layout polish]
+    near: list[Candidate] = []
+    cands = sorted(_dedupe(cands + polish_layout(search, cands, near)), key=rank_key)  # [Note: layout polish]
     _progress(options, "compact schedules", 0.0)
-    cands += _compacts(search, cands, ranked)
+    cands += _compacts(search, cands, ranked, near)
     cands = sorted(_dedupe(cands), key=rank_key)
     top = _confirm(search, cands)
     if search.second_look:  # [Note: second look]
@@ -735,11 +736,13 @@ def _coverage(ranked: list[Config]) -> list[Config]:
     return list(out.values())
 
 
-def _compacts(search: SearchState, cands: list[Candidate], ranked: list[Config]) -> list[Candidate]:
+def _compacts(search: SearchState, cands: list[Candidate], ranked: list[Config],
+              near: Sequence[Candidate] = ()) -> list[Candidate]:
     """Compact schedules for the best distinct pipelines (stage devices, microbatch size), taken in
     turn from the cost-model ranking of fixed schedules and from the closed-form ranking (which
-    ignores the schedule, as a compact schedule nearly does), up to ``compact_top``; then the best
-    are refined. All within ``compact_budget`` stages x microbatches, the builder's cost (the best
+    ignores the schedule, as a compact schedule nearly does), up to ``compact_top``, and for the
+    best :data:`NEAR_COMPACTS` of ``near`` (the polish's split tier's plans, [Note: layout polish]);
+    then the best are refined. All within ``compact_budget`` stages x microbatches, the builder's cost (the best
     one's refinement builds its guides regardless, ``refine_best_guides``)."""
     opts = search.options
     if "compact" not in opts.schedules:
@@ -761,8 +764,17 @@ def _compacts(search: SearchState, cands: list[Candidate], ranked: list[Config])
     for a, b in itertools.zip_longest(list(by_model.items())[: opts.compact_top], by_form.items()):
         for key, plan in (x for x in (a, b) if x is not None):
             bases.setdefault(key, plan)
+    plans = list(bases.values())[: opts.compact_top]
+    keys = {(tuple(st.devices for st in p.stages), p.microbatch_size) for p in plans}
+    extra = 0
+    for c in sorted(near, key=rank_key):
+        key = (tuple(st.devices for st in c.plan.stages), c.plan.microbatch_size)
+        if extra < NEAR_COMPACTS and c.plan.num_stages >= 2 and c.plan.schedule != "compact" and key not in keys:
+            keys.add(key)
+            plans.append(c.plan)
+            extra += 1
     out = []
-    for plan in list(bases.values())[: opts.compact_top]:
+    for plan in plans:
         built = search.compact(plan)
         got = search.score(built) if built is not None else None
         if got is not None:
@@ -790,6 +802,10 @@ def _compacts(search: SearchState, cands: list[Candidate], ranked: list[Config])
         search.notes.append(f"{len(built)} compact schedule(s) built; those above compact_max_actions "
                             f"{opts.compact_max_actions} (stages x microbatches) from the builder's templates only")
     return out
+
+
+NEAR_COMPACTS = 2
+"""Compact schedules :func:`_compacts` builds for the polish's near plans, beyond ``compact_top``."""
 
 
 def _recompute_variants(search: SearchState, plans: list[Plan]) -> list[Candidate]:
