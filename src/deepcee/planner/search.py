@@ -43,10 +43,13 @@ Every public name of those modules that callers used from here is importable fro
    microbatch size, the schedule), screened and scored by the cost model ([Note: layout polish]
    in :mod:`deepcee.planner.polish`). After step 4, the configurations of granularity climbs
    with two-island moves get steps 2-4 of their own, and their best plan is taken where the
-   simulator rates it faster ([Note: second look]); so do the chain walk's chain and the
-   configurations of a second chain search that also lays every chain out with one stage per
-   layer, the layers split over its islands in proportion to their speed (the count look, any
-   stage count per island: [Note: stage counts] in :mod:`deepcee.planner.grains`).
+   simulator rates it faster ([Note: second look]); so do the chain walk's chain and the count
+   look's two sets: a search over each island's stage count on the chains the main search
+   climbed, and a second chain search that also lays every chain out with one stage per layer,
+   the layers split over its islands in proportion to their speed, each of its climbs followed
+   by that count search (any stage count per island: [Note: stage counts] in
+   :mod:`deepcee.planner.grains`). A look whose best simulates near the main search's is
+   polished too.
 
 [Note: screening]
 The closed form ranks configurations for step 3, whose cost-model budget (``score_budget``,
