@@ -79,3 +79,20 @@ def measured_model(kind: str, layers: int = 6, *, seed: int = 0, **analytic: flo
                                                weight_grad=(2e-3, 0.0), backward=(2.5e-3, 0.0)))
     return toy_model(layers, name="measured", **analytic).with_measured(kind, tuple(timings), source="test",
                                                                          call_overhead=call)
+
+
+def wan_seed(seed: int):
+    """``benchmarks/planner_at_scale.py``'s random WAN instance ``seed``: (cluster, model, batch)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2] / "benchmarks"
+    sys.path.insert(0, str(root))  # planner_at_scale imports wan_reference by name
+    try:
+        spec = importlib.util.spec_from_file_location("planner_at_scale", root / "planner_at_scale.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        return mod.wan_instance(seed)
+    finally:
+        sys.path.remove(str(root))

@@ -402,32 +402,17 @@ def test_restarts_take_turns_between_another_island_order_and_another_microbatch
                       "the best plan at microbatch size 2 (restart 2)"]
 
 
-def _wan_seed(seed: int):
-    """``benchmarks/planner_at_scale.py``'s WAN instance ``seed``: (cluster, model, batch)."""
-    import importlib.util
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[2] / "benchmarks"
-    sys.path.insert(0, str(root))  # planner_at_scale imports wan_reference by name
-    try:
-        spec = importlib.util.spec_from_file_location("planner_at_scale", root / "planner_at_scale.py")
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-        return mod.wan_instance(seed)
-    finally:
-        sys.path.remove(str(root))
-
-
 def test_the_split_tier_climbs_the_split_of_a_move_the_dp_split_makes_slower() -> None:
     """WAN seed 10 (session 25's miss): ap-southeast, us-west, ca-central and uk-south in 8, 4, 5
     and 2 stages at 2 samples per microbatch (zb-h2), its split climbed. No plain layout move
     improves it: ap-southeast in 9 stages, split by the bottleneck DP, is slower. With its split
     climbed that move is the reference's plan (98.75 s by the cost model, against 105.4 s), and
     the split tier takes it: the move, then boundary moves, each step a plan scored in full."""
+    from conftest import wan_seed
+
     from deepcee.planner.polish import RESPLIT_WITHIN, Segment, _Move, _Polish
 
-    cluster, model, batch = _wan_seed(10)
+    cluster, model, batch = wan_seed(10)
     search = new_search(cluster, model, batch, PlannerOptions())
     names = [isl.name for isl in search.grouping.islands]
     segs = tuple(Segment(names.index(x), search.grouping.islands[names.index(x)].devices, k)

@@ -9,12 +9,10 @@ the main search's plan takes 61.56 s per iteration, the second look's 51.90 s (t
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
-import sys
 from functools import cache
-from pathlib import Path
 
 import pytest
+from conftest import wan_seed
 
 import deepcee.planner.search as search_module
 from deepcee.errors import PlanError
@@ -25,15 +23,7 @@ from deepcee.simulator import simulate
 
 @cache
 def _seed_66():
-    root = Path(__file__).resolve().parents[2] / "benchmarks"
-    sys.path.insert(0, str(root))  # planner_at_scale imports wan_reference by name
-    try:
-        spec = importlib.util.spec_from_file_location("planner_at_scale", root / "planner_at_scale.py")
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-        return mod.wan_instance(66)
-    finally:
-        sys.path.remove(str(root))
+    return wan_seed(66)
 
 
 def test_the_guarded_climbs_take_back_everything_they_add() -> None:
