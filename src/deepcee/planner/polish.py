@@ -81,10 +81,10 @@ in 9 stages scored 106.4 s with the DP's split and 98.75 s after three boundary 
 independent reference's plan. So when every tier above is stuck, the best :data:`RESPLIT_TRIES`
 layout moves by the second screen, within :data:`RESPLIT_WITHIN` of the current plan, are scored
 in full and their splits climbed; the best end is the next step where it improves on the
-current plan by more than :data:`MIN_GAIN` . The moves it scored, taken or not, are one move from where the climb ended,
-and a compact schedule ranks plans differently from the fixed schedules the polish climbs
-with: the search builds compact schedules for the best two of them, beside its own bases
-(``NEAR_COMPACTS`` in :mod:`deepcee.planner.search`). On cee-testbed/resnet101/128 the move of
+current plan by more than :data:`MIN_GAIN`. The moves it scored, taken or not, are one move
+from where the climb ended, and a compact schedule ranks plans differently from the fixed
+schedules the polish climbs with: the search builds compact schedules for the best two of them,
+beside its own bases (``NEAR_COMPACTS`` in :mod:`deepcee.planner.search`). On cee-testbed/resnet101/128 the move of
 the cloud's 8 devices from 4 stages into 5 was 4.9% slower with ZB-H2 and, with its compact
 schedule, the plan: 0.06179 s against 0.06357 s. (As candidates beside the others, they took
 compact bases from better plans: a counterfactual of that instance got 3.6% slower.) The
