@@ -542,9 +542,9 @@ class _Saved:
     swept: frozenset[tuple]
     counters: tuple[float, int, int, int]
     """``compact_used``, ``refine_used``, ``forced_compacts``, ``large_compacts``."""
-    notes: int = 0
+    notes: int
     """How many notes there were (the notes of what is taken back go with it)."""
-    polish: tuple[int, int] = (0, 0)
+    polish: tuple[int, int]
     """``polish_used``, ``polish_steps``."""
 
 
@@ -750,10 +750,7 @@ def _compacts(search: SearchState, cands: list[Candidate], ranked: list[Config],
     opts = search.options
     if "compact" not in opts.schedules:
         return []
-    by_model: dict[tuple, Plan] = {}
-    for c in cands:
-        if c.plan.num_stages >= 2 and c.plan.schedule != "compact":
-            by_model.setdefault((tuple(st.devices for st in c.plan.stages), c.plan.microbatch_size), c.plan)
+    by_model = _pipelines(cands)
     by_form: dict[tuple, Plan] = {}
     for cfg in _by_layout(ranked):
         key = (cfg.layout.slots, cfg.n)
@@ -767,15 +764,9 @@ def _compacts(search: SearchState, cands: list[Candidate], ranked: list[Config],
     for a, b in itertools.zip_longest(list(by_model.items())[: opts.compact_top], by_form.items()):
         for key, plan in (x for x in (a, b) if x is not None):
             bases.setdefault(key, plan)
-    plans = list(bases.values())[: opts.compact_top]
-    keys = {(tuple(st.devices for st in p.stages), p.microbatch_size) for p in plans}
-    extra = 0
-    for c in sorted(near, key=rank_key):
-        key = (tuple(st.devices for st in c.plan.stages), c.plan.microbatch_size)
-        if extra < NEAR_COMPACTS and c.plan.num_stages >= 2 and c.plan.schedule != "compact" and key not in keys:
-            keys.add(key)
-            plans.append(c.plan)
-            extra += 1
+    chosen = dict(list(bases.items())[: opts.compact_top])
+    near_bases = [plan for key, plan in _pipelines(sorted(near, key=rank_key)).items() if key not in chosen]
+    plans = [*chosen.values(), *near_bases[:NEAR_COMPACTS]]
     out = []
     for plan in plans:
         built = search.compact(plan)
@@ -804,6 +795,16 @@ def _compacts(search: SearchState, cands: list[Candidate], ranked: list[Config],
         # (the note said "no compact schedule built" while the plan was compact: WAN seed 77)
         search.notes.append(f"{len(built)} compact schedule(s) built; those above compact_max_actions "
                             f"{opts.compact_max_actions} (stages x microbatches) from the builder's templates only")
+    return out
+
+
+def _pipelines(cands: Iterable[Candidate]) -> dict[tuple, Plan]:
+    """The first fixed-schedule plan of ``cands`` of each pipeline (stage devices, microbatch size)
+    with two or more stages, keyed by it (the key of :func:`_compacts`' bases)."""
+    out: dict[tuple, Plan] = {}
+    for c in cands:
+        if c.plan.num_stages >= 2 and c.plan.schedule != "compact":
+            out.setdefault((tuple(st.devices for st in c.plan.stages), c.plan.microbatch_size), c.plan)
     return out
 
 
