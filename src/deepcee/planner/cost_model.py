@@ -401,10 +401,7 @@ class AnalyticCostModel:
         bounds = tuple(memo.boundary(a, b) for a, b in zip(plan.stages, plan.stages[1:], strict=False))
         lowered, in_flight = lowered_schedule(plan), stage_in_flight(plan)
         rt = self.runtime or runtime_for(cluster, model)
-        if len(plan.devices) > plan.num_stages and len(plan.devices) <= DEVICE_RUN_PER_STAGE * plan.num_stages:
-            timing = device_run_timing(plan, cluster, model, rt)
-        else:
-            timing = memo.timing(plan, lowered, rt)
+        timing = memo.timing(plan, lowered, rt)
         ar, opt, ends = [], [], []
         for s, st in enumerate(plan.stages):
             t = timing.stage_end_s[s]
@@ -514,9 +511,15 @@ class StageTerms:
         return got
 
     def timing(self, plan: Plan, lowered: Schedule, runtime: RuntimeModel) -> PipelineTiming:
-        """:func:`devices_timing` of ``plan`` (whose lowered schedule is ``lowered``): the same stages
-        under the same schedule recur in a search (plans that differ in sync only, re-scored
-        candidates: 52 of 157 timings of `plan` at 512 devices)."""
+        """The pipeline timing of ``plan`` (whose lowered schedule is ``lowered``): the simulator's
+        device-level run (:func:`device_run_timing`) for plans with at most
+        :data:`DEVICE_RUN_PER_STAGE` devices per stage on average and more than one somewhere, else
+        :func:`devices_timing`. The same stages under the same schedule recur in a search (plans
+        that differ in sync only, re-scored candidates: 52 of 157 timings at 512 devices; 422 of
+        1,733 device-level runs, 8.3 of 89 CPU s, on WAN seed 23 of
+        ``benchmarks/planner_at_scale.py``), so each is timed once. The key holds everything either
+        run reads from the plan and the runtime (the sync and the microbatch size do not enter: a
+        stage's shares carry its samples)."""
         key = (plan.schedule, plan.num_microbatches, plan.actions, runtime.sends == "blocking", runtime.receive_handshake,
                tuple((st.devices, st.shares, st.layer_start, st.layer_stop, st.recompute) for st in plan.stages))
         got = self._timings.get(key)
@@ -524,9 +527,12 @@ class StageTerms:
             if len(self._timings) >= TIMINGS_KEPT:
                 self._timings.clear()
             stages = plan.stages
-            got = self._timings[key] = devices_timing(
-                lowered, [self.passes(st) for st in stages],
-                [self.pieces(a, b) for a, b in zip(stages, stages[1:], strict=False)], runtime)
+            if len(plan.devices) > plan.num_stages and len(plan.devices) <= DEVICE_RUN_PER_STAGE * plan.num_stages:
+                got = device_run_timing(plan, self.cluster, self.model, runtime)
+            else:
+                got = devices_timing(lowered, [self.passes(st) for st in stages],
+                                     [self.pieces(a, b) for a, b in zip(stages, stages[1:], strict=False)], runtime)
+            self._timings[key] = got
         return got
 
     def allreduce(self, devices: tuple[str, ...], nbytes: float, sync: str, runtime: RuntimeModel, at_s: float) -> float:

@@ -273,6 +273,26 @@ def in_flight_per_stage(schedule: Sequence[Sequence[Action]]) -> tuple[int, ...]
     return tuple(out)
 
 
+def recomputed_live(schedule: Sequence[Sequence[Action]]) -> tuple[int, ...]:
+    """Per stage, the most microbatches whose recomputed activations are live at once: from the
+    start of their ``I`` (or ``B``) until the end of their ``W`` (or ``B``). Compute actions only
+    are read, so a lowered schedule works too (:mod:`deepcee.simulator.memory` uses it; the
+    cached road is :func:`deepcee.schedule.program.stage_recomputed_live`)."""
+    out = []
+    for row in schedule:
+        live = peak = 0
+        for a in row:
+            k = a.kind
+            if k is _I or k is _B:
+                live += 1
+                if live > peak:
+                    peak = live
+            if k is _W or k is _B:
+                live -= 1
+        out.append(peak)
+    return tuple(out)
+
+
 # --------------------------------------------------------------------------- dry run
 
 

@@ -26,7 +26,7 @@ from deepcee.errors import ScheduleError
 from deepcee.plan import Plan
 from deepcee.schedule.builders import build_schedule
 from deepcee.schedule.ir import Schedule, parse_schedule
-from deepcee.schedule.passes import in_flight_per_stage, lower_validated
+from deepcee.schedule.passes import in_flight_per_stage, lower_validated, recomputed_live
 
 
 def lowered_schedule(plan: Plan) -> Schedule:
@@ -44,9 +44,16 @@ def stage_in_flight(plan: Plan) -> tuple[int, ...]:
     return _program(plan.schedule, plan.num_stages, plan.num_microbatches, plan.actions)[1]
 
 
+def stage_recomputed_live(plan: Plan) -> tuple[int, ...]:
+    """Per stage, the most microbatches whose recomputed activations ``plan``'s schedule keeps
+    live at once (:func:`deepcee.schedule.passes.recomputed_live`; a pass over every action,
+    asked for each plan the planner scores that recomputes, so cached with the program)."""
+    return _program(plan.schedule, plan.num_stages, plan.num_microbatches, plan.actions)[2]
+
+
 @lru_cache(maxsize=128)
 def _program(name: str, num_stages: int, num_microbatches: int,
-             actions: tuple[tuple[str, ...], ...]) -> tuple[Schedule, tuple[int, ...]]:
+             actions: tuple[tuple[str, ...], ...]) -> tuple[Schedule, tuple[int, ...], tuple[int, ...]]:
     compute = parse_schedule(actions) if actions else build_schedule(name, num_stages, num_microbatches)
     if len(compute) != num_stages:
         raise ScheduleError(f"schedule has {len(compute)} stage rows, the plan {num_stages} stages")
@@ -59,4 +66,4 @@ def _program(name: str, num_stages: int, num_microbatches: int,
     used = 1 + max(a.microbatch for row in compute for a in row)
     if used != num_microbatches:
         raise ScheduleError(f"schedule covers {used} microbatches, the plan has {num_microbatches}")
-    return lowered, in_flight_per_stage(compute)
+    return lowered, in_flight_per_stage(compute), recomputed_live(compute)

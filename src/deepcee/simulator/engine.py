@@ -65,8 +65,8 @@ from deepcee.comm import allreduce_s, ring_order
 from deepcee.plan import Estimate, Plan, share_overlaps
 from deepcee.profile import ModelProfile
 from deepcee.schedule.interpreter import TRANSFER, Execution, Tables, collection_paused
-from deepcee.schedule.program import lowered_schedule, stage_in_flight
-from deepcee.simulator.memory import device_memory, recomputed_live
+from deepcee.schedule.program import lowered_schedule, stage_in_flight, stage_recomputed_live
+from deepcee.simulator.memory import device_memory
 from deepcee.simulator.runtime_model import RuntimeModel, runtime_for
 
 log = logging.getLogger(__name__)
@@ -401,7 +401,7 @@ def peak_memory(plan: Plan, cluster: Cluster, model: ModelProfile,
     in-flight counts and, where a stage recomputes, its live counts)."""
     runtime = runtime or runtime_for(cluster, model)
     in_flight = stage_in_flight(plan)
-    live = recomputed_live(lowered_schedule(plan)) if any(st.recompute for st in plan.stages) else ()
+    live = stage_recomputed_live(plan) if any(st.recompute for st in plan.stages) else ()
     out = {}
     for s, st in enumerate(plan.stages):
         same: dict[tuple[int, str], float] = {}  # a stage's devices of one kind and share need the same

@@ -21,7 +21,7 @@ flight keeps only its stage input, ``n x boundary_bytes(a)``, and its activation
 from the re-run forward (just before its ``I`` or ``B``) until its ``W`` (or the end of its
 ``B``): ``k x n x boundary_bytes(a) + r x n x activation_bytes_per_sample(a, b)``, where ``r``
 is the most microbatches between their ``I`` and their ``W`` at once
-(:func:`recomputed_live`; 1 for every fixed schedule, whose ``W`` follows its ``I`` directly).
+(:func:`deepcee.schedule.passes.recomputed_live`; 1 for every fixed schedule, whose ``W`` follows its ``I`` directly).
 
 *Runtime terms* (what the runtime running the plan adds,
 :class:`~deepcee.simulator.runtime_model.RuntimeModel`, and what the profiler measured):
@@ -46,11 +46,9 @@ is the most microbatches between their ``I`` and their ``W`` at once
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 from deepcee.profile import ModelProfile
-from deepcee.schedule.ir import Action, ActionKind
 from deepcee.simulator.runtime_model import DEFAULT_RUNTIME, RuntimeModel
 
 
@@ -90,26 +88,6 @@ def stashed_bytes_per_sample(model: ModelProfile, start: int, stop: int, *, reco
     """Bytes one sample of one microbatch in flight keeps: its activations, or with recomputation
     its stage input only."""
     return model.boundary_bytes(start) if recompute else model.activation_bytes(start, stop)
-
-
-def recomputed_live(schedule: Sequence[Sequence[Action]]) -> tuple[int, ...]:
-    """Per stage, the most microbatches whose recomputed activations are live at once: from the
-    start of their ``I`` (or ``B``) until the end of their ``W`` (or ``B``). Compute actions only
-    are read, so a lowered schedule works too."""
-    i, w, b = ActionKind.I, ActionKind.W, ActionKind.B
-    out = []
-    for row in schedule:
-        live = peak = 0
-        for a in row:
-            k = a.kind
-            if k is i or k is b:
-                live += 1
-                if live > peak:
-                    peak = live
-            if k is w or k is b:
-                live -= 1
-        out.append(peak)
-    return tuple(out)
 
 
 def activation_bytes(model: ModelProfile, start: int, stop: int, *, share: int, in_flight: int,
