@@ -81,18 +81,26 @@ def measured_model(kind: str, layers: int = 6, *, seed: int = 0, **analytic: flo
                                                                          call_overhead=call)
 
 
-def wan_seed(seed: int):
-    """``benchmarks/planner_at_scale.py``'s random WAN instance ``seed``: (cluster, model, batch)."""
+def planner_at_scale():
+    """The module ``benchmarks/planner_at_scale.py`` (loaded once)."""
     import importlib.util
     import sys
     from pathlib import Path
 
+    if "planner_at_scale" in sys.modules:
+        return sys.modules["planner_at_scale"]
     root = Path(__file__).resolve().parents[2] / "benchmarks"
     sys.path.insert(0, str(root))  # planner_at_scale imports wan_reference by name
     try:
         spec = importlib.util.spec_from_file_location("planner_at_scale", root / "planner_at_scale.py")
         mod = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(mod)
-        return mod.wan_instance(seed)
+        sys.modules["planner_at_scale"] = mod
+        return mod
     finally:
         sys.path.remove(str(root))
+
+
+def wan_seed(seed: int):
+    """``benchmarks/planner_at_scale.py``'s random WAN instance ``seed``: (cluster, model, batch)."""
+    return planner_at_scale().wan_instance(seed)
