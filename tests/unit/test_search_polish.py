@@ -139,30 +139,6 @@ def test_polish_climbs_from_a_poor_layout_and_every_step_is_a_scored_plan() -> N
     assert [x.plan for x in polish_layout(again, [start2])] == [x.plan for x in every]  # deterministic
 
 
-def test_without_restarts_the_polish_climbs_once(monkeypatch) -> None:
-    """A look's polish is one climb ([Note: second look] in deepcee.planner.search): the starts
-    asked for are the first alone, and one climb runs where restarts would run several."""
-    import deepcee.planner.polish as polish_mod
-
-    c, m = _cluster(), _model()
-    search = new_search(c, m, 64, PlannerOptions(polish_restarts=2))
-    isl = search.grouping.islands
-    cands = sorted((_scored(search, [(a, isl[a].devices, 1), (b, isl[b].devices, 1), (x, isl[x].devices, 1)], 8)
-                    for a, b, x in ((0, 1, 2), (1, 0, 2), (0, 2, 1), (2, 0, 1))), key=lambda cand: cand.score_s)
-    counts, climbs = [], []
-    real_starts, real_climb = polish_mod._starts, polish_mod._climb
-    monkeypatch.setattr(polish_mod, "_starts", lambda search, cands, count: counts.append(count)
-                        or real_starts(search, cands, count))
-    monkeypatch.setattr(polish_mod, "_climb", lambda search, start, *a: climbs.append(start) or real_climb(search, start, *a))
-    with_restarts = len(real_starts(search, cands, 3))
-    assert with_restarts > 1, "the candidates offer restarts"
-    polish_layout(search, cands, restarts=False)
-    assert counts == [1] and len(climbs) == 1 and climbs[0] is cands[0]
-    counts.clear(), climbs.clear()
-    polish_layout(search, cands)
-    assert counts == [3] and len(climbs) == with_restarts
-
-
 def test_polish_budget_and_device_cap_switch_it_off() -> None:
     c, m = _cluster(), _model()
     for opts in (PlannerOptions(polish_budget=0), PlannerOptions(polish_max_devices=8)):
@@ -188,9 +164,9 @@ def test_cli_no_polish(tmp_path, monkeypatch) -> None:
 
     budgets = []
     real = search_mod.polish_layout
-    monkeypatch.setattr(search_mod, "polish_layout", lambda search, cands, near=None, **kw: budgets.append(
+    monkeypatch.setattr(search_mod, "polish_layout", lambda search, cands, near=None: budgets.append(
         (search.options.polish_budget, search.options.second_look, search.options.walk_budget))
-        or real(search, cands, **kw))
+        or real(search, cands))
     for flag in ((), ("--no-polish",)):
         out = tmp_path / "p.json"
         assert cli.main(["plan", "--scenario", "local-small", "--model", "resnet-tiny", "--global-batch", "16",

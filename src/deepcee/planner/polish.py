@@ -425,17 +425,16 @@ class _Polish:
         return best
 
 
-def polish_layout(search: SearchState, cands: list[Candidate], near: list[Candidate] | None = None, *,
-                  restarts: bool = True) -> list[Candidate]:
+def polish_layout(search: SearchState, cands: list[Candidate], near: list[Candidate] | None = None) -> list[Candidate]:
     """Climb from the best fixed-schedule plan of ``cands`` (cost-model order) over its layout,
     then again from ``polish_restarts`` other starts (other island orders and microbatch sizes,
-    :func:`_starts`; module docstring; ``restarts=False``: none); the plans on the way and the
-    refined ends, or ``[]`` (nothing to polish: no such plan, too many devices, or no budget).
-    ``near``: the split tier's other plans are added to it (bases for compact schedules)."""
+    :func:`_starts`; module docstring); the plans on the way and the refined ends, or ``[]``
+    (nothing to polish: no such plan, too many devices, or no budget). ``near``: the split tier's
+    other plans are added to it (bases for compact schedules)."""
     opts = search.options
     if opts.polish_budget <= 0 or len(search.cluster.device_names) > opts.polish_max_devices:
         return []
-    starts = _starts(search, cands, 1 + (opts.polish_restarts if restarts else 0))
+    starts = _starts(search, cands, 1 + opts.polish_restarts)
     out: list[Candidate] = []
     for k, start in enumerate(starts):
         def report(share: float, k: int = k) -> None:  # a climb's share of the polish: its budget spent

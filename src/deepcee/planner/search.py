@@ -290,10 +290,7 @@ def _search_chains(search: SearchState, dist: np.ndarray, *, speed: bool = False
 # before refinement. Where its best simulates within ``LOOK_POLISH_MARGIN`` of the main search's
 # best, or faster, its plans are polished too, as the main search's are (WAN seed 17: the count
 # look's plan, 104.5 s, was two polish moves from 100.1 s, the independent reference's polish of
-# it). A look's polish is one climb, from its best fixed-schedule plan, without the main polish's
-# restarts: on WAN seeds 0, 1, 17, 66 and 96 every gain of a look's polish came from that first
-# climb, and on seed 0 the restarts of two looks' polishes took 10.9 of 48.8 CPU s and found
-# nothing. Where it is not taken, the search state is restored, so the main search's
+# it). Where it is not taken, the search state is restored, so the main search's
 # plan and its explanation are what they were without it. Like the layout polish, it runs only on
 # clusters of at most ``polish_max_devices`` devices: its climbs cost 0.6 CPU s at 512 devices,
 # where ``plan`` has a 10 s target.
@@ -379,7 +376,7 @@ def _second_look(search: SearchState, top: list[Candidate], cands: list[Candidat
         if got and got[0].simulated is not None and got[0].score_s < top[0].score_s * (1 + LOOK_POLISH_MARGIN):
             # near or faster: polished, as the main search's plans are (WAN seeds 17 and 96)
             first, near = len(search.notes), []
-            polished = polish_layout(search, new, near, restarts=False)  # [Note: layout polish] in deepcee.planner.polish
+            polished = polish_layout(search, new, near)  # [Note: layout polish] in deepcee.planner.polish
             search.notes[first:] = [f"in the second look at {what}: {x}" for x in search.notes[first:]]
             if polished or near:
                 _progress(opts, "second look", 0.9)
