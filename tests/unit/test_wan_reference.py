@@ -289,3 +289,26 @@ def test_group_is_the_fewest_devices_on_which_a_layer_fits():
                 assert g == 1 or not fits(g - 1)
                 checked += g > 1
     assert checked, "no region needed more than one device per layer: the case is not exercised"
+
+
+def test_the_kept_references_load_and_re_simulate_to_their_figures():
+    """``benchmarks/references/``: the version-3 references of the 100 WAN instances (40 CPU s
+    each), as ``--reference-from`` reads them; a kept plan re-simulates to the figure recorded when
+    it was found (a failure here means the simulator changed: re-run ``planner_at_scale.py
+    --budget-s 40 --save-reference ...`` and say so in docs/results.md)."""
+    import json
+
+    from conftest import planner_at_scale
+
+    pas = planner_at_scale()
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "references" / "wan100_v3_budget40.json"
+    data = json.loads(path.read_text())
+    rows = {r["seed"]: r for r in data["instances"]}
+    assert data["schema_version"] == 1 and sorted(rows) == list(range(100))
+    assert all(r["reference_version"] == pas.REFERENCE_VERSION and r["reference_budget_cpu_s"] == 40.0
+               and set(r) == set(pas.REFERENCE_FIELDS) for r in rows.values())
+    assert sum(r["reference_plan"] is not None for r in rows.values()) >= 99
+    for seed in (2, 66):  # two small ones
+        cluster, model, _ = pas.wan_instance(seed)
+        got = pas._cached_reference(rows[seed], cluster, model)
+        assert got["cached"] and got["iteration_s"] == pytest.approx(rows[seed]["global_reference_s"], rel=1e-9)
