@@ -363,6 +363,14 @@ def main(argv: list[str] | None = None) -> int:
     if not (math.isfinite(budget) and budget > 0) or count < 1 or args.polish_simulations < 0:
         ap.error(f"--budget-s must be a positive number, --instances at least 1 and --polish-simulations at least "
                  f"0, got {budget!r}, {count!r} and {args.polish_simulations!r}")
+    if args.save_reference is not None:  # checked now, not after an hour of reference search
+        target = Path(args.save_reference)
+        try:
+            if target.is_dir():
+                raise IsADirectoryError("a folder")
+            target.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            ap.error(f"--save-reference: cannot write {args.save_reference!r} ({err})")
     if args.seeds is not None and args.scenarios:
         ap.error("--seeds and --scenarios: give one of them")
     if args.seeds is not None:
@@ -430,7 +438,7 @@ def main(argv: list[str] | None = None) -> int:
     save_json_atomic(Path(args.out), {"schema_version": 1, "format": "deepcee.bench.planner_at_scale",
                                       "partial": False, "summary": summary, "instances": rows})
     print(f"wrote {args.out}")
-    if args.save_reference:
+    if args.save_reference is not None:
         save_json_atomic(Path(args.save_reference), reference_only(rows))
         print(f"wrote {args.save_reference}")
     return 0 if not summary["misses"] else 1
