@@ -369,7 +369,7 @@ def _best_over(parts: dict[str, Sequence[str]], build: Callable[[Sequence[str]],
     return best
 
 
-def _distinct_nodes(cluster: Cluster, model: ModelProfile) -> dict[str, tuple[str, ...]]:
+def distinct_nodes(cluster: Cluster, model: ModelProfile) -> dict[str, tuple[str, ...]]:
     """The first node of every set of identical nodes (same devices, and the same links and link
     sharing inside, in order): identical nodes give identical figures, and the first of equals
     wins anyway (at 512 devices the 128 nodes are a handful of kinds)."""
@@ -432,7 +432,7 @@ def build_baselines(cluster: Cluster, model: ModelProfile, global_batch: int) ->
             cluster.island_devices(),
             lambda d: data_parallel(cluster, model, global_batch, d, system="ddp-best-island"), "island"),
         "best-single-node": lambda: _best_over(
-            _distinct_nodes(cluster, model), lambda d: _single_node(cluster, model, global_batch, d), "node"),
+            distinct_nodes(cluster, model), lambda d: _single_node(cluster, model, global_batch, d), "node"),
     }
     out = []
     for name in BASELINE_NAMES:

@@ -136,6 +136,10 @@ class PlannerOptions:
     simulator rates it faster ([Note: stage counts] in :mod:`deepcee.planner.grains`; clusters of
     at most ``polish_max_devices`` devices); ``False`` skips it (``deepcee plan --no-polish``, and
     ``compare``'s crossover sweeps)."""
+    node_look: bool = True
+    """After the looks, search single nodes on their own where the search's device sets span
+    nodes, and take a node's plan where the simulator rates it faster ([Note: node look] in
+    :mod:`deepcee.planner.search`); off where every device must be used."""
     explain_counterfactuals: bool = True
     """Plan and simulate the counterfactuals the explanation prints (each island left out or
     added, one stage more or fewer)."""
@@ -166,7 +170,7 @@ class PlannerOptions:
             value = getattr(self, name)
             if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 0:
                 raise PlanError(f"must be an integer >= 0, got {value!r}", field=name)
-        for name in ("second_look", "count_look"):
+        for name in ("second_look", "count_look", "node_look"):
             if not isinstance(getattr(self, name), bool):
                 raise PlanError(f"must be true or false, got {getattr(self, name)!r}", field=name)
         if self.exhaustive_islands < 1:
