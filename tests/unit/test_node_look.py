@@ -1,0 +1,106 @@
+"""The node look ([Note: node look] in deepcee.planner.search): a single node whose own links are
+much faster than its island's network is searched on its own, and its plan wins where the
+simulator rates it faster; it never runs where the search's device sets already hold the node."""
+
+from __future__ import annotations
+
+import pytest
+
+from deepcee.cluster import Cluster, Device, DeviceKind, Island, LinkEntry, LinkSpec, Node
+from deepcee.errors import PlanError
+from deepcee.planner import search as search_module
+from deepcee.planner.baselines import build_baselines
+from deepcee.planner.search import PlannerOptions, plan_training
+from deepcee.profile import LayerProfile, ModelProfile
+from deepcee.simulator.engine import simulate
+from deepcee.units import GIB
+
+NVLINK = LinkSpec(latency_s=5e-6, bandwidth_bytes_per_s=100e9)
+GIGABIT_LAN = LinkSpec(latency_s=0.5e-3, bandwidth_bytes_per_s=1.25e8)
+
+
+def _model() -> ModelProfile:
+    """Little compute, many parameters: a data-parallel all-reduce over the LAN costs more than
+    the compute it spreads."""
+    flops = 2e9
+    return ModelProfile(name="wide", input_bytes=1e5, layers=tuple(
+        LayerProfile(name=f"l{k}", forward_flops=flops, input_grad_flops=flops, weight_grad_flops=flops,
+                     parameter_count=20_000_000, activation_bytes=1e6, output_bytes=1e5) for k in range(4)))
+
+
+def _lan_island(nodes: dict[str, int], *, far: bool = True) -> Cluster:
+    """Island ``lan``: nodes of one kind (so one compute group spans them), NVLink inside each,
+    a gigabit LAN between them; with ``far``, a second island over a slow WAN link."""
+    kinds = {"gpu": DeviceKind(name="gpu", peak_flops_per_s=30e12, memory_bytes=16 * GIB)}
+    node_list = [Node(name=n, island="lan", kind="gpu", devices=tuple(f"{n}:{k}" for k in range(count)), intra=NVLINK)
+                 for n, count in nodes.items()]
+    islands = [Island(name="lan", intra=GIGABIT_LAN)]
+    links = []
+    if far:
+        node_list.append(Node(name="far0", island="far", kind="gpu", devices=("far0:0", "far0:1"), intra=NVLINK))
+        islands.append(Island(name="far", intra=GIGABIT_LAN))
+        links.append(LinkEntry(a="lan", b="far", spec=LinkSpec(latency_s=0.05, bandwidth_bytes_per_s=1.25e7)))
+    devices = tuple(Device(name=d, kind="gpu", node=n.name, island=n.island) for n in node_list for d in n.devices)
+    return Cluster(name="lan", kinds=kinds, islands=tuple(islands), nodes=tuple(node_list), devices=devices,
+                   links=tuple(links))
+
+
+def _sim_s(plan, cluster, model) -> float:
+    return simulate(plan, cluster, model, record=False).iteration_s
+
+
+def test_the_best_single_node_is_found_where_the_groups_span_nodes() -> None:
+    cluster, model = _lan_island({"small": 2, "big": 4}), _model()
+    with_look = plan_training(cluster, model, 16)
+    without = plan_training(cluster, model, 16, options=PlannerOptions(node_look=False))
+    # without the look, no device set of the search is one node: every plan crosses the LAN
+    assert {cluster.device(d).node for d in without.plan.devices} != {"big"}
+    assert set(with_look.plan.devices) == set(cluster.node_devices()["big"])
+    got, before = _sim_s(with_look.plan, cluster, model), _sim_s(without.plan, cluster, model)
+    assert got < before
+    assert with_look.plan.estimate.iteration_s == pytest.approx(got, rel=1e-12)  # the simulator's figure
+    note = next(x for x in with_look.explanation if "alone" in x)
+    assert "node big" in note and f"{got:.4g} s against {before:.4g} s" in note
+    # never below the single-node baseline (nor any other the runtime can run: zero2's sharding it does not do)
+    for b in build_baselines(cluster, model, 16):
+        if b.plan is not None and b.name != "fsdp-zero2":
+            assert got <= _sim_s(b.plan, cluster, model) * (1 + 1e-9), b.name
+
+
+def test_no_look_where_every_device_must_be_used_or_the_nodes_are_device_sets_already(monkeypatch) -> None:
+    model = _model()
+    calls = []
+    real = search_module._plan_training
+
+    def counting(cluster, *args, **kwargs):
+        calls.append(len(cluster.devices))
+        return real(cluster, *args, **kwargs)
+
+    monkeypatch.setattr(search_module, "_plan_training", counting)
+    spanning = _lan_island({"small": 2, "big": 4})
+    got = plan_training(spanning, model, 16, options=PlannerOptions(allow_exclusion=False))
+    assert len(got.plan.devices) == len(spanning.devices) and calls == [8]
+    calls.clear()
+    # one node per island: each node is one of the search's device sets already
+    single = _lan_island({"big": 4})
+    got = plan_training(single, model, 16)
+    assert calls == [6] and not any("alone" in x for x in got.explanation)
+
+
+def test_a_node_that_cannot_hold_the_state_is_not_searched(monkeypatch) -> None:
+    big_state = ModelProfile(name="big", input_bytes=1e5, layers=tuple(
+        LayerProfile(name=f"l{k}", forward_flops=2e9, input_grad_flops=2e9, weight_grad_flops=2e9,
+                     parameter_count=600_000_000, activation_bytes=1e6, output_bytes=1e5) for k in range(8)))
+    cluster = _lan_island({"small": 2, "big": 4})
+    calls = []
+    real = search_module._plan_training
+    monkeypatch.setattr(search_module, "_plan_training",
+                        lambda c, *a, **k: (calls.append(len(c.devices)), real(c, *a, **k))[1])
+    # 4.8e9 parameters x 16 bytes of state: 71.5 GiB, more than a 4 x 16 GiB node holds
+    got = plan_training(cluster, big_state, 16)
+    assert calls == [8] and len({cluster.device(d).node for d in got.plan.devices}) > 1
+
+
+def test_node_look_option_is_checked() -> None:
+    with pytest.raises(PlanError, match="node_look"):
+        PlannerOptions(node_look=1)
