@@ -61,6 +61,9 @@ def test_the_best_single_node_is_found_where_the_groups_span_nodes() -> None:
     assert with_look.plan.estimate.iteration_s == pytest.approx(got, rel=1e-12)  # the simulator's figure
     note = next(x for x in with_look.explanation if "alone" in x)
     assert "node big" in note and f"{got:.4g} s against {before:.4g} s" in note
+    # the devices of the island it leaves out are as fast as the node's: the explanation says so
+    labels = [c.label for c in with_look.counterfactuals]
+    assert "adding the 2 devices of island lan left out" in labels, labels
     # never below the single-node baseline (nor any other the runtime can run: zero2's sharding it does not do)
     for b in build_baselines(cluster, model, 16):
         if b.plan is not None and b.name != "fsdp-zero2":

@@ -177,8 +177,12 @@ def _island_counterfactuals(cf: _Counterfactuals, plan: Plan) -> list[Counterfac
         full = (i, len(isl.groups))
         chains = [rest[:k] + (full,) + rest[k:] for k in range(len(rest) + 1)] if whole else \
             [tuple(full if x[0] == i else x for x in chain)]
+        # "slower" only where it is so: a node look's plan leaves out devices as fast as its own
+        speed = s.cluster.effective_flops_per_s
+        slower = not whole and max(map(speed, missing)) < min(speed(d) for d in isl.devices if d in used)
         label = (f"adding island {isl.name} ({_count(len(missing), 'device')})" if whole else
-                 f"adding the {_count(len(missing), 'slower device')} of island {isl.name} left out")
+                 f"adding the {_count(len(missing), 'slower device' if slower else 'device')} of island "
+                 f"{isl.name} left out")
         got = cf.simulate(label, cf.best_on_chains(chains, lambda devs, m=missing: bool(devs & m)))
         if got is not None:
             out.append(got)
