@@ -81,24 +81,30 @@ def measured_model(kind: str, layers: int = 6, *, seed: int = 0, **analytic: flo
                                                                          call_overhead=call)
 
 
-def planner_at_scale():
-    """The module ``benchmarks/planner_at_scale.py`` (loaded once)."""
+def benchmark_module(name: str):
+    """The module ``benchmarks/<name>.py`` (loaded once; the benchmarks import each other by name,
+    so their folder is on the path while one loads)."""
     import importlib.util
     import sys
     from pathlib import Path
 
-    if "planner_at_scale" in sys.modules:
-        return sys.modules["planner_at_scale"]
+    if name in sys.modules:
+        return sys.modules[name]
     root = Path(__file__).resolve().parents[2] / "benchmarks"
-    sys.path.insert(0, str(root))  # planner_at_scale imports wan_reference by name
+    sys.path.insert(0, str(root))
     try:
-        spec = importlib.util.spec_from_file_location("planner_at_scale", root / "planner_at_scale.py")
+        spec = importlib.util.spec_from_file_location(name, root / f"{name}.py")
         mod = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(mod)
-        sys.modules["planner_at_scale"] = mod
+        sys.modules[name] = mod
         return mod
     finally:
         sys.path.remove(str(root))
+
+
+def planner_at_scale():
+    """The module ``benchmarks/planner_at_scale.py`` (loaded once)."""
+    return benchmark_module("planner_at_scale")
 
 
 def wan_seed(seed: int):

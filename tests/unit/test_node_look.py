@@ -107,3 +107,20 @@ def test_a_node_that_cannot_hold_the_state_is_not_searched(monkeypatch) -> None:
 def test_node_look_option_is_checked() -> None:
     with pytest.raises(PlanError, match="node_look"):
         PlannerOptions(node_look=1)
+
+
+def test_mixed_benchmark_instance_with_a_node_plan_is_not_below_any_baseline() -> None:
+    """``benchmarks/planner_mixed.py`` seed 21: the best plan is one 4-GPU NVLink server of a region
+    whose LAN is 1 Gbit/s (the best-single-node baseline was 1.8x faster than deepcee's plan
+    before the node look); its row names no faster baseline and the look."""
+    from conftest import benchmark_module
+
+    mixed = benchmark_module("planner_mixed")
+    cluster, model, batch = mixed.mixed_instance(21)
+    assert len(cluster.islands) == 9 and len({n.kind for n in cluster.nodes}) > 3
+    row = mixed.run_instance(21)
+    assert row["node_look"] and row["faster_baselines"] == [] and row["over_memory"] == []
+    assert row["deepcee_s"] <= row["baselines_s"]["best-single-node"] * (1 + 1e-9)
+    assert row["deepcee_devices"] == 4 and row["deepcee_stages"] == 1
+    summary = mixed.summary([row])
+    assert summary["below_a_baseline"] == 0 and summary["node_look_taken"] == 1 and summary["planned"] == 1
