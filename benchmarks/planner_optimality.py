@@ -51,6 +51,7 @@ from deepcee.planner.search import (
     chain_layouts,
     compact_plan,
     enumerate_chains,
+    fed_grains,
     in_flight_counts,
     island_distances,
     microbatch_sizes,
@@ -250,13 +251,14 @@ def _lower_bounds(terms: list[_Terms], links: list[_Link], splits: np.ndarray, m
     return bound
 
 
-def _space(cluster: Cluster, model: ModelProfile, options: PlannerOptions) -> list[StageLayout]:
+def _space(cluster: Cluster, model: ModelProfile, options: PlannerOptions, global_batch: int) -> list[StageLayout]:
     grouping = group_devices(cluster, island_threshold_s=options.island_threshold_s, speed_ratio=options.speed_ratio)
     dist = island_distances(cluster, grouping)
     max_stages = min(model.num_layers, options.max_stages or model.num_layers)
     out: dict[tuple, StageLayout] = {}
     for chain in enumerate_chains(grouping, dist, options):
-        for lay in chain_layouts(grouping, chain, max_stages):
+        # the planner's granularities for this batch too ([Note: fed granularities] in deepcee.planner.space)
+        for lay in chain_layouts(grouping, chain, max_stages, extra=fed_grains(microbatch_sizes(global_batch, options))):
             out.setdefault(lay.slots, lay)
     return list(out.values())
 
@@ -273,7 +275,7 @@ def brute_force(cluster: Cluster, model: ModelProfile, global_batch: int,
     entries: list[tuple[StageLayout, int, np.ndarray, list[list[tuple[str, str]]]]] = []
     bounds: list[np.ndarray] = []
     plans = 0
-    for lay in _space(cluster, model, options):
+    for lay in _space(cluster, model, options, global_batch):
         stages = len(lay.slots)
         if stages > n_layers:
             continue

@@ -97,3 +97,35 @@ def test_chains_whose_climb_is_cut_at_once_do_not_take_a_place(monkeypatch) -> N
     assert len({c for c, _ in calls}) == len(calls)  # each chain climbed once
     finite = [c for c, v in calls if math.isfinite(v)]
     assert len(finite) == 2 and len(calls) == 4
+
+
+def test_fed_granularities_are_the_microbatch_sizes_that_are_no_power_of_two() -> None:
+    """[Note: fed granularities] in deepcee.planner.space: a batch of 3, 100 or 1,000 adds chunks
+    of that many devices; a batch of a power of two adds none (its layouts are as before)."""
+    from deepcee.planner.space import chain_layouts, fed_grains, microbatch_sizes
+
+    assert fed_grains(microbatch_sizes(3, PlannerOptions())) == (3,)
+    assert fed_grains(microbatch_sizes(100, PlannerOptions())) == (5, 10, 20, 25, 50, 100)
+    assert fed_grains(microbatch_sizes(256, PlannerOptions())) == ()
+    c = _cluster(4.0, 4.0)
+    g = group_devices(c)
+    chain = ((1, len(g.islands[1].groups)),)  # island b: 8 devices
+    assert island_grains(g, chain, extra=(3, 5, 10)) == [[1, 2, 3, 4, 5, 8]]
+    plain = {tuple(map(len, lay.slots)) for lay in chain_layouts(g, chain, 8)}
+    fed = {tuple(map(len, lay.slots)) for lay in chain_layouts(g, chain, 8, extra=(3, 5, 10))}
+    assert fed - plain == {(3, 3, 2)}  # chunks of at most 5 are those of 4 (4 + 4); 10 is above the 8 devices
+    assert plain <= fed
+
+
+def test_a_batch_of_three_is_fed_by_stages_of_three() -> None:
+    """``benchmarks/planner_mixed.py`` seed 28's 8-GPU server on its own: GPT-2 XL at global batch 3.
+    Without the fed granularity the best plan was 8 stages of one GPU with three microbatches
+    (0.2574 s simulated); stages of 3, 3 and 2 GPUs take one microbatch of 3 (0.2457 s)."""
+    from conftest import benchmark_module
+
+    cluster, model, batch = benchmark_module("planner_mixed").mixed_instance(28)
+    server = cluster.subset(cluster.node_devices()["ap-southeast-n0"])
+    assert batch == 3 and len(server.devices) == 8
+    plan = plan_training(server, model, batch).plan
+    assert [len(st.devices) for st in plan.stages] == [3, 3, 2] and plan.microbatch_size == 3
+    assert simulate(plan, server, model, record=False).iteration_s < 0.25

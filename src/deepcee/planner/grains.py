@@ -146,7 +146,7 @@ def _grains(choices: list[list[int]], pick: tuple[int, ...]) -> tuple[int, ...]:
 def feasible_grains(search: SearchState, chain: Chain, sizes: list[int] | None = None) -> float:
     """The best closed form of the finest mixed layouts of ``chain`` with at most ``max_stages``
     stages (module docstring); ``inf`` if none fits either."""
-    choices = island_grains(search.grouping, chain)
+    choices = island_grains(search.grouping, chain, extra=search.grains)
     if all(len(c) == 1 for c in choices):
         return _INF
     return min((_layout_value(search, chain, _grains(choices, p), sizes)
@@ -179,7 +179,7 @@ def climb_grains(search: SearchState, chain: Chain, *, pairs: bool = False, work
     devices laid out (each layout evaluated charges its devices; the climb stops when spent).
     ``counts``: then over each island's stage count from where it ended (:func:`climb_counts`,
     ``count_budget`` layouts more; the count look's, [Note: stage counts])."""
-    choices = island_grains(search.grouping, chain)
+    choices = island_grains(search.grouping, chain, extra=search.grains)
     if all(len(c) == 1 for c in choices):
         return _INF
     budget = search.options.grain_budget

@@ -128,6 +128,7 @@ from deepcee.planner.space import (
     chain_layouts,
     compact_plan,
     enumerate_chains,
+    fed_grains,
     in_flight_counts,
     island_distances,
     island_orders,
@@ -152,7 +153,7 @@ from deepcee.units import GIB
 
 __all__ = [
     "SCREEN_RULES", "SYNC_CHOICES", "Candidate", "Chain", "PlanResult", "PlannerOptions", "StageLayout",
-    "build_plan", "chain_layouts", "compact_plan", "enumerate_chains", "in_flight_counts", "island_distances",
+    "build_plan", "chain_layouts", "compact_plan", "enumerate_chains", "fed_grains", "in_flight_counts", "island_distances",
     "island_orders", "microbatch_sizes", "plan_training", "split_layers",
 ]
 
@@ -202,7 +203,7 @@ def _search_chains(search: SearchState, dist: np.ndarray, *, speed: bool = False
         # gives a plan (a granularity whose stages cannot hold the model says nothing about finer
         # ones: testbed/gpt2-xl/128's cloud-only chain was written off); the best chains are laid
         # out again in full below
-        layouts = chain_layouts(g, chain, search.max_stages, search.pieces)
+        layouts = chain_layouts(g, chain, search.max_stages, search.pieces, search.grains)
         sizes: list[int] | None = None
         near = search.granularity_near() if len(seen) >= 8 else None
         seen.append(chain)
@@ -508,7 +509,7 @@ def _confirmed_end(search: SearchState, chain: Chain) -> bool:
 def _lay_out_in_full(search: SearchState, chain: Chain, *, grains: bool, counts: bool = False) -> None:
     """Every layout of ``chain`` at every microbatch size (and its granularity search; ``counts``:
     and then its stage-count search)."""
-    for lay in chain_layouts(search.grouping, chain, search.max_stages, search.pieces):
+    for lay in chain_layouts(search.grouping, chain, search.max_stages, search.pieces, search.grains):
         search.evaluate_layout(lay)
     if grains:
         climb_grains(search, chain, counts=counts)
@@ -744,6 +745,7 @@ def new_search(cluster: Cluster, model: ModelProfile, global_batch: int, options
                          tables=RangeTables(cluster, model, options.syncs, runtime=_runtime_of(options, cluster, model)),
                          cost_model=options.cost_model or AnalyticCostModel(), sizes=microbatch_sizes(global_batch, options),
                          max_stages=min(model.num_layers, options.max_stages or model.num_layers))
+    search.grains = fed_grains(search.sizes)  # [Note: fed granularities] in deepcee.planner.space
     search.min_boundary_bytes = min((model.boundary_bytes(b) for b in range(1, model.num_layers)), default=0.0)
     return search
 

@@ -14,8 +14,9 @@ split every microbatch by share and all-reduce their gradients. The planner sear
   removes its link from the pipeline altogether.
 - **layouts** of a chain into stages: each island's kept devices form one device set
   (*merged*) or one per group (*per group*); each set is cut into contiguous chunks of at
-  most ``g`` devices (``g`` a power of two or the set's size: more stages inside an island,
-  for memory or for less all-reduce traffic), the same ``g`` for the whole chain
+  most ``g`` devices (``g`` a power of two, the set's size, or a microbatch size that is no
+  power of two: more stages inside an island, for memory or for less all-reduce traffic;
+  [Note: fed granularities]), the same ``g`` for the whole chain
   (:func:`chain_layouts`) or one per island (:func:`mixed_layout`, searched on the best
   chains: [Note: mixed granularity] in :mod:`deepcee.planner.grains`), and, in the count look,
   any stage count per island: the layers split over the islands in proportion to their speed
@@ -88,14 +89,35 @@ Chain = tuple[tuple[int, int], ...]
 """(island index, groups kept) in pipeline order."""
 
 
-def chain_layouts(grouping: Grouping, chain: Chain, max_stages: int, memo: dict | None = None) -> list[StageLayout]:
+def fed_grains(sizes: Sequence[int]) -> tuple[int, ...]:
+    """The granularities a search adds to the powers of two for its microbatch ``sizes``: each size
+    of at least 3 that is no power of two ([Note: fed granularities])."""
+    return tuple(n for n in sizes if n >= 3 and n & (n - 1))
+
+
+# [Note: fed granularities]
+# A stage of ``k`` devices needs microbatches of at least ``k`` samples (every device gets one),
+# and a microbatch size must divide the global batch. With a batch of 3, 17 or 100 the sizes are
+# 1, 3 or 17, or 1, 2, 4, 5, 10, ...: chunks of powers of two then feed a stage only with some
+# devices idle or with fewer devices than samples. So the layouts also cut device sets into
+# chunks of at most ``n`` devices for every such size ``n`` (:func:`fed_grains`): each device one
+# share of ``n`` (session 28, mixed-cluster seed 28 of ``benchmarks/planner_mixed.py``: GPT-2 XL
+# at batch 3 on an 8-GPU server, 3 stages of 3, 3 and 2 GPUs with microbatches of 3 simulate
+# 0.2457 s; 8 stages of one GPU with three microbatches, the best of the powers of two, 0.2574 s).
+# Powers of two are there already, so global batches of powers of two get no new layout.
+
+
+def chain_layouts(grouping: Grouping, chain: Chain, max_stages: int, memo: dict | None = None,
+                  extra: Sequence[int] = ()) -> list[StageLayout]:
     """Every layout of ``chain`` (see [Note: plan space]) with at most ``max_stages`` stages.
-    ``memo``: a dict kept for ``grouping`` that keeps each island's pieces (chains share islands)."""
+    ``memo``: a dict kept for ``grouping`` that keeps each island's pieces (chains share islands);
+    ``extra``: granularities beside the powers of two ([Note: fed granularities])."""
     islands = [grouping.islands[i] for i, _ in chain]
     kept = [isl.groups[:keep] for isl, (_, keep) in zip(islands, chain, strict=True)]
     biggest = max(len(g.devices) for gs in kept for g in gs)
     biggest = max(biggest, max(sum(len(g.devices) for g in gs) for gs in kept))
-    sizes = sorted({2 ** k for k in range(int(math.ceil(math.log2(biggest))) + 1)} | {biggest}, reverse=True)
+    sizes = sorted({2 ** k for k in range(int(math.ceil(math.log2(biggest))) + 1)} | {biggest}
+                   | {x for x in extra if x < biggest}, reverse=True)
     out: list[StageLayout] = []
     for merged in ((True, False) if any(len(gs) > 1 for gs in kept) else (True,)):
         for g in sizes:
@@ -140,15 +162,16 @@ def kept_devices(isl: IslandGroup, groups: Sequence[DeviceGroup]) -> tuple[str, 
     return tuple(d for d in isl.devices if d in member)
 
 
-def island_grains(grouping: Grouping, chain: Chain, merged: bool = True) -> list[list[int]]:
+def island_grains(grouping: Grouping, chain: Chain, merged: bool = True, extra: Sequence[int] = ()) -> list[list[int]]:
     """Per island of ``chain``, the most devices per stage it can be cut into, ascending: the
-    powers of two below its largest device set and that set's size (the values at which its
-    chunk count changes, as in :func:`chain_layouts`)."""
+    powers of two below its largest device set, ``extra`` below it ([Note: fed granularities]) and
+    that set's size (the values at which its chunk count changes, as in :func:`chain_layouts`)."""
     out = []
     for i, keep in chain:
         gs = grouping.islands[i].groups[:keep]
         biggest = sum(len(x.devices) for x in gs) if merged else max(len(x.devices) for x in gs)
-        out.append(sorted({2 ** k for k in range(int(math.ceil(math.log2(biggest))))} | {biggest}))
+        out.append(sorted({2 ** k for k in range(int(math.ceil(math.log2(biggest))))} | {biggest}
+                          | {x for x in extra if x < biggest}))
     return out
 
 

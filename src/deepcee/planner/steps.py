@@ -107,6 +107,9 @@ class SearchState:
     cost_model: CostModel
     sizes: list[int]
     max_stages: int
+    grains: tuple[int, ...] = ()
+    """Granularities the layouts use beside the powers of two ([Note: fed granularities] in
+    :mod:`deepcee.planner.space`)."""
     configs: dict[tuple, Config] = field(default_factory=dict)
     dp_tables: dict[tuple, SplitTables] = field(default_factory=dict)
     bounds: dict[tuple, BoundaryArrays] = field(default_factory=dict)
