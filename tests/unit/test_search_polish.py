@@ -460,3 +460,30 @@ def test_compact_schedules_are_built_for_the_best_two_near_plans_beyond_compact_
     assert NEAR_COMPACTS == 2
     assert pipe(best) in pipes and pipe(near[0]) in pipes and pipe(near[1]) in pipes
     assert pipe(near[2]) not in pipes
+
+
+def test_segments_follow_the_grouping_islands_not_the_declared_ones() -> None:
+    """Declared islands ``a`` and ``b`` joined by a link under the island threshold are one island
+    of the grouping (named ``a``, most of its devices' island); a plan with a stage on ``b``'s
+    devices alone is one segment of that island (it was a KeyError on ``b``: mixed seed 177 of
+    ``benchmarks/planner_mixed.py``, where a 5 Gbit/s link joined uk-south and eu-central)."""
+    kinds = {"fast": DeviceKind(name="fast", peak_flops_per_s=40e12, memory_bytes=8 * GIB)}
+    nodes = (Node(name="a0", island="a", kind="fast", devices=tuple(f"a0:{k}" for k in range(4)), intra=FAST),
+             Node(name="b0", island="b", kind="fast", devices=("b0:0", "b0:1"), intra=FAST))
+    devices = tuple(Device(name=d, kind="fast", node=n.name, island=n.island) for n in nodes for d in n.devices)
+    cluster = Cluster(name="joined", kinds=kinds, islands=(Island(name="a", intra=FAST), Island(name="b", intra=FAST)),
+                      nodes=nodes, devices=devices,
+                      links=(LinkEntry(a="a", b="b", spec=LinkSpec(latency_s=1e-3, bandwidth_bytes_per_s=1.25e9)),))
+    model = ModelProfile(name="toy", input_bytes=1e5, layers=tuple(
+        LayerProfile(name=f"l{k}", forward_flops=2e11, input_grad_flops=2e11, weight_grad_flops=2e11,
+                     parameter_count=10_000_000, activation_bytes=1e6, output_bytes=1e5) for k in range(6)))
+    search = new_search(cluster, model, 8, PlannerOptions())
+    assert [isl.name for isl in search.grouping.islands] == ["a"]
+    plan = build_plan(counted_layout(search.grouping, [(0, ("a0:0", "a0:1", "a0:2", "a0:3", "b0:0", "b0:1"), 3)]),
+                      (0, 2, 4, 6), cluster=cluster, model=model, global_batch=8, microbatch_size=2, schedule="1f1b",
+                      sync="allreduce-ring")
+    assert [st.devices for st in plan.stages][-1] == ("b0:0", "b0:1")
+    segs = segments_of(search, plan)
+    assert segs is not None and len(segs) == 1 and segs[0].island == 0 and segs[0].stages == 3
+    got = plan_training(cluster, model, 8)  # the polish runs over such plans
+    assert got.plan.estimate.iteration_s > 0

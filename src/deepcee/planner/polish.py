@@ -163,13 +163,15 @@ class _Move:
 def segments_of(search: SearchState, plan: Plan) -> tuple[Segment, ...] | None:
     """``plan``'s stages as runs of one island each; ``None`` when a stage spans islands or an
     island's stages are not contiguous (no layout move applies)."""
-    index = {isl.name: k for k, isl in enumerate(search.grouping.islands)}
+    # the grouping's islands, not the cluster file's: the network may cut a declared island in two
+    # or join two (mixed seed 177 of benchmarks/planner_mixed.py: a KeyError on a cut island's name)
+    where = {d: k for k, isl in enumerate(search.grouping.islands) for d in isl.devices}
     out: list[Segment] = []
     for st in plan.stages:
-        islands = {search.cluster.device(d).island for d in st.devices}
+        islands = {where[d] for d in st.devices}
         if len(islands) != 1:
             return None
-        k = index[islands.pop()]
+        k = islands.pop()
         if out and out[-1].island == k:
             out[-1] = Segment(k, out[-1].devices + st.devices, out[-1].stages + 1)
         elif any(s.island == k for s in out):

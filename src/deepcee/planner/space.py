@@ -99,12 +99,18 @@ def fed_grains(sizes: Sequence[int]) -> tuple[int, ...]:
 # A stage of ``k`` devices needs microbatches of at least ``k`` samples (every device gets one),
 # and a microbatch size must divide the global batch. With a batch of 3, 17 or 100 the sizes are
 # 1, 3 or 17, or 1, 2, 4, 5, 10, ...: chunks of powers of two then feed a stage only with some
-# devices idle or with fewer devices than samples. So the layouts also cut device sets into
-# chunks of at most ``n`` devices for every such size ``n`` (:func:`fed_grains`): each device one
-# share of ``n`` (session 28, mixed-cluster seed 28 of ``benchmarks/planner_mixed.py``: GPT-2 XL
-# at batch 3 on an 8-GPU server, 3 stages of 3, 3 and 2 GPUs with microbatches of 3 simulate
+# devices idle or with fewer devices than samples. So the best chains are also cut into chunks
+# of at most ``n`` devices for every such size ``n`` (:func:`fed_grains`), each device one share
+# of ``n`` (session 28, mixed-cluster seed 28 of ``benchmarks/planner_mixed.py``: GPT-2 XL at
+# batch 3 on an 8-GPU server, 3 stages of 3, 3 and 2 GPUs with microbatches of 3 simulate
 # 0.2457 s; 8 stages of one GPU with three microbatches, the best of the powers of two, 0.2574 s).
-# Powers of two are there already, so global batches of powers of two get no new layout.
+# Not inside the main search: there the new layouts changed the chains' values and so which
+# chains a budget-stopped chain search reached (mixed seed 135: 2.557 -> 3.157 s). The *fed look*
+# (``_fed_look`` in :mod:`deepcee.planner.search`) lays the main search's best and climbed chains
+# out with them (and climbs their granularities with them among the steps), and searches those
+# configurations on their own after the main search, as the second look does; its plan is
+# taken only where the simulator rates it faster. Powers of two are there already, so global
+# batches of powers of two get no fed look.
 
 
 def chain_layouts(grouping: Grouping, chain: Chain, max_stages: int, memo: dict | None = None,

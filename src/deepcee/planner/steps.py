@@ -147,6 +147,8 @@ class SearchState:
     :mod:`deepcee.planner.chains`)."""
     climbed: list[Chain] = field(default_factory=list)
     """The chains whose granularities the main search climbed."""
+    best_chains: list[Chain] = field(default_factory=list)
+    """The main search's best chains (closed form), laid out with every microbatch size."""
     count_look: list[tuple[str, list[Config]]] = field(default_factory=list)
     """The count look's sets of configurations, each with where it came from (the stage-count
     search on the climbed chains; a chain search with stages in proportion to speed), taken back
