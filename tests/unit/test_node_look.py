@@ -61,6 +61,8 @@ def test_the_best_single_node_is_found_where_the_groups_span_nodes() -> None:
     assert with_look.plan.estimate.iteration_s == pytest.approx(got, rel=1e-12)  # the simulator's figure
     note = next(x for x in with_look.explanation if "alone" in x)
     assert "node big" in note and f"{got:.4g} s against {before:.4g} s" in note
+    # one note says where the plan came from, and it is this one ([Note: late looks])
+    assert [x for x in with_look.explanation if x.startswith("note: the best plan")] == [note]
     # the devices of the island it leaves out are as fast as the node's: the explanation says so
     labels = [c.label for c in with_look.counterfactuals]
     assert "adding the 2 devices of island lan left out" in labels, labels

@@ -679,13 +679,17 @@ def _plan_training(cluster: Cluster, model: ModelProfile, global_batch: int, *,
     late = [(lambda t, c: _second_look(search, t, c, fed, "stages of as many devices as a microbatch has samples"))
             ] if fed else []  # [Note: fed granularities] in deepcee.planner.space
     late.append(lambda t, c: _node_look(search, t, c))  # [Note: node look]
+    claims = [] if rescued is None else [rescued]  # notes saying where the plan came from
     for look in late:
         got, cands = look(top, cands)
         if got[0] is not top[0]:  # taken: faster than the plan so far, simulated
-            if rescued is not None:  # the plan no longer comes from that counterfactual search
-                del search.notes[rescued]
+            mine = len(search.notes) - 1  # the look's own note saying so, its last
+            for k in sorted(claims, reverse=True):  # the plan no longer comes from there
+                del search.notes[k]
+            mine -= len(claims)
             _progress(options, "explanation", 0.0)
             top, explanation, counterfactuals, rescued = _explained(search, got, cands)
+            claims = [mine] + ([] if rescued is None else [rescued])
     best = top[0]
     plan = best.plan.replace(estimate=best.simulated or best.estimate, explanation=tuple(explanation))
     elapsed = time.perf_counter() - t0
