@@ -333,6 +333,18 @@ def _summary(rows: list[dict], t0: float) -> dict:
     }
 
 
+def check_writable(ap: argparse.ArgumentParser, flag: str, path: str) -> None:
+    """Exit with a one-line usage error unless a file can be written at ``path`` (its folder made):
+    checked before a long run, not after it."""
+    target = Path(path)
+    try:
+        if target.is_dir():
+            raise IsADirectoryError("a folder")
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        ap.error(f"{flag}: cannot write {path!r} ({err})")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--instances", type=int, default=100)
@@ -364,13 +376,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--budget-s must be a positive number, --instances at least 1 and --polish-simulations at least "
                  f"0, got {budget!r}, {count!r} and {args.polish_simulations!r}")
     if args.save_reference is not None:  # checked now, not after an hour of reference search
-        target = Path(args.save_reference)
-        try:
-            if target.is_dir():
-                raise IsADirectoryError("a folder")
-            target.parent.mkdir(parents=True, exist_ok=True)
-        except OSError as err:
-            ap.error(f"--save-reference: cannot write {args.save_reference!r} ({err})")
+        check_writable(ap, "--save-reference", args.save_reference)
     if args.seeds is not None and args.scenarios:
         ap.error("--seeds and --scenarios: give one of them")
     if args.seeds is not None:

@@ -46,7 +46,7 @@ from deepcee.simulator.engine import simulate
 from deepcee.units import GIB
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from planner_at_scale import KINDS, REGIONS, _km  # noqa: E402  (beside this script)
+from planner_at_scale import KINDS, REGIONS, _km, check_writable  # noqa: E402  (beside this script)
 
 SCHEMA_VERSION = 1
 MODELS = ("gpt2", "gpt2-medium", "gpt2-xl", "bert-base", "llama-1b", "llama-7b", "resnet50", "resnet101",
@@ -171,13 +171,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--instances and --jobs must be at least 1, --first, --polish-simulations and --reference-budget-s "
                  f"at least 0; got {args.instances!r}, {args.jobs!r}, {args.first!r}, {args.polish_simulations!r} "
                  f"and {args.reference_budget_s!r}")
+    check_writable(ap, "--out", args.out)  # now, not after the run
     out = Path(args.out)
-    try:
-        if out.is_dir():
-            raise IsADirectoryError("a folder")
-        out.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        ap.error(f"--out: cannot write {args.out!r} ({err})")
     seeds = range(args.first, args.first + args.instances)
     t0 = time.perf_counter()
     print("every figure simulated; clusters emulated from datasheet-style speeds")
