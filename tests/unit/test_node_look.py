@@ -72,7 +72,7 @@ def test_the_best_single_node_is_found_where_the_groups_span_nodes() -> None:
             assert got <= _sim_s(b.plan, cluster, model) * (1 + 1e-9), b.name
 
 
-def test_no_look_where_every_device_must_be_used_or_the_nodes_are_device_sets_already(monkeypatch) -> None:
+def test_no_look_where_every_device_must_be_used_nothing_is_simulated_or_the_nodes_are_device_sets(monkeypatch) -> None:
     model = _model()
     calls = []
     real = search_module._plan_training
@@ -85,6 +85,10 @@ def test_no_look_where_every_device_must_be_used_or_the_nodes_are_device_sets_al
     spanning = _lan_island({"small": 2, "big": 4})
     got = plan_training(spanning, model, 16, options=PlannerOptions(allow_exclusion=False))
     assert len(got.plan.devices) == len(spanning.devices) and calls == [8]
+    calls.clear()
+    # ranked by the cost model alone (confirm_top 0): no simulated figure to compare a node's with
+    plan_training(spanning, model, 16, options=PlannerOptions(confirm_top=0))
+    assert calls == [8]
     calls.clear()
     # one node per island: each node is one of the search's device sets already
     single = _lan_island({"big": 4})

@@ -760,8 +760,8 @@ def _node_look(search: SearchState, top: list[Candidate], cands: list[Candidate]
     from deepcee.planner.baselines import distinct_nodes
 
     opts, cluster, model = search.options, search.cluster, search.model
-    if not opts.node_look or not opts.allow_exclusion or not top:
-        return top, cands
+    if not opts.node_look or not opts.allow_exclusion or not top or top[0].simulated is None:
+        return top, cands  # (a plan the simulator did not confirm has no figure to compare with)
     reached = {frozenset(d for g in isl.groups[:k] for d in g.devices)
                for isl in search.grouping.islands for k in range(1, len(isl.groups) + 1)}
     state = model.parameter_count * model.state_bytes_per_parameter
@@ -790,7 +790,7 @@ def _node_look(search: SearchState, top: list[Candidate], cands: list[Candidate]
     if not found:
         return top, cands
     cand, name = min(found, key=lambda x: final_rank_key(x[0]))
-    if top[0].simulated is None or cand.score_s >= top[0].score_s * (1 - 1e-9):  # faster, not a tie
+    if cand.score_s >= top[0].score_s * (1 - 1e-9):  # faster, not a tie
         return top, cands
     island = search.grouping.island_of(cand.plan.devices[0])
     search.notes.append(f"the best plan is on node {name} alone ({cand.score_s:.4g} s against {top[0].score_s:.4g} s "
