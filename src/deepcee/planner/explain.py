@@ -129,7 +129,7 @@ class _Counterfactuals:
         saved, s.best_closed_form = s.best_closed_form, incumbent
         try:
             for chain in chains:
-                for lay in chain_layouts(s.grouping, chain, s.max_stages, s.pieces, s.grains):
+                for lay in chain_layouts(s.grouping, chain, s.max_stages, s.pieces):
                     s.evaluate_layout(lay)
         finally:
             s.best_closed_form = saved

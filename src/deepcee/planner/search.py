@@ -105,6 +105,7 @@ from deepcee.cluster import Cluster
 from deepcee.errors import InfeasiblePlanError, PlanError
 from deepcee.inputs.work import check_planning
 from deepcee.plan import Plan
+from deepcee.planner.baselines import distinct_nodes
 from deepcee.planner.chains import (
     ChainBounds,
     improve_chain,
@@ -203,7 +204,7 @@ def _search_chains(search: SearchState, dist: np.ndarray, *, speed: bool = False
         # gives a plan (a granularity whose stages cannot hold the model says nothing about finer
         # ones: testbed/gpt2-xl/128's cloud-only chain was written off); the best chains are laid
         # out again in full below
-        layouts = chain_layouts(g, chain, search.max_stages, search.pieces, search.grains)
+        layouts = chain_layouts(g, chain, search.max_stages, search.pieces)
         sizes: list[int] | None = None
         near = search.granularity_near() if len(seen) >= 8 else None
         seen.append(chain)
@@ -535,7 +536,7 @@ def _confirmed_end(search: SearchState, chain: Chain) -> bool:
 def _lay_out_in_full(search: SearchState, chain: Chain, *, grains: bool, counts: bool = False) -> None:
     """Every layout of ``chain`` at every microbatch size (and its granularity search; ``counts``:
     and then its stage-count search)."""
-    for lay in chain_layouts(search.grouping, chain, search.max_stages, search.pieces, search.grains):
+    for lay in chain_layouts(search.grouping, chain, search.max_stages, search.pieces):
         search.evaluate_layout(lay)
     if grains:
         climb_grains(search, chain, counts=counts)
@@ -757,8 +758,6 @@ def _node_look(search: SearchState, top: list[Candidate], cands: list[Candidate]
                ) -> tuple[list[Candidate], list[Candidate]]:
     """``(top, cands)`` with the best single node's plan first where it simulates faster than
     ``top[0]`` ([Note: node look]), else as they were."""
-    from deepcee.planner.baselines import distinct_nodes
-
     opts, cluster, model = search.options, search.cluster, search.model
     if not opts.node_look or not opts.allow_exclusion or not top or top[0].simulated is None:
         return top, cands  # (a plan the simulator did not confirm has no figure to compare with)

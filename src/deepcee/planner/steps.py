@@ -108,8 +108,8 @@ class SearchState:
     sizes: list[int]
     max_stages: int
     grains: tuple[int, ...] = ()
-    """Granularities the layouts use beside the powers of two ([Note: fed granularities] in
-    :mod:`deepcee.planner.space`)."""
+    """Granularities the granularity climbs use beside the powers of two: the fed look's while it
+    runs, else none ([Note: fed granularities] in :mod:`deepcee.planner.space`)."""
     configs: dict[tuple, Config] = field(default_factory=dict)
     dp_tables: dict[tuple, SplitTables] = field(default_factory=dict)
     bounds: dict[tuple, BoundaryArrays] = field(default_factory=dict)
