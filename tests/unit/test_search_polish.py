@@ -111,8 +111,8 @@ def test_moves_that_coarsen_stages_raise_the_microbatch_size() -> None:
     # the plans of the raised moves are built at their size
     from deepcee.planner.polish import _Polish
 
-    climb = _Polish(search, search.options.syncs[0])
-    built = climb.plan(halved)
+    climb = _Polish(search)
+    built = climb.plan(halved, search.options.syncs[0])
     assert built is not None and built.microbatch_size == 2 and built.num_microbatches == 32
 
 
@@ -184,7 +184,7 @@ def test_boundary_moves_are_one_layer_and_recompute_only_where_needed() -> None:
     isl = search.grouping.islands
     start = _scored(search, [(0, isl[0].devices, 2), (1, isl[1].devices, 2)], 4)
     cuts = [st.layer_start for st in start.plan.stages] + [m.num_layers]
-    moves = _Polish(search, start.plan.sync).boundary_moves(start)
+    moves = _Polish(search).boundary_moves(start)
     assert moves
     for label, plan in moves:
         got = [st.layer_start for st in plan.stages] + [m.num_layers]
@@ -227,7 +227,7 @@ def test_a_started_step_runs_to_its_end() -> None:
     search, cur = start(PlannerOptions())
     free = polish_layout(search, [cur])
     assert free, "the poor layout has an improving neighbour"
-    climb = _Polish(search, cur.plan.sync)
+    climb = _Polish(search)
     moves = climb.layout_moves(cur)
     rough = sum(climb.cost(p, tuple(x * p.num_stages for x in ROUGH)) for _, p in moves)  # admits the first step
     tight, cur2 = start(PlannerOptions(polish_budget=rough))
@@ -258,7 +258,7 @@ def test_a_plan_scored_in_full_is_charged_once() -> None:
     search = new_search(c, m, 64, PlannerOptions())
     isl = search.grouping.islands
     cur = _scored(search, [(2, isl[2].devices, 1), (0, isl[0].devices, 1), (1, isl[1].devices, 1)], 8)
-    climb = _Polish(search, cur.plan.sync)
+    climb = _Polish(search)
     plans = [p for _, p in climb.layout_moves(cur) if p.num_microbatches <= 2 * ROUGH[1] * p.num_stages]
     assert plans, "8 microbatches: the moves are scored in full"
     p = plans[0]
@@ -417,8 +417,8 @@ def test_the_split_tier_climbs_the_split_of_a_move_the_dp_split_makes_slower() -
     names = [isl.name for isl in search.grouping.islands]
     segs = tuple(Segment(names.index(x), search.grouping.islands[names.index(x)].devices, k)
                  for x, k in (("ap-southeast", 8), ("us-west", 4), ("ca-central", 5), ("uk-south", 2)))
-    climb = _Polish(search, "allreduce-hier")
-    cur = climb.full(climb.plan(_Move("start", segs, 2, "zb-h2")))
+    climb = _Polish(search)
+    cur = climb.full(climb.plan(_Move("start", segs, 2, "zb-h2"), "allreduce-hier"))
     assert cur is not None
     while (nxt := climb.step(cur, climb.boundary_moves(cur))) is not None:
         cur = nxt[0]

@@ -13,7 +13,8 @@ schedule (a plan whose stages each lie in one island, the islands contiguous):
 - **moves** (:func:`_moves`), each a new layout (every island's devices cut into its count of
   stages, evenly: :func:`~deepcee.planner.space.counted_layout`) split by the bottleneck DP at the
   plan's microbatch size for the plan's schedule: one island's stage count -2, -1, +1, +2, halved
-  or doubled; two neighbouring islands swapped; an island left out (when the rest can hold the
+  or doubled; two neighbouring islands swapped; the other sync (where ring and hierarchical
+  all-reduce differ on the layout: [Note: sync move]); an island left out (when the rest can hold the
   model's state and ``allow_exclusion``); an unused island added at every place (one device per
   stage, or two); the next smaller and larger microbatch size; another fixed schedule; and, as
   a tier of their own tried only when the others and the split's climb are stuck, the stage
@@ -109,6 +110,7 @@ from deepcee.planner.space import (
     build_plan,
     counted_layout,
     schedule_in_flight,
+    syncs_differ,
 )
 from deepcee.planner.split import split_layers
 from deepcee.planner.steps import SCREEN_SCHEDULES, Candidate, SearchState, rank_key, score_key
@@ -158,6 +160,8 @@ class _Move:
     segments: tuple[Segment, ...]
     n: int
     schedule: str
+    sync: str | None = None
+    """``None``: the plan's own (only the sync moves set it)."""
 
 
 def segments_of(search: SearchState, plan: Plan) -> tuple[Segment, ...] | None:
@@ -182,9 +186,10 @@ def segments_of(search: SearchState, plan: Plan) -> tuple[Segment, ...] | None:
 
 
 def _moves(search: SearchState, segs: tuple[Segment, ...], n: int, schedule: str, *,
-           raised: bool = False) -> Iterator[_Move]:
+           raised: bool = False, sync: str | None = None) -> Iterator[_Move]:
     """The neighbours of a plan (module docstring), in a fixed order; ``raised``: instead, the
-    island moves that need a larger microbatch size, each with the smallest that fits."""
+    island moves that need a larger microbatch size, each with the smallest that fits. ``sync``:
+    the plan's; the others are moves where they differ ([Note: sync move])."""
     islands = search.grouping.islands
     most = min(search.max_stages, search.model.num_layers)
     total = sum(s.stages for s in segs)
@@ -214,6 +219,10 @@ def _moves(search: SearchState, segs: tuple[Segment, ...], n: int, schedule: str
     for sched in SCREEN_SCHEDULES if not raised else ():
         if sched != schedule and sched in search.options.schedules:
             yield _Move(f"schedule {sched}", segs, n, sched)
+    if sync is not None and not raised and syncs_differ(search.cluster, _layout(search, segs).slots):
+        for other in search.options.syncs:  # [Note: sync move]
+            if other != sync:
+                yield _Move(f"sync {other}", segs, n, schedule, other)
     for k, s in enumerate(segs):
         counts = dict.fromkeys((s.stages - 2, s.stages - 1, s.stages + 1, s.stages + 2, s.stages // 2, 2 * s.stages))
         for c in counts:
@@ -249,7 +258,15 @@ def _moves(search: SearchState, segs: tuple[Segment, ...], n: int, schedule: str
                 yield _Move(f"microbatch size {n} -> {size}", segs, size, schedule)
 
 
-def _order_moves(search: SearchState, segs: tuple[Segment, ...], n: int, schedule: str) -> Iterator[_Move]:
+# [Note: sync move]
+# A climb kept its start's sync for every move, so a layout it reached where the other sync is
+# faster was never scored with it: the other syncs are moves of their own where they differ on the
+# layout, and every other move keeps the current plan's sync (see [Note: sync variants] in
+# :mod:`deepcee.planner.steps`).
+
+
+def _order_moves(search: SearchState, segs: tuple[Segment, ...], n: int, schedule: str,
+                 **_: object) -> Iterator[_Move]:
     """The order tier (module docstring): every run of three or more islands reversed (the whole
     order among them) and every island moved to a place two or more away (the moves one place
     away are the swaps of :func:`_moves`), the stage counts kept."""
@@ -272,8 +289,8 @@ def _layout(search: SearchState, segs: tuple[Segment, ...]) -> StageLayout:
 class _Polish:
     """One climb's budget and the plans it built (see the module docstring)."""
 
-    def __init__(self, search: SearchState, sync: str) -> None:
-        self.search, self.sync = search, sync
+    def __init__(self, search: SearchState) -> None:
+        self.search = search
         self.used = 0
         self.plans: dict[tuple, Plan | None] = {}
         self.tried: list[Candidate] = []
@@ -282,10 +299,11 @@ class _Polish:
     def left(self) -> int:
         return self.search.options.polish_budget - self.used
 
-    def plan(self, move: _Move) -> Plan | None:
-        """The move's plan: its layout split by the bottleneck DP for its schedule (``None``: no
-        split fits memory)."""
-        key = (move.segments, move.n, move.schedule)
+    def plan(self, move: _Move, sync: str) -> Plan | None:
+        """The move's plan with ``sync`` unless the move sets its own: its layout split by the
+        bottleneck DP for its schedule (``None``: no split fits memory)."""
+        sync = move.sync or sync
+        key = (move.segments, move.n, move.schedule, sync)
         if key not in self.plans:
             search = self.search
             lay = _layout(search, move.segments)
@@ -294,7 +312,7 @@ class _Polish:
             got = split_layers(tab.loads(in_flight), tab.link_loads())
             self.plans[key] = None if got is None else build_plan(
                 lay, got[1], cluster=search.cluster, model=search.model, global_batch=search.global_batch,
-                microbatch_size=move.n, schedule=move.schedule, sync=self.sync, system=search.options.system,
+                microbatch_size=move.n, schedule=move.schedule, sync=sync, system=search.options.system,
                 recompute=tab.recompute_flags(got[1], in_flight))
         return self.plans[key]
 
@@ -337,8 +355,8 @@ class _Polish:
         segs = segments_of(self.search, cur.plan)
         if segs is None:
             return []
-        built = moves(self.search, segs, cur.plan.microbatch_size, cur.plan.schedule)
-        return [(m.label, p) for m in built if (p := self.plan(m)) is not None]
+        built = moves(self.search, segs, cur.plan.microbatch_size, cur.plan.schedule, sync=cur.plan.sync)
+        return [(m.label, p) for m in built if (p := self.plan(m, cur.plan.sync)) is not None]
 
     def raised_moves(self, cur: Candidate) -> list[tuple[str, Plan]]:
         """The island moves that need a larger microbatch size, as plans."""
@@ -496,7 +514,7 @@ def _climb(search: SearchState, start: Candidate, what: str,
     and the refined end (``[]`` where no move improves); the split tier's other plans are added to
     ``near``. ``report``: called after every step with the
     share of the budget spent."""
-    climb = _Polish(search, start.plan.sync)
+    climb = _Polish(search)
     cur, out, labels = start, [], []
 
     def step(built: list[tuple[str, Plan]]) -> tuple[Candidate, str] | None:

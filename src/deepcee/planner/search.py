@@ -899,9 +899,10 @@ def _compacts(search: SearchState, cands: list[Candidate], ranked: list[Config],
     out = []
     for plan in plans:
         built = search.compact(plan)
-        got = search.score(built) if built is not None else None
-        if got is not None:
-            out.append(got)
+        if built is None:
+            continue
+        if (got := search.score(built)) is not None:
+            out += [got, *search.sync_variants(got)]  # [Note: sync variants] in deepcee.planner.steps
     fixed: dict[tuple, Plan] = {}
     for c in cands:  # cost-model order: the best plan of each split
         if c.plan.num_stages >= 2 and c.plan.schedule != "compact":
@@ -992,6 +993,11 @@ def _confirm(search: SearchState, cands: list[Candidate]) -> list[Candidate]:
     k = search.options.confirm_top
     if k == 0:
         return cands[:1]
+    # the other syncs of the plans to simulate, where the cost model rates them faster ([Note: sync
+    # variants] in deepcee.planner.steps)
+    faster = [v for c in cands[:k] for v in search.sync_variants(c) if v.estimate.iteration_s < c.estimate.iteration_s]
+    if faster:
+        cands = sorted(_dedupe(cands + faster), key=rank_key)
     out, work = [], 0
     for j, c in enumerate(cands[:k]):
         _progress(search.options, "simulating the best plans", j / k)

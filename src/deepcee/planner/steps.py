@@ -37,6 +37,7 @@ from deepcee.planner.space import (
     build_plan,
     compact_plan,
     schedule_in_flight,
+    syncs_differ,
 )
 from deepcee.planner.split import (
     BoundaryArrays,
@@ -92,6 +93,23 @@ class Config:
     def ident(self) -> tuple:
         """Its key in :attr:`SearchState.configs`: layout, microbatch size, split, recomputation."""
         return (self.layout.slots, self.n, self.split, self.recompute)
+
+
+# [Note: sync variants]
+# The search scores both syncs (ring and hierarchical all-reduce) for the configurations it lays
+# out itself (:meth:`SearchState.plans_for`, where a stage spans nodes), but several paths made a
+# plan with one sync and never scored the other: a compact schedule took its base plan's sync, a
+# layout polish climb kept its start's for every move, a counterfactual search scored one sync
+# only. On 60 mixed clusters of ``benchmarks/planner_mixed.py`` (seeds 240-299, session 29) the
+# independent reference's polish beat deepcee by more than 2% twice, each time by that one move:
+# seed 243, a compact plan with a stage of 12 devices on 5 servers over a 1 Gbit/s LAN, 9.956 s
+# with ring all-reduce and 9.640 s with hierarchical (by the cost model and the simulator alike);
+# seed 270, 13.695 s against 13.280 s, a counterfactual search's plan. Any action order is valid
+# with either sync, so, where the syncs differ on a plan's stages (:func:`syncs_differ`), each
+# compact plan is scored with every sync, a climb has the other syncs among its moves ([Note: sync
+# move] in :mod:`deepcee.planner.polish`), a counterfactual search scores its answer with them,
+# and the plans about to be simulated (``_confirm`` in :mod:`deepcee.planner.search`) are joined
+# by their variants the cost model rates faster.
 
 
 @dataclass(slots=True)
@@ -406,6 +424,19 @@ class SearchState:
         if cand is not None:
             self.best_scored_s = min(self.best_scored_s, est.iteration_s)
         return cand
+
+    def sync_variants(self, cand: Candidate) -> list[Candidate]:
+        """``cand``'s plan with each other sync, scored (with ``force``: a few plans, charged to no
+        budget), where the syncs differ on its stages (:func:`~deepcee.planner.space.syncs_differ`);
+        those that fit. See [Note: sync variants]."""
+        plan = cand.plan
+        if not syncs_differ(self.cluster, [st.devices for st in plan.stages]):
+            return []
+        out = []
+        for sync in self.options.syncs:
+            if sync != plan.sync and (got := self.score(plan.replace(sync=sync, estimate=None), force=True)):
+                out.append(got)
+        return out
 
     def screen(self, cfg: Config, sched: str, *, lazy: bool = False) -> float:
         """The cost model's iteration time of ``cfg``'s plan with schedule ``sched``; with many
