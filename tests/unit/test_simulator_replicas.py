@@ -94,6 +94,32 @@ def test_one_replica_exact_is_the_engine() -> None:
     assert got.semantics == "exact" and got.wan_fraction == 0.0
 
 
+def test_replica_memory_is_the_engines_with_recomputation_and_runtime_terms() -> None:
+    """Each replica's peak memory is the engine's for it as a one-pipeline plan: a stage that
+    recomputes keeps its stage input only (the replica simulator counted its activations in
+    full, and dropped as out of memory the replicas the exact search had fitted by recomputing),
+    and the runtime's terms (the all-reduce's flat gradient buffer of a stage of several devices)
+    count too."""
+    from dataclasses import replace
+
+    from deepcee.simulator.engine import peak_memory
+    from deepcee.simulator.pipelines import replica_plan
+
+    c = cluster([2, 1, 1])
+    m = ModelProfile(name="unit", input_bytes=1e3, layers=tuple(
+        LayerProfile(name=f"l{i}", forward_flops=1e12, input_grad_flops=1e12, weight_grad_flops=1e12,
+                     parameter_count=1000, activation_bytes=1e6, output_bytes=1e3) for i in range(2)))
+    first = replica([["n0:0", "n0:1"], ["n1:0"]], microbatches=4)
+    first = replace(first, stages=(replace(first.stages[0], recompute=True), first.stages[1]))
+    p = plan([first, replica([["n2:0"]], microbatches=2, layers=[2])])
+    got = simulate_replicas(p, c, m, steps=2).peak_memory_bytes
+    want = peak_memory(replica_plan(p, 0), c, m)
+    assert {d: got[d] for d in want} == want
+    kept = peak_memory(replica_plan(replace(p, replicas=(replace(first, stages=(replace(first.stages[0], recompute=False),
+                                                                                 first.stages[1])), p.replicas[1])), 0), c, m)
+    assert got["n0:0"] < kept["n0:0"]  # recomputation counted
+
+
 def test_two_one_device_replicas_equal_data_parallel_over_them() -> None:
     """Exact replicas of one device each time like one data-parallel stage over both devices."""
     c, m = cluster([1, 1], latency_s=0.25, bandwidth_bytes_per_s=1000.0), model(1, params=4000)

@@ -56,7 +56,7 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
 
@@ -395,11 +395,13 @@ def _bottleneck(path: tuple[Segment, ...], stage_of: Mapping[str, int], iteratio
 
 
 def peak_memory(plan: Plan, cluster: Cluster, model: ModelProfile,
-                runtime: RuntimeModel | None = None) -> dict[str, float]:
+                runtime: RuntimeModel | None = None, stage_syncs: Sequence[str] | None = None) -> dict[str, float]:
     """Peak bytes per device of ``plan`` as ``runtime`` runs it
     (:func:`deepcee.simulator.memory.device_memory`, plan and runtime terms, with its schedule's
-    in-flight counts and, where a stage recomputes, its live counts)."""
+    in-flight counts and, where a stage recomputes, its live counts). ``stage_syncs``: each
+    stage's sync where it is not the plan's (a replica's stages, :mod:`.pipelines`)."""
     runtime = runtime or runtime_for(cluster, model)
+    syncs = tuple(stage_syncs) if stage_syncs is not None else (plan.sync,) * plan.num_stages
     in_flight = stage_in_flight(plan)
     live = stage_recomputed_live(plan) if any(st.recompute for st in plan.stages) else ()
     out = {}
@@ -410,7 +412,7 @@ def peak_memory(plan: Plan, cluster: Cluster, model: ModelProfile,
             if (share, kind) not in same:
                 same[share, kind] = device_memory(
                     model, st.layer_start, st.layer_stop, share=share, in_flight=in_flight[s],
-                    num_microbatches=plan.num_microbatches, kind=kind, sync=plan.sync, stage_devices=len(st.devices),
+                    num_microbatches=plan.num_microbatches, kind=kind, sync=syncs[s], stage_devices=len(st.devices),
                     runtime=runtime, recompute=st.recompute, recompute_live=live[s] if live else 1).total_bytes
             out[d] = same[share, kind]
     return out

@@ -36,9 +36,13 @@ from deepcee.errors import PlanError
 from deepcee.plan import Plan
 from deepcee.profile import ModelProfile
 from deepcee.schedule.interpreter import COMPUTE, TRANSFER, Execution
-from deepcee.schedule.program import stage_in_flight
-from deepcee.simulator.engine import Event, _Simulation, allreduce_time_s, optimizer_step_s
-from deepcee.simulator.memory import device_memory_bytes
+from deepcee.simulator.engine import (
+    Event,
+    _Simulation,
+    allreduce_time_s,
+    optimizer_step_s,
+    peak_memory,
+)
 from deepcee.simulator.network import collective_egress
 from deepcee.simulator.runtime_model import runtime_for
 
@@ -274,15 +278,13 @@ class ReplicaPipeline:
         return dur
 
     def peak_memory(self) -> dict[str, float]:
-        """Per device, the engine's memory model for this replica as a one-pipeline plan."""
-        in_flight = stage_in_flight(replica_plan(self.plan, self.r))
-        out = {}
-        for s, st in enumerate(self.rep.stages):
-            sync = self.rep.stages[s].sync or self.plan.sync
-            for d, share in zip(st.devices, st.shares, strict=True):
-                out[d] = device_memory_bytes(self.model, st.layer_start, st.layer_stop, share=share,
-                                             in_flight=in_flight[s], sync=sync, stage_devices=len(st.devices))
-        return out
+        """Per device, the engine's memory model for this replica as a one-pipeline plan, each
+        stage with its own sync: plan and runtime terms, recomputation included, as the exact
+        search planned the replica's pipeline with (it counted the plan terms alone, without
+        recomputation: a replica whose stages recompute to fit was dropped as out of memory,
+        and on mixed cluster 5 of ``benchmarks/planner_mixed.py`` every replica layout was)."""
+        return peak_memory(replica_plan(self.plan, self.r), self.cluster, self.model, self.runtime,
+                           stage_syncs=[st.sync or self.plan.sync for st in self.rep.stages])
 
 
 __all__ = ["ALLREDUCE_SYNCS", "LayerSegment", "ReplicaPipeline", "StepTimes", "layer_segments", "replica_plan",
