@@ -216,6 +216,31 @@ def test_layout_enumeration() -> None:
     assert len(blocks_of([(str(i),) for i in range(6)], 4)) == 6 + 1 + 6
 
 
+def test_only_the_layouts_the_screen_rates_best_are_planned_in_full(searched) -> None:
+    """[Note: layout screen]: every layout is screened on its rough pipelines, and only the best
+    ``full_layouts`` within ``screen_within`` of the screen's best are planned in full and become
+    candidates; with every layout planned in full the best plan is the same here."""
+    text = "\n".join(searched.explanation)
+    # {a|b}, {a|c}, {b|c} and the four partitions of {a, b, c} into two or three blocks
+    assert "replica layouts: 7 listed, 7 with a plan that fits on their rough pipelines, the best 1 of those " \
+           "planned in full" in text, text
+    assert {s.layout for s in searched.candidates} == {"exact search", "{a} | {b} | {c}"}
+    every = plan_replicas(trio(), toy(), 48, options=replace(SMALL, full_layouts=10, screen_within=100.0))
+    # two of the seven have the pipelines of another (a block's best pipeline leaves an island out)
+    assert len({s.layout for s in every.candidates}) == 6
+    assert "the best 7 of those planned in full" in "\n".join(every.explanation)
+    assert every.best.layout == searched.best.layout and every.best.plan == searched.best.plan
+    two = plan_replicas(trio(), toy(), 48, options=replace(SMALL, full_layouts=2, screen_within=100.0))
+    assert len({s.layout for s in two.candidates}) == 3
+
+
+@pytest.mark.parametrize("field, value", [("full_layouts", 0), ("full_layouts", True), ("screen_within", -0.1),
+                                          ("screen_within", float("nan"))])
+def test_bad_screen_settings_are_refused(field: str, value: object) -> None:
+    with pytest.raises(PlanError, match=field):
+        RelaxedOptions(**{field: value})
+
+
 def test_relaxed_search_picks_averaging_where_it_pays(searched) -> None:
     best, exact = searched.best, searched.exact
     assert best.plan.semantics == "relaxed" and best.plan.strategy.kind == "model-averaging"

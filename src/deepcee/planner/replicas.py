@@ -13,6 +13,8 @@ Torch-free. Entry point: :func:`plan_replicas` (``plan_with_sync(..., sync="rela
    one replica per block (above ``exhaustive_islands``: one replica per island of each set). Replica batches: first in proportion to each block's FLOP/s,
    then, re-planned, in proportion to each block's planned samples/s (so replicas finish
    their local steps together); replicas fastest first (the averaging root sits in replica 0).
+   Only the best ``full_layouts`` layouts by a screen on the first, rough pipelines are
+   re-planned ([Note: layout screen]).
 4. Strategies on every layout: ``exact`` with ring, hierarchical or parameter-server sync
    (HeteroG/Cloudless-style replicas that stay synchronous), model averaging for each period
    H and outer optimizer (plain; DiLoCo's Nesterov with lr 0.7, momentum 0.9), blocking and
@@ -82,6 +84,11 @@ class RelaxedOptions:
     exhaustive_islands: int = 4
     max_local_steps: int = 512
     """Most local steps simulated per candidate."""
+    full_layouts: int = 6
+    """Most replica layouts whose pipelines are planned in full (:data:`REPLICA_SEARCH`): the
+    best by the screen of every layout with its first, rough pipelines ([Note: layout screen])."""
+    screen_within: float = 0.25
+    """Layouts the screen rates more than this much worse than its best are not planned in full."""
 
     def __post_init__(self) -> None:
         for name in ("periods", "accumulations", "staleness_bounds", "full_syncs"):
@@ -92,6 +99,10 @@ class RelaxedOptions:
             raise PlanError(f"needs true and/or false, got {self.overlaps!r}", field="overlaps")
         if not 0 < self.window_fraction:
             raise PlanError(f"must be > 0, got {self.window_fraction!r}", field="window_fraction")
+        if isinstance(self.full_layouts, bool) or not isinstance(self.full_layouts, int) or self.full_layouts < 1:
+            raise PlanError(f"needs an integer >= 1, got {self.full_layouts!r}", field="full_layouts")
+        if not (isinstance(self.screen_within, (int, float)) and 0 <= self.screen_within < float("inf")):
+            raise PlanError(f"needs a number >= 0, got {self.screen_within!r}", field="screen_within")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -139,6 +150,8 @@ class _Search:
         self._pipelines: dict[tuple[tuple[str, ...], int, bool], Plan | None] = {}
         self.scored: list[Scored] = []
         self.dropped: list[str] = []
+        self.screened_layouts = (0, 0, 0)
+        """Layouts (listed, screened with a figure, planned in full): [Note: layout screen]."""
 
     # -- pipelines on blocks ------------------------------------------------------------------
     def pipeline(self, devices: tuple[str, ...], batch: int, *, rough: bool = False) -> Plan | None:
@@ -154,18 +167,31 @@ class _Search:
             self._pipelines[key] = got
         return self._pipelines[key]
 
-    def replicas(self, blocks: Sequence[tuple[str, ...]]) -> list[Plan] | None:
-        """Each block's pipeline at a batch in proportion to its speed, fastest first."""
+    def rough_replicas(self, blocks: Sequence[tuple[str, ...]]) -> list[Plan] | None:
+        """Each block's rough pipeline (:data:`SPEED_SEARCH`) at a batch in proportion to its
+        FLOP/s, in the order of ``blocks``; ``None`` where a block has none."""
         from deepcee.planner.baselines import _NoFit, proportional_shares
 
         try:
             flops = [sum(self.cluster.effective_flops_per_s(d) for d in b) for b in blocks]
             first = [self.pipeline(b, n, rough=True)
                      for b, n in zip(blocks, proportional_shares(self.global_batch, flops), strict=True)]
-            if any(p is None for p in first):
-                return None
-            speeds = [p.estimate.samples_per_s for p in first]
-            batches = proportional_shares(self.global_batch, speeds)
+        except _NoFit:
+            return None
+        if any(p is None for p in first):
+            return None
+        return first
+
+    def replicas(self, blocks: Sequence[tuple[str, ...]]) -> list[Plan] | None:
+        """Each block's pipeline at a batch in proportion to its speed (its rough pipeline's),
+        fastest first."""
+        from deepcee.planner.baselines import _NoFit, proportional_shares
+
+        first = self.rough_replicas(blocks)
+        if first is None:
+            return None
+        try:
+            batches = proportional_shares(self.global_batch, [p.estimate.samples_per_s for p in first])
         except _NoFit:
             return None
         plans = [self.pipeline(b, n) for b, n in zip(blocks, batches, strict=True)]
@@ -174,22 +200,28 @@ class _Search:
         return sorted(plans, key=lambda p: -p.estimate.samples_per_s)
 
     # -- scoring -------------------------------------------------------------------------------
-    def score(self, plan: Plan, layout: str) -> Scored | None:
+    def score(self, plan: Plan, layout: str, *, keep: bool = True) -> Scored | None:
+        """``plan`` simulated and its figures; ``None`` (and, with ``keep``, the reason in
+        :attr:`dropped`) where it fails or a device runs out of memory. ``keep``: a candidate
+        (in :attr:`scored`), else a screen's figure only."""
         steps = _steps(plan.strategy, self.options.max_local_steps)
         try:
             result = simulate_replicas(plan, self.cluster, self.model, steps=steps)
         except PlanError as exc:
-            self.dropped.append(f"{layout} {plan.strategy.kind}: {exc}")
+            if keep:
+                self.dropped.append(f"{layout} {plan.strategy.kind}: {exc}")
             return None
         over = [(b, d) for d, b in result.peak_memory_bytes.items() if b > self.cluster.memory_bytes(d)]
         if over:
             b, d = max(over)
-            self.dropped.append(f"{layout} {plan.strategy.describe()}: OOM, needs {b / GIB:.1f} GiB on {d}")
+            if keep:
+                self.dropped.append(f"{layout} {plan.strategy.describe()}: OOM, needs {b / GIB:.1f} GiB on {d}")
             return None
         figures = plan_figures(plan, result, self.cluster, self.model, self.efficiency,
                                dataset_samples=self.dataset_samples, epochs=self.epochs)
         got = Scored(plan=plan, result=result, figures=figures, layout=layout)
-        self.scored.append(got)
+        if keep:
+            self.scored.append(got)
         return got
 
     def key(self, s: Scored) -> tuple:
@@ -254,35 +286,78 @@ def _layout_name(names: Sequence[str], blocks: Sequence[tuple[int, ...]]) -> str
     return " | ".join("{" + ", ".join(names[i] for i in b) + "}" for b in blocks)
 
 
-def _relaxed_candidates(search: _Search, islands: Sequence[tuple[str, ...]], names: Sequence[str],
-                        system: str) -> None:
-    seen: set[tuple] = set()
-    exhaustive = search.options.exhaustive_islands
+def _layouts(islands: Sequence[tuple[str, ...]], exhaustive: int) -> list[list[tuple[int, ...]]]:
+    """The replica layouts of [Note: relaxed search] (step 3): blocks of island indices."""
+    out = []
     for subset in blocks_of(islands, exhaustive):
         if len(subset) < 2:
             continue
         layouts = partitions(list(subset)) if len(subset) <= exhaustive else iter([[(i,) for i in subset]])
-        for layout in layouts:
-            if len(layout) < 2:
-                continue
-            reps = search.replicas([tuple(d for i in b for d in islands[i]) for b in layout])
-            if reps is None:
-                search.dropped.append(f"{_layout_name(names, layout)}: a replica has no plan that fits")
-                continue
-            key = tuple(p.replicas[0] for p in reps)
-            if key in seen:  # a block's best pipeline left an island out: another layout has it
-                continue
-            seen.add(key)
-            devices = tuple(d for p in reps for d in p.devices)
-            step_s = sum(p.estimate.iteration_s for p in reps) / len(reps)
-            excluded = tuple(d for d in search.cluster.device_names if d not in devices)
-            for strategy, sync in strategies(search.options, step_s):
-                needs = strategy.kind == "asgd-ga" or sync == "ps"
-                plan = Plan(system=system, cluster=search.cluster.name, model=search.model.name,
-                            global_batch=search.global_batch, replicas=tuple(p.replicas[0] for p in reps),
-                            sync=sync, strategy=strategy,
-                            servers=servers_for(search.cluster, devices) if needs else (), excluded_devices=excluded)
-                search.score(plan, _layout_name(names, layout))
+        out += [layout for layout in layouts if len(layout) >= 2]
+    return out
+
+
+def _strategy_plans(search: _Search, reps: Sequence[Plan], system: str) -> list[Plan]:
+    """Every strategy of [Note: relaxed search] (step 4) on the replica pipelines ``reps``."""
+    devices = tuple(d for p in reps for d in p.devices)
+    step_s = sum(p.estimate.iteration_s for p in reps) / len(reps)
+    excluded = tuple(d for d in search.cluster.device_names if d not in devices)
+    out = []
+    for strategy, sync in strategies(search.options, step_s):
+        needs = strategy.kind == "asgd-ga" or sync == "ps"
+        out.append(Plan(system=system, cluster=search.cluster.name, model=search.model.name,
+                        global_batch=search.global_batch, replicas=tuple(p.replicas[0] for p in reps),
+                        sync=sync, strategy=strategy,
+                        servers=servers_for(search.cluster, devices) if needs else (), excluded_devices=excluded))
+    return out
+
+
+# [Note: layout screen]
+# Every replica layout's pipelines were planned twice: roughly (SPEED_SEARCH) at batches in
+# proportion to the blocks' FLOP/s, to learn their speeds, then in full (REPLICA_SEARCH) at
+# batches in proportion to those speeds. The full plans were 85-90% of the relaxed search's time:
+# 142 CPU s on mixed seed 29 of benchmarks/planner_mixed.py (5 islands, 71 layouts), 151 s on
+# seed 5. So every layout is first screened on its rough pipelines (every strategy simulated,
+# none kept as a candidate), and only the best ``full_layouts`` by the screen, those within
+# ``screen_within`` of its best, are planned in full and scored as before. The screen's replicas
+# are not balanced to finish their steps together (their batches follow FLOP/s, not speed), so it
+# is pessimistic for the layouts whose blocks plan far from their FLOP/s; the margin covers that.
+
+
+def _relaxed_candidates(search: _Search, islands: Sequence[tuple[str, ...]], names: Sequence[str],
+                        system: str) -> None:
+    opts = search.options
+    layouts = _layouts(islands, opts.exhaustive_islands)
+    blocks = [[tuple(d for i in b for d in islands[i]) for b in layout] for layout in layouts]
+    screened = []  # [Note: layout screen]
+    for k, layout in enumerate(layouts):
+        rough = search.rough_replicas(blocks[k])
+        if rough is None:
+            search.dropped.append(f"{_layout_name(names, layout)}: a replica has no plan that fits")
+            continue
+        reps = sorted(rough, key=lambda p: -p.estimate.samples_per_s)
+        got = [x for plan in _strategy_plans(search, reps, system)
+               if (x := search.score(plan, _layout_name(names, layout), keep=False)) is not None]
+        if got:
+            best = min(got, key=search.key)
+            screened.append((search.key(best), k, best.figures.time_to_target.seconds_per_sync_sample))
+    screened.sort()
+    chosen = [k for key, k, t in screened[: opts.full_layouts]
+              if search.objective != "time" or t <= screened[0][2] * (1 + opts.screen_within)]
+    search.screened_layouts = (len(layouts), len(screened), len(chosen))
+    seen: set[tuple] = set()
+    for k in sorted(chosen):
+        layout = layouts[k]
+        reps = search.replicas(blocks[k])
+        if reps is None:
+            search.dropped.append(f"{_layout_name(names, layout)}: a replica has no plan that fits")
+            continue
+        key = tuple(p.replicas[0] for p in reps)
+        if key in seen:  # a block's best pipeline left an island out: another layout has it
+            continue
+        seen.add(key)
+        for plan in _strategy_plans(search, reps, system):
+            search.score(plan, _layout_name(names, layout))
 
 
 def _block_candidates(search: _Search, islands: Sequence[tuple[str, ...]], names: Sequence[str],
@@ -363,11 +438,15 @@ def _explain(search: _Search, best: Scored, exact: Scored, ranked: Sequence[Scor
     goal = {"time": "predicted time to target", "cost": "dollars per sync-equivalent epoch"}[search.objective]
     if search.objective == "cost" and search.budget_usd is not None:
         goal = f"the fastest predicted time to target within ${search.budget_usd:g} per sync-equivalent epoch"
-    lines = [f"searched {len(ranked)} plans (replica layouts x strategies and the exact plan), ranked by {goal}",
-             f"chosen: {best.layout}, {len(best.plan.devices)} devices, {best.plan.num_replicas} replica(s)",
-             *f.lines(),
-             f"simulated {best.samples_per_s:.4g} samples/s, {f.wan_fraction:.0%} of the replicas' time in "
-             f"cross-replica synchronisation"]
+    listed, screened, full = search.screened_layouts
+    lines = [f"searched {len(ranked)} plans (replica layouts x strategies and the exact plan), ranked by {goal}"]
+    if listed:
+        lines.append(f"replica layouts: {listed} listed, {screened} with a plan that fits on their rough pipelines, "
+                     f"the best {full} of those planned in full")
+    lines += [f"chosen: {best.layout}, {len(best.plan.devices)} devices, {best.plan.num_replicas} replica(s)",
+              *f.lines(),
+              f"simulated {best.samples_per_s:.4g} samples/s, {f.wan_fraction:.0%} of the replicas' time in "
+              f"cross-replica synchronisation"]
     if search.objective == "cost" and f.usd_per_epoch is None:
         why = ("no epoch: state data_* per island in the cluster file, or --dataset-samples" if f.epoch_s is None
                else "no prices for island(s) " + ", ".join(f.unpriced))
