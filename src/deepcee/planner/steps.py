@@ -101,8 +101,8 @@ class Config:
 # plan with one sync and never scored the other: a compact schedule took its base plan's sync, a
 # layout polish climb kept its start's for every move, a counterfactual search scored one sync
 # only. On 60 mixed clusters of ``benchmarks/planner_mixed.py`` (seeds 240-299, session 29) the
-# independent reference's polish beat deepcee by more than 2% twice, each time by that one move:
-# seed 243, a compact plan with a stage of 12 devices on 5 servers over a 1 Gbit/s LAN, 9.956 s
+# independent reference beat deepcee by more than 2% four times, twice by that one move of its
+# polish: seed 243, a compact plan with a stage of 12 devices on 5 servers over a 1 Gbit/s LAN, 9.956 s
 # with ring all-reduce and 9.640 s with hierarchical (by the cost model and the simulator alike);
 # seed 270, 13.695 s against 13.280 s, a counterfactual search's plan. Any action order is valid
 # with either sync, so, where the syncs differ on a plan's stages (:func:`syncs_differ`), each
