@@ -1,6 +1,7 @@
 """Every path that makes a plan also scores it with the other sync where ring and hierarchical
 all-reduce differ ([Note: sync variants] in deepcee.planner.steps, [Note: sync move] in
-deepcee.planner.polish)."""
+deepcee.planner.polish); and the compact order look ([Note: compact order look] in
+deepcee.planner.search). Both found on mixed seeds 240-299 of benchmarks/planner_mixed.py."""
 
 from __future__ import annotations
 
@@ -111,3 +112,37 @@ def test_mixed_seed_243_is_planned_with_the_faster_sync() -> None:
     assert syncs_differ(cluster, [st.devices for st in plan.stages])
     for sync in ("allreduce-ring", "allreduce-hier"):
         assert mine <= simulate(plan.replace(sync=sync), cluster, model, record=False).iteration_s * (1 + 1e-9)
+
+
+def test_the_compact_order_look_swaps_islands_where_the_compact_schedule_prefers_it() -> None:
+    """[Note: compact order look]: mixed seed 285 (Llama 7B at batch 17, one device per stage): the
+    polish, judging orders with fixed schedules, kept ap-south before uk-south (5.307 s); with
+    the two swapped and a compact schedule of their own the plan simulates 5.092 s."""
+    from conftest import benchmark_module
+
+    cluster, model, batch = benchmark_module("planner_mixed").mixed_instance(285)
+    plan = plan_training(cluster, model, batch).plan
+    notes = [x for x in plan.explanation if x.startswith("note: the best plan came from the compact order look")]
+    assert len(notes) == 1 and "ap-south and uk-south swapped" in notes[0]
+    assert plan.schedule == "compact"
+    assert simulate(plan, cluster, model, record=False).iteration_s < 5.307 * 0.97
+    assert sum(x.startswith("note: the best plan") for x in plan.explanation) == 1  # one provenance note
+
+
+def test_the_compact_order_look_leaves_other_plans_alone() -> None:
+    from deepcee.planner.search import _order_look
+
+    c = _cluster()
+    search = new_search(c, _model(), 64, PlannerOptions())
+    a, b = search.grouping.islands
+    fixed = search.score(_plan(search, [(0, a.devices, 2), (1, b.devices, 1)], 8, "allreduce-ring"), force=True)
+    confirmed = _confirm(search, [fixed])
+    assert confirmed[0].plan.schedule != "compact"
+    top, cands = _order_look(search, confirmed, [fixed])
+    assert top is confirmed and cands == [fixed]
+    none = new_search(c, _model(), 64, PlannerOptions(polish_budget=0))
+    compact = none.compact(fixed.plan, force=True)
+    got = none.score(compact)
+    top = _confirm(none, [got])
+    assert top[0].plan.schedule == "compact"
+    assert _order_look(none, top, [got])[0] is top  # no polish budget: no look
