@@ -7,8 +7,9 @@ from __future__ import annotations
 
 from deepcee.cluster import Cluster, Device, DeviceKind, Island, LinkEntry, LinkSpec, Node
 from deepcee.planner.polish import _moves, segments_of
+from deepcee.planner.ranges import syncs_differ
 from deepcee.planner.search import PlannerOptions, _confirm, new_search, plan_training
-from deepcee.planner.space import build_plan, counted_layout, in_flight_counts, syncs_differ
+from deepcee.planner.space import build_plan, counted_layout, in_flight_counts
 from deepcee.planner.split import split_layers
 from deepcee.profile import LayerProfile, ModelProfile
 from deepcee.simulator.engine import simulate

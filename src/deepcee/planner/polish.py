@@ -105,12 +105,12 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from deepcee.plan import Plan
+from deepcee.planner.ranges import syncs_differ
 from deepcee.planner.space import (
     StageLayout,
     build_plan,
     counted_layout,
     schedule_in_flight,
-    syncs_differ,
 )
 from deepcee.planner.split import split_layers
 from deepcee.planner.steps import SCREEN_SCHEDULES, Candidate, SearchState, rank_key, score_key
@@ -286,6 +286,20 @@ def _layout(search: SearchState, segs: tuple[Segment, ...]) -> StageLayout:
     return counted_layout(search.grouping, [(s.island, s.devices, s.stages) for s in segs])
 
 
+def layout_plan(search: SearchState, segs: tuple[Segment, ...], n: int, schedule: str, sync: str) -> Plan | None:
+    """The plan of ``segs`` (each island's devices cut evenly into its count of stages) at
+    microbatch size ``n``, split by the bottleneck DP for ``schedule``'s microbatches in flight,
+    recomputing where those need it (``None``: no split fits memory)."""
+    lay = _layout(search, segs)
+    tab = search.dp_inputs(lay, n)
+    in_flight = schedule_in_flight(schedule, len(lay.slots), tab.m)
+    got = split_layers(tab.loads(in_flight), tab.link_loads())
+    return None if got is None else build_plan(
+        lay, got[1], cluster=search.cluster, model=search.model, global_batch=search.global_batch,
+        microbatch_size=n, schedule=schedule, sync=sync, system=search.options.system,
+        recompute=tab.recompute_flags(got[1], in_flight))
+
+
 class _Polish:
     """One climb's budget and the plans it built (see the module docstring)."""
 
@@ -305,15 +319,7 @@ class _Polish:
         sync = move.sync or sync
         key = (move.segments, move.n, move.schedule, sync)
         if key not in self.plans:
-            search = self.search
-            lay = _layout(search, move.segments)
-            tab = search.dp_inputs(lay, move.n)
-            in_flight = schedule_in_flight(move.schedule, len(lay.slots), tab.m)
-            got = split_layers(tab.loads(in_flight), tab.link_loads())
-            self.plans[key] = None if got is None else build_plan(
-                lay, got[1], cluster=search.cluster, model=search.model, global_batch=search.global_batch,
-                microbatch_size=move.n, schedule=move.schedule, sync=sync, system=search.options.system,
-                recompute=tab.recompute_flags(got[1], in_flight))
+            self.plans[key] = layout_plan(self.search, move.segments, move.n, move.schedule, sync)
         return self.plans[key]
 
     def timed(self, plan: Plan, short: tuple[int, int]) -> float:

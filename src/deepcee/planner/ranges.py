@@ -222,6 +222,17 @@ class RangeCosts:
         return int(self.in_flight_caps(m, recompute)[start, stop])
 
 
+def syncs_differ(cluster: Cluster, slots: Sequence[Sequence[str]]) -> bool:
+    """Whether ring and hierarchical all-reduce differ on stages ``slots``: some stage spans nodes
+    and holds several devices of one of them (else the two coincide, as the cost model's tables
+    assume: :meth:`RangeTables.allreduce`)."""
+    for devices in slots:
+        nodes = [cluster.device(d).node for d in devices]
+        if 1 < len(set(nodes)) < len(nodes):
+            return True
+    return False
+
+
 class RangeTables:
     """Shared tables for :class:`RangeCosts`: range compute times per (kind, slowdown, share),
     all-reduce curves per device set, parameter/activation/buffer matrices.
@@ -334,10 +345,7 @@ class RangeTables:
             if len(devices) > 1 and grad.max() > 0:
                 positive = grad[grad > 0]
                 xs = np.unique(np.geomspace(positive.min(), positive.max(), self.grid_points))
-                nodes = [self.cluster.device(d).node for d in devices]
-                # hierarchical equals ring unless some node holds several of the devices and there are
-                # several nodes
-                syncs = self.syncs if 1 < len(set(nodes)) < len(nodes) else self.syncs[:1]
+                syncs = self.syncs if syncs_differ(self.cluster, [devices]) else self.syncs[:1]
                 curves = [allreduce_curve_s(self.cluster, devices, [float(x) for x in xs], s) for s in syncs]
                 ys = [min(c[k] for c in curves) for k in range(len(xs))]
                 got = np.where(grad > 0, np.interp(grad, xs, ys), 0.0)

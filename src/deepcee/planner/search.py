@@ -119,7 +119,7 @@ from deepcee.planner.explain import Counterfactual, explain
 from deepcee.planner.grains import climb_grains, counts_layout, feasible_grains, speed_counts
 from deepcee.planner.grouping import Grouping, group_devices
 from deepcee.planner.options import SYNC_CHOICES, PlannerOptions
-from deepcee.planner.polish import polish_layout, segments_of
+from deepcee.planner.polish import layout_plan, polish_layout, segments_of
 from deepcee.planner.ranges import RangeTables
 from deepcee.planner.space import (
     SCREEN_RULES,
@@ -128,7 +128,6 @@ from deepcee.planner.space import (
     build_plan,
     chain_layouts,
     compact_plan,
-    counted_layout,
     enumerate_chains,
     fed_grains,
     in_flight_counts,
@@ -838,15 +837,9 @@ def _order_look(search: SearchState, top: list[Candidate], cands: list[Candidate
     found: list[tuple[Candidate, str]] = []
     for k, (order, label) in enumerate(orders):
         _progress(opts, "compact order look", k / len(orders))
-        lay = counted_layout(search.grouping, [(x.island, x.devices, x.stages) for x in order])
-        tab = search.dp_inputs(lay, n)
-        in_flight = schedule_in_flight("zb-h1", len(lay.slots), tab.m)
-        got = split_layers(tab.loads(in_flight), tab.link_loads())
-        if got is None:
+        base = layout_plan(search, order, n, "zb-h1", best.plan.sync)
+        if base is None:
             continue
-        base = build_plan(lay, got[1], cluster=search.cluster, model=search.model, global_batch=search.global_batch,
-                          microbatch_size=n, schedule="zb-h1", sync=best.plan.sync, system=opts.system,
-                          recompute=tab.recompute_flags(got[1], in_flight))
         built = search.compact(base, force=True)
         cand = search.score(built) if built is not None else None
         if cand is not None:

@@ -196,17 +196,6 @@ def mixed_layout(grouping: Grouping, chain: Chain, grains: Sequence[int], merged
                        merged=merged, granularity=max(grains))
 
 
-def syncs_differ(cluster: Cluster, slots: Sequence[Sequence[str]]) -> bool:
-    """Whether ring and hierarchical all-reduce differ on stages ``slots``: some stage spans nodes
-    and holds several devices of one of them (else the two coincide, as the cost model's tables
-    assume: :meth:`~deepcee.planner.ranges.RangeTables.allreduce`)."""
-    for devices in slots:
-        nodes = [cluster.device(d).node for d in devices]
-        if 1 < len(set(nodes)) < len(nodes):
-            return True
-    return False
-
-
 def split_evenly(devices: Sequence[str], count: int) -> list[tuple[str, ...]]:
     """``devices`` in ``count`` contiguous chunks whose sizes differ by at most one (larger first)."""
     base, extra = divmod(len(devices), count)

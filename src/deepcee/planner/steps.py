@@ -28,7 +28,7 @@ from deepcee.planner.cost_model import (
 )
 from deepcee.planner.grouping import Grouping
 from deepcee.planner.options import PlannerOptions
-from deepcee.planner.ranges import RangeTables, largest_remainder_shares
+from deepcee.planner.ranges import RangeTables, largest_remainder_shares, syncs_differ
 from deepcee.planner.space import (
     FUSED_BACKWARD,
     SCREEN_RULES,
@@ -37,7 +37,6 @@ from deepcee.planner.space import (
     build_plan,
     compact_plan,
     schedule_in_flight,
-    syncs_differ,
 )
 from deepcee.planner.split import (
     BoundaryArrays,
@@ -427,7 +426,7 @@ class SearchState:
 
     def sync_variants(self, cand: Candidate) -> list[Candidate]:
         """``cand``'s plan with each other sync, scored (with ``force``: a few plans, charged to no
-        budget), where the syncs differ on its stages (:func:`~deepcee.planner.space.syncs_differ`);
+        budget), where the syncs differ on its stages (:func:`~deepcee.planner.ranges.syncs_differ`);
         those that fit. See [Note: sync variants]."""
         plan = cand.plan
         if not syncs_differ(self.cluster, [st.devices for st in plan.stages]):
