@@ -1,4 +1,4 @@
-"""Simulated: every synchronisation strategy on all 15 devices of the DeepCEE testbed vs the best synchronous plan.
+"""Simulated: every synchronisation strategy on one replica per island of the DeepCEE testbed vs the best synchronous plan.
 
 Cases: ResNet-50 and BERT-small at global batch 128, GPT-2 at 64, on ``cee-testbed``
 (cloud-edge and cloud-end links at 100 Mbit/s). In the same run, for each case:
@@ -7,7 +7,9 @@ Cases: ResNet-50 and BERT-small at global batch 128, GPT-2 at 64, on ``cee-testb
 - one replica per island (cloud, edge, end: all 15 devices when each island's best pipeline
   uses all its devices), each the best pipeline on its island at a batch in proportion to its
   speed, joined by every strategy: exact (ring, hierarchical, parameter servers), model
-  averaging every H in {1, 10, 50, 200} (plain and DiLoCo's outer Nesterov), ASGD-GA (k in
+  averaging every H in {1, 10, 50, 200} (plain and DiLoCo's outer Nesterov, each also
+  overlapped: applied one period late, [Note: overlapped averaging] in
+  :mod:`deepcee.runtime.overlap`), ASGD-GA (k in
   {1, 4, 16}, staleness bound 3), partial averaging (full sync every P in {1, 4, 16});
 - the related systems as baselines (Cloudless-Training, SDPipe, HeteroG:
   :mod:`deepcee.planner.relaxed_baselines`);
@@ -55,7 +57,7 @@ NEVER = 10**9
 def _order(s: Scored) -> tuple:
     st = s.plan.strategy
     kind = ("exact", "model-averaging", "asgd-ga", "partial").index(st.kind)
-    return kind, st.period, st.outer_optimizer, st.accumulation_steps, st.full_sync_every, s.plan.sync
+    return kind, st.period, st.outer_optimizer, st.overlap, st.accumulation_steps, st.full_sync_every, s.plan.sync
 
 
 def _settings(s: Scored) -> str:
@@ -66,7 +68,8 @@ def _settings_of(p: Any) -> str:
     st = p.strategy
     per_stage = [st_.sync for rep in p.replicas[:1] for st_ in rep.stages if st_.sync]
     sync = "per stage " + ",".join(per_stage) if per_stage else p.sync
-    return {"exact": f"exact {sync}", "model-averaging": f"MA H={st.period} {st.outer_optimizer}",
+    overlap = " overlapped" if st.overlap else ""
+    return {"exact": f"exact {sync}", "model-averaging": f"MA H={st.period} {st.outer_optimizer}{overlap}",
             "asgd-ga": f"ASGD-GA k={st.accumulation_steps} s<={st.staleness_bound}",
             "partial": f"partial P={st.full_sync_every}"}[st.kind]
 
