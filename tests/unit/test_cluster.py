@@ -111,6 +111,36 @@ bandwidth_mbit_per_s = 50
     assert link.resource == "b->c"
 
 
+def test_a_subset_keeps_routes_through_islands_it_leaves_without_devices(tmp_path: Path) -> None:
+    """a reaches c only through b: the cluster without b's devices resolves a -> c as the full
+    one does (it raised "no path" when the relaxed search planned a replica on a and c alone),
+    and an island without devices can be a route's hop in a cluster file too."""
+    hop = """
+[islands.c]
+latency_us = 10
+bandwidth_gbit_per_s = 10
+[[nodes]]
+name = "n2"
+island = "c"
+kind = "k"
+devices = 1
+[[links]]
+between = ["b", "c"]
+latency_ms = 5
+bandwidth_mbit_per_s = 50
+"""
+    full = load_cluster(write(tmp_path, GOOD + hop))
+    sub = full.subset(["n0:0", "n0:1", "n2:0"])
+    assert sub.device_names == ("n0:0", "n0:1", "n2:0")
+    assert sub.link("n0:0", "n2:0") == full.link("n0:0", "n2:0")
+    assert sub.view_key(sub.device_names) == full.view_key(sub.device_names)
+    transit = GOOD.replace('[[nodes]]\nname = "n1"\nisland = "b"\nkind = "k"\ndevices = 1\nslowdown = 2.0\n', "")
+    c = load_cluster(write(tmp_path, transit + hop))
+    assert c.device_names == ("n0:0", "n0:1", "n2:0")
+    assert c.link("n0:0", "n2:0").latency_s == pytest.approx(0.025)
+    assert c.link("n0:0", "n2:0").resource == "b->c"
+
+
 def test_most_specific_entry_wins_and_directed_entries_go_one_way(tmp_path: Path) -> None:
     text = GOOD + """
 [[links]]

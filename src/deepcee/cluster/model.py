@@ -140,16 +140,19 @@ class Cluster:
 
     # -- derived clusters ----------------------------------------------------------------
     def subset(self, device_names: Iterable[str]) -> Cluster:
-        """The same cluster restricted to ``device_names`` (links unchanged)."""
+        """The same cluster restricted to ``device_names`` (links unchanged).
+
+        Every island stays, those left without devices too: a route between two kept islands
+        may pass through an island whose devices are all left out (us-east to an edge site
+        through eu-west), and the restricted cluster must resolve it as the full one does."""
         keep = set(device_names)
         devices = tuple(d for d in self.devices if d.name in keep)
         nodes_kept = {d.node for d in devices}
-        islands_kept = {d.island for d in devices}
-        names = keep | nodes_kept | islands_kept
+        names = keep | nodes_kept | {i.name for i in self.islands}
         return Cluster(
             name=self.name,
             kinds=self.kinds,
-            islands=tuple(i for i in self.islands if i.name in islands_kept),
+            islands=self.islands,
             nodes=tuple(n for n in self.nodes if n.name in nodes_kept),
             devices=devices,
             links=tuple(e for e in self.links if e.a in names and e.b in names),

@@ -106,11 +106,18 @@ def build_index(*, kinds: Mapping[str, DeviceKind], islands: Sequence[Island], n
 
 def _island_routes(islands: Sequence[Island], devices: Sequence[Device],
                    explicit: Mapping[tuple[str, str], LinkSpec], source: str) -> dict[tuple[str, str], tuple[str, ...]]:
-    """Shortest island paths (Dijkstra on transfer time) between the islands that hold devices."""
-    names = [i.name for i in islands if any(d.island == i.name for d in devices)]
+    """Shortest island paths (Dijkstra on transfer time) between the islands that hold devices.
+
+    A path may pass through any island, one without devices too: a cluster restricted to some
+    devices (:meth:`~deepcee.cluster.Cluster.subset`, the relaxed search's replicas, the
+    adapter's plan without a lost device) keeps every island, so its routes are the full
+    cluster's. Only islands with devices must be joined."""
+    every = list(dict.fromkeys(i.name for i in islands))
+    held = {d.island for d in devices}
+    names = [i for i in every if i in held]
     routes: dict[tuple[str, str], tuple[str, ...]] = {}
     for src in names:
-        prev = _shortest_from(src, names, explicit)
+        prev = _shortest_from(src, every, explicit)
         for dst in names:
             if dst == src:
                 continue
