@@ -261,10 +261,83 @@ def test_compare_reports_progress_through_each_phase() -> None:
     assert "baselines" in steps and "related systems' strategies" in steps
     k = steps.index("baselines")
     assert "island chains" in steps[:k] and "layer splits" in steps[:k]  # the search's own steps come first
-    assert steps[k + 1:] == ["related systems' strategies", "crossover sweep of the global batch",
-                             "crossover sweep of the bandwidth"]
+    # then the sweeps re-scoring the search's layouts, the new searches that check them ([Note:
+    # crossover]) and, where those found new layouts, the sweeps again with them
+    sweeps = ["crossover sweep of the global batch", "crossover sweep of the bandwidth"]
+    searches = ["crossover search of the global batch", "crossover search of the bandwidth"]
+    again = [f"{s}, searched layouts added" for s in sweeps]
+    assert steps[k + 1:k + 4] == ["related systems' strategies", *sweeps]
+    assert set(steps[k + 4:]) <= {*searches, *again} and steps[k + 4] == searches[0] and searches[1] in steps
     for name, points in (("global batch", report.crossover.batch.points),
                          ("bandwidth", report.crossover.bandwidth.points)):
         fractions = [f for step, f in seen if step == f"crossover sweep of the {name}"]
         assert len(fractions) == len(points) and fractions == sorted(fractions) and fractions[0] == 0.0
         assert all(0.0 <= f < 1.0 for f in fractions)
+
+
+def _fake_plan(devices: tuple[str, ...], samples_per_s: float):
+    from types import SimpleNamespace
+    return SimpleNamespace(devices=devices, estimate=SimpleNamespace(samples_per_s=samples_per_s))
+
+
+def test_new_searches_overrule_a_pool_that_says_leaving_out_stays_best() -> None:
+    """[Note: crossover], last paragraph: where the re-scoring planner never sees the left-out
+    devices pay off, a new search at the top of each sweep checks it; its layout joins the pool,
+    the sweep is re-scored with it, and a search just below the first point that pays checks the
+    crossover's lower side. (On a 4-region cluster the pool's 17.4 samples/s at 10 Gbit/s hid a
+    29.3 samples/s plan, and ``compare`` said leaving the devices out stays best.)"""
+    c, model = pair(10.0), one_layer_model()
+    grid = list(SWEEP_BANDWIDTHS_BYTES_PER_S)
+    pays_from_bw, pays_from_batch = grid[6], 1024  # 1 Gbit/s; the batch sweep keeps the 10 Mbit/s link
+
+    def pays(cluster, batch) -> bool:
+        return cluster.link("na:0", "nb:0").bandwidth_bytes_per_s >= pays_from_bw or batch >= pays_from_batch
+
+    class Pool:
+        """Re-scores: the kept plan at 10 samples/s, the all-devices plan at 1; once the searches'
+        layouts are added, a plan on both devices at 15 wherever they pay."""
+
+        def __init__(self, learns: bool) -> None:
+            self.learned, self.learns = False, learns
+
+        def __call__(self, cluster, model, batch, *, use_all_devices=False):
+            both = len(cluster.device_names) == 2
+            return _fake_plan(("na:0", "nb:0"), 1.0) if both and use_all_devices else _fake_plan(("na:0",), 10.0)
+
+        def best_using(self, cluster, model, batch, devices):
+            return _fake_plan(("na:0", "nb:0"), 15.0 if self.learned and pays(cluster, batch) else 1.0)
+
+        def add(self, plans) -> bool:
+            new = self.learns and not self.learned
+            self.learned = self.learned or self.learns
+            return new
+
+    asked: list[tuple[float, int]] = []
+
+    def search(cluster, model, batch, *, use_all_devices=False):
+        assert not use_all_devices and len(cluster.device_names) == 2  # one search of the whole cluster
+        asked.append((cluster.link("na:0", "nb:0").bandwidth_bytes_per_s, batch))
+        return _fake_plan(("na:0", "nb:0"), 20.0) if pays(cluster, batch) else _fake_plan(("na:0",), 10.0)
+
+    study = crossover_mod.crossover_study(c, model, 64, ["na:0"], planner=Pool(learns=True), confirm=search,
+                                          baselines=False)
+    bw = study.bandwidth
+    assert grid[5] < bw.crossover <= grid[6], bw
+    assert [p.with_samples_per_s for p in bw.points] == [1.0] * 6 + [15.0] * 3 + [20.0]
+    assert bw.note.endswith("(searched anew at 500 Mbit/s, 10.0 Gbit/s)"), bw.note
+    assert study.batch.crossover is not None and 512 < study.batch.crossover <= 1024
+    # a pool that learns nothing from the searches: they walk down from the top, at most
+    # CONFIRM_SEARCHES_MAX of them per sweep, and every point searched carries the search's figure
+    asked.clear()
+    blind = crossover_mod.crossover_study(c, model, 64, ["na:0"], planner=Pool(learns=False), confirm=search,
+                                          baselines=False)
+    searched = [p.value for p in blind.bandwidth.points if p.with_samples_per_s == 20.0]
+    assert searched == grid[-crossover_mod.CONFIRM_SEARCHES_MAX:]
+    assert len({b for b, n in asked if n == 64}) == crossover_mod.CONFIRM_SEARCHES_MAX
+    assert grid[-crossover_mod.CONFIRM_SEARCHES_MAX - 1] < blind.bandwidth.crossover <= searched[0]
+    # searches that agree with the pool: one per sweep, at its top, and the pool's verdict
+    agree = crossover_mod.crossover_study(c, model, 64, ["na:0"], planner=Pool(learns=False), baselines=False,
+                                          confirm=lambda cl, m, b, **k: _fake_plan(("na:0",), 10.0))
+    assert agree.bandwidth.crossover is None and "stays best" in agree.bandwidth.note
+    assert agree.bandwidth.note.endswith("(searched anew at 10.0 Gbit/s)")
+    assert agree.batch.note.endswith("(searched anew at 4096)")

@@ -107,3 +107,26 @@ def test_pool_shares_figures_only_between_equal_views(planned) -> None:
             if got is not None:
                 assert got == fresh and got.estimate == fresh.estimate
     assert 1 < len(shared.views) < len({(id(c), k) for c, _ in points for k in range(2)})
+
+
+def test_best_using_takes_the_best_entry_on_a_left_out_device_and_add_grows_the_pool(planned) -> None:
+    """The crossover's "with" from the pool ([Note: crossover]): the best entry that uses at least
+    one of the given devices, even where the pool's best plan uses none of them; ``add`` takes the
+    new searches' plans once."""
+    cluster, model, result = planned
+    plans = [result.plan, *(c.plan for c in result.counterfactuals)]
+    left_out = frozenset(cluster.device_names) - set(result.plan.devices)
+    pool = PoolPlanner(plans)
+    best = pool(cluster, model, 64)
+    assert best is not None and left_out.isdisjoint(best.devices)
+    using = pool.best_using(cluster, model, 64, left_out)
+    using_any = [p for p in plans if not left_out.isdisjoint(p.devices)]
+    assert using_any, "the testbed's counterfactuals add an island the plan leaves out"
+    assert using is not None and not left_out.isdisjoint(using.devices)
+    assert using.estimate.iteration_s == simulate(using, cluster, model, record=False).iteration_s
+    assert using.estimate.iteration_s > best.estimate.iteration_s
+    assert pool.best_using(cluster, model, 64, ["no-such-device"]) is None
+    small = PoolPlanner([result.plan])
+    assert small.best_using(cluster, model, 64, left_out) is None
+    assert small.add(using_any) and not small.add(using_any) and not small.add([result.plan])
+    assert small.best_using(cluster, model, 64, left_out) is not None

@@ -354,7 +354,7 @@ def _compare(cluster: Cluster, model: ModelProfile, global_batch: int, *, crosso
             pool = PoolPlanner([plan, *(c.plan for c in result.counterfactuals),
                                 *(b.plan for b in baselines if b.plan is not None)], [c.plan for c in result.scored])
             study = crossover_study(cluster, model, global_batch, kept, planner=pool, planned=planned, baselines=False,
-                                    progress=progress)
+                                    confirm=_planned, progress=progress)
         else:
             study = crossover_study(cluster, model, global_batch, kept, planner=_planned, planned=planned,
                                     progress=progress)

@@ -25,7 +25,7 @@ the plan does not use. At 512 devices in 8 islands that took the sweeps' cost-mo
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from deepcee.cluster import Cluster
 from deepcee.cluster.model import ClusterView
@@ -86,13 +86,33 @@ class PoolPlanner:
         """Per (entry, microbatch size, schedule, batch, model, view of its devices), its figure and plan."""
         self.simulated: dict[tuple, Plan] = {}
 
+    def add(self, plans: Iterable[Plan]) -> bool:
+        """Add the entries of ``plans`` not already held (the crossover's new searches, [Note:
+        crossover] in :mod:`deepcee.planner.crossover`); returns whether any was new."""
+        held = set(self.entries)
+        new = [e for e in dict.fromkeys(_entry(p) for p in plans) if e not in held]
+        self.entries += new
+        return bool(new)
+
     def __call__(self, cluster: Cluster, model: ModelProfile, global_batch: int, *,
                  use_all_devices: bool = False) -> Plan | None:
+        names = set(cluster.device_names)
+        return self._best(cluster, model, global_batch, lambda used: not use_all_devices or used == names)
+
+    def best_using(self, cluster: Cluster, model: ModelProfile, global_batch: int, devices: Iterable[str]
+                   ) -> Plan | None:
+        """The best entry that uses at least one of ``devices`` (the crossover's "with": [Note:
+        crossover] in :mod:`deepcee.planner.crossover`), as :meth:`__call__` scores it."""
+        wanted = frozenset(devices)
+        return self._best(cluster, model, global_batch, lambda used: not wanted.isdisjoint(used))
+
+    def _best(self, cluster: Cluster, model: ModelProfile, global_batch: int,
+              accept: Callable[[set[str]], bool]) -> Plan | None:
         names = set(cluster.device_names)
         scored, found = self.scored, []
         for slots, split, sync, recompute, n, schedule, actions, m in self.entries:
             used = {d for devs in slots for d in devs}
-            if not used <= names or (use_all_devices and used != names):
+            if not used <= names or not accept(used):
                 continue
             view = self._view(cluster, used)
             layout = StageLayout(slots=slots, islands=(), label="sweep pool")
