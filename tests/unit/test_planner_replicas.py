@@ -291,6 +291,27 @@ def test_plan_with_sync_switch() -> None:
     assert any("dollars per sync-equivalent epoch" in line for line in cheapest.explanation)
 
 
+def test_the_relaxed_search_reports_progress_through_plan_with_sync() -> None:
+    """``deepcee plan --sync relaxed`` printed nothing for minutes after the exact search: the
+    relaxed search now reports each layout through the planner options' ``progress``, as the
+    exact search reports its steps, and the plan is the same with or without it."""
+    from deepcee.planner.options import PlannerOptions
+
+    seen: list[tuple[str, float]] = []
+    got = plan_with_sync(trio(), toy(), 48, sync="relaxed", objective="cost",
+                         options=PlannerOptions(progress=lambda step, f: seen.append((step, f))))
+    steps = list(dict.fromkeys(step for step, _ in seen))
+    assert "island chains" in steps  # the exact search's own steps come first
+    relaxed = ["island blocks alone", "replica layouts: rough pipelines", "replica layouts: planned in full"]
+    assert [x for x in steps if x in relaxed] == relaxed
+    assert steps.index(relaxed[0]) > steps.index("island chains")
+    for step in relaxed:
+        fractions = [f for x, f in seen if x == step]
+        assert fractions[0] == 0.0 and fractions == sorted(fractions) and all(0.0 <= f < 1.0 for f in fractions)
+    quiet = plan_with_sync(trio(), toy(), 48, sync="relaxed", objective="cost")
+    assert got.plan == quiet.plan
+
+
 # -- the related systems as baselines, in compare --------------------------------------------------------
 
 

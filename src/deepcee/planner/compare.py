@@ -343,7 +343,8 @@ def _compare(cluster: Cluster, model: ModelProfile, global_batch: int, *, crosso
             log.error(notes[-1])
     if relaxed or sync == "relaxed":
         progress("related systems' strategies" + (" and deepcee's relaxed search" if sync == "relaxed" else ""), 0.0)
-        rows, more = _with_relaxed(rows, cluster, model, global_batch, plan, sync, efficiency or DefaultEfficiency())
+        rows, more = _with_relaxed(rows, cluster, model, global_batch, plan, sync, efficiency or DefaultEfficiency(),
+                                   progress)
         notes += more
     line, kept = _leave_out(plan, baselines, cluster) if plan is not None else ("", ())
     study = None
@@ -367,7 +368,8 @@ def _compare(cluster: Cluster, model: ModelProfile, global_batch: int, *, crosso
 
 
 def _with_relaxed(rows: list[CompareRow], cluster: Cluster, model: ModelProfile, global_batch: int,
-                  plan: Plan | None, sync: str, efficiency: StatisticalEfficiency) -> tuple[list[CompareRow], list[str]]:
+                  plan: Plan | None, sync: str, efficiency: StatisticalEfficiency,
+                  progress: Progress | None = None) -> tuple[list[CompareRow], list[str]]:
     """Every row with its semantics and time to target, the related systems' rows, and
     (``sync="relaxed"``) deepcee's relaxed plan."""
     from dataclasses import replace
@@ -380,7 +382,7 @@ def _with_relaxed(rows: list[CompareRow], cluster: Cluster, model: ModelProfile,
     if sync == "relaxed" and plan is not None:
         from deepcee.planner.replicas import plan_replicas
 
-        got = plan_replicas(cluster, model, global_batch, exact_plan=plan, efficiency=efficiency)
+        got = plan_replicas(cluster, model, global_batch, exact_plan=plan, efficiency=efficiency, progress=progress)
         extra.insert(0, ("deepcee-relaxed", "deepcee --sync relaxed: replica layouts x strategies by predicted time "
                          "to target", got.plan.replace(system="deepcee-relaxed"), ""))
     rows = rows + [_row(name, desc, p, reason, sps) for name, desc, p, reason in extra]

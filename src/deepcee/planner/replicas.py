@@ -47,7 +47,7 @@ from deepcee.plan import Estimate, Plan, Strategy
 from deepcee.planner.efficiency import DefaultEfficiency, StatisticalEfficiency
 from deepcee.planner.grouping import group_devices
 from deepcee.planner.objective import Objective, PlanFigures, plan_figures, rank_key
-from deepcee.planner.options import PlannerOptions
+from deepcee.planner.options import PlannerOptions, Progress
 from deepcee.planner.search import PlanResult, plan_training
 from deepcee.profile import ModelProfile
 from deepcee.simulator.replicas import ReplicaSimResult, simulate_replicas
@@ -325,12 +325,14 @@ def _strategy_plans(search: _Search, reps: Sequence[Plan], system: str) -> list[
 
 
 def _relaxed_candidates(search: _Search, islands: Sequence[tuple[str, ...]], names: Sequence[str],
-                        system: str) -> None:
+                        system: str, progress: Progress | None = None) -> None:
     opts = search.options
     layouts = _layouts(islands, opts.exhaustive_islands)
     blocks = [[tuple(d for i in b for d in islands[i]) for b in layout] for layout in layouts]
     screened = []  # [Note: layout screen]
     for k, layout in enumerate(layouts):
+        if progress is not None:
+            progress("replica layouts: rough pipelines", k / len(layouts))
         rough = search.rough_replicas(blocks[k])
         if rough is None:
             search.dropped.append(f"{_layout_name(names, layout)}: a replica has no plan that fits")
@@ -346,7 +348,9 @@ def _relaxed_candidates(search: _Search, islands: Sequence[tuple[str, ...]], nam
               if search.objective != "time" or t <= screened[0][2] * (1 + opts.screen_within)]
     search.screened_layouts = (len(layouts), len(screened), len(chosen))
     seen: set[tuple] = set()
-    for k in sorted(chosen):
+    for j, k in enumerate(sorted(chosen)):
+        if progress is not None:
+            progress("replica layouts: planned in full", j / len(chosen))
         layout = layouts[k]
         reps = search.replicas(blocks[k])
         if reps is None:
@@ -361,9 +365,12 @@ def _relaxed_candidates(search: _Search, islands: Sequence[tuple[str, ...]], nam
 
 
 def _block_candidates(search: _Search, islands: Sequence[tuple[str, ...]], names: Sequence[str],
-                      system: str) -> None:
+                      system: str, progress: Progress | None = None) -> None:
     """One exact pipeline on each block alone, at the full batch (candidates for cost)."""
-    for subset in blocks_of(islands, search.options.exhaustive_islands):
+    subsets = list(blocks_of(islands, search.options.exhaustive_islands))
+    for k, subset in enumerate(subsets):
+        if progress is not None:
+            progress("island blocks alone", k / len(subsets))
         devs = tuple(d for i in subset for d in islands[i])
         got = search.pipeline(devs, search.global_batch)
         if got is not None:
@@ -375,8 +382,11 @@ def _block_candidates(search: _Search, islands: Sequence[tuple[str, ...]], names
 def plan_replicas(cluster: Cluster, model: ModelProfile, global_batch: int, *, options: RelaxedOptions | None = None,
                   efficiency: StatisticalEfficiency | None = None, objective: Objective = "time",
                   budget_usd: float | None = None, dataset_samples: float | None = None, epochs: int = 1,
-                  exact_plan: Plan | None = None, system: str = "deepcee") -> ReplicaSearchResult:
-    """Search replica layouts and strategies (see [Note: relaxed search])."""
+                  exact_plan: Plan | None = None, system: str = "deepcee",
+                  progress: Progress | None = None) -> ReplicaSearchResult:
+    """Search replica layouts and strategies (see [Note: relaxed search]). ``progress(step,
+    fraction)`` is called as the layouts are planned (``deepcee plan --sync relaxed`` prints it
+    after 2 s, as the exact search's)."""
     t0 = time.perf_counter()
     options = options or RelaxedOptions()
     efficiency = efficiency or DefaultEfficiency()
@@ -392,9 +402,9 @@ def plan_replicas(cluster: Cluster, model: ModelProfile, global_batch: int, *, o
     islands = [isl.devices for isl in grouping.islands]
     names = [isl.name for isl in grouping.islands]
     if objective == "cost":
-        _block_candidates(search, islands, names, system)
+        _block_candidates(search, islands, names, system, progress)
     if options.relaxed:
-        _relaxed_candidates(search, islands, names, system)
+        _relaxed_candidates(search, islands, names, system, progress)
     ranked = sorted(search.scored, key=search.key)
     best = ranked[0]
     explanation = _explain(search, best, exact, ranked)
@@ -427,6 +437,8 @@ def plan_with_sync(cluster: Cluster, model: ModelProfile, global_batch: int, *,
         return exact
     if sync == "exact":
         relaxed = {**relaxed, "options": RelaxedOptions(relaxed=False)}
+    if options is not None and options.progress is not None:
+        relaxed.setdefault("progress", options.progress)
     got = plan_replicas(cluster, model, global_batch, exact_plan=exact.plan, **relaxed)
     return PlanResult(plan=got.plan, explanation=got.explanation,
                       candidates_evaluated=exact.candidates_evaluated + len(got.candidates),
