@@ -116,7 +116,8 @@ def run_instance(seed: int, reference_budget_s: float = 0.0, polish_simulations:
     plan = result.plan
     mine = simulate(plan, cluster, model, record=False)
     row.update(deepcee_s=mine.iteration_s, deepcee_devices=len(plan.devices), deepcee_stages=plan.num_stages,
-               node_look=any(x.startswith("note: the best plan is on node") for x in plan.explanation),
+               node_look=any(x.startswith(("note: the best plan is on node", "note: the best plan is on island"))
+                             for x in plan.explanation),
                over_memory=sorted(d for d, b in mine.peak_memory_bytes.items() if b > cluster.memory_bytes(d)))
     row["baselines_s"] = {b.name: simulate(b.plan, cluster, model, record=False).iteration_s
                           for b in build_baselines(cluster, model, batch) if b.plan is not None}

@@ -744,15 +744,28 @@ def _explained(search: SearchState, top: list[Candidate], cands: list[Candidate]
 # plan on five, by up to 1.8x (efficientnet-b0 at batch 17 on one 4-GPU NVLink node of an island
 # joined at 1 Gbit/s: 4.90 ms against 8.80 ms on six devices of another island).
 # So after the looks and the explanation ([Note: late looks]), each distinct node (identical nodes give identical plans) is searched on its
-# own, by this same search on the cluster cut to the node, where: its devices are not already one
-# of the search's device sets (an island's prefix of groups), they can hold the model's state, and
-# their bound (all samples over their summed speed, as the chain search's) is below the best
-# plan's time; best bound first, at most NODE_LOOK_TOP. A node's plan is taken where the simulator
-# rates it faster on the whole cluster. On the random WAN clusters of planner_at_scale.py no node
+# own, by this same search on the cluster cut to the node, where: the search laid out no layout on
+# exactly its devices, they can hold the model's state, and their bound is below the best plan's
+# time; best bound first, at most NODE_LOOK_TOP. The bound is the larger of all samples over their
+# summed speed (as the chain search's) and one sample's forward and input-gradient passes on the
+# fastest of them. A node's plan is taken where the simulator rates it faster on the whole cluster.
+# The same goes for an island's prefixes of groups (at most ISLAND_LOOK_TOP of them, on clusters of
+# at most polish_max_devices devices, as the other late looks: at 512 devices two more searches of
+# 64-device islands took plan from 5.1 to 15.2 CPU s, over its 10 s target): the search
+# lays them out only where its chain search reaches them, and with more than exhaustive_islands
+# islands its units are merged clusters of islands. On mixed seed 336 (9 regions, llama-7b at batch
+# 3) no chain had us-west's fast group alone, and the plan was 20 stages over all of us-west at
+# 2.838 s; that group alone plans at 2.398 s, and the explanation's counterfactuals from there
+# found 2.206 s (the independent reference: 2.274 s). Until session 30 the look assumed every
+# island prefix was laid out, and its bound was the first term alone, which a batch of 3 samples
+# makes no bound at all. On the random WAN clusters of planner_at_scale.py no node or island
 # holds the model's state, so none is searched there.
 
 NODE_LOOK_TOP = 4
 """Most nodes the node look searches on their own ([Note: node look])."""
+ISLAND_LOOK_TOP = 2
+"""Most island prefixes of groups (not one node) the node look searches on their own besides
+([Note: node look])."""
 
 
 def _node_look(search: SearchState, top: list[Candidate], cands: list[Candidate]
@@ -762,24 +775,39 @@ def _node_look(search: SearchState, top: list[Candidate], cands: list[Candidate]
     opts, cluster, model = search.options, search.cluster, search.model
     if not opts.node_look or not opts.allow_exclusion or not top or top[0].simulated is None:
         return top, cands  # (a plan the simulator did not confirm has no figure to compare with)
-    reached = {frozenset(d for g in isl.groups[:k] for d in g.devices)
-               for isl in search.grouping.islands for k in range(1, len(isl.groups) + 1)}
+    reached = {frozenset(d for slot in slots for d in slot) for slots in search.layouts_seen}
     state = model.parameter_count * model.state_bytes_per_parameter
     best_s = top[0].score_s
-    looks = []
-    for k, (name, devs) in enumerate(distinct_nodes(cluster, model).items()):
-        if frozenset(devs) in reached or sum(cluster.memory_bytes(d) for d in devs) < state:
-            continue
-        bound = search.global_batch / sum(1.0 / search.marginal_s(d) for d in devs)
-        if bound < best_s:
-            looks.append((bound, k, name, devs))
+    nodes = {frozenset(devs): (f"node {name}", devs) for name, devs in distinct_nodes(cluster, model).items()}
+    prefixes: dict[frozenset[str], tuple[str, tuple[str, ...]]] = {}
+    for isl in search.grouping.islands:  # an island's prefixes of groups that are not one node
+        for k in range(1, len(isl.groups) + 1):
+            devs = tuple(d for g in isl.groups[:k] for d in g.devices)
+            part = "" if k == len(isl.groups) else f" (its first {k} of {len(isl.groups)} device groups)"
+            if frozenset(devs) not in nodes:
+                prefixes.setdefault(frozenset(devs), (f"island {isl.name}{part}", devs))
+
+    def ranked(sets: dict[frozenset[str], tuple[str, tuple[str, ...]]], most: int) -> list[tuple]:
+        out = []
+        for k, (key, (name, devs)) in enumerate(sets.items()):
+            if key in reached or sum(cluster.memory_bytes(d) for d in devs) < state:
+                continue
+            # all samples over the summed speed; one sample's passes on the fastest device
+            compute = search.global_batch / sum(1.0 / search.marginal_s(d) for d in devs)
+            bound = max(compute, min(search.one_sample_s(d) for d in devs))
+            if bound < best_s:
+                out.append((bound, compute, k, name, devs))
+        return sorted(out)[:most]
+
+    islands_too = len(cluster.device_names) <= opts.polish_max_devices  # as the other late looks
+    looks = ranked(nodes, NODE_LOOK_TOP) + (ranked(prefixes, ISLAND_LOOK_TOP) if islands_too else [])
     if not looks:
         return top, cands
     sub_options = dataclasses.replace(opts, node_look=False, explain_counterfactuals=False, progress=None)
     found: list[tuple[Candidate, str]] = []
-    looks.sort()
-    for j, (_, _, name, devs) in enumerate(looks[:NODE_LOOK_TOP]):
-        _progress(opts, "node look", j / min(len(looks), NODE_LOOK_TOP))
+    devs_of = {name: devs for _, _, _, name, devs in looks}
+    for j, (_, _, _, name, devs) in enumerate(looks):
+        _progress(opts, "node look", j / len(looks))
         try:
             got = _plan_training(cluster.subset(devs), model, search.global_batch, options=sub_options)
         except InfeasiblePlanError:
@@ -793,9 +821,15 @@ def _node_look(search: SearchState, top: list[Candidate], cands: list[Candidate]
     if cand.score_s >= top[0].score_s * (1 - 1e-9):  # faster, not a tie
         return top, cands
     island = search.grouping.island_of(cand.plan.devices[0])
-    search.notes.append(f"the best plan is on node {name} alone ({cand.score_s:.4g} s against {top[0].score_s:.4g} s "
-                        f"on the search's device sets, simulated): the island {island}'s device groups span its "
-                        "nodes, whose links between them are slower than the node's own")
+    whole = {frozenset(d for g in isl.groups[:k] for d in g.devices)
+             for isl in search.grouping.islands for k in range(1, len(isl.groups) + 1)}
+    if frozenset(devs_of[name]) not in whole:
+        why = (f"the island {island}'s device groups span its nodes, whose links between them are slower than the "
+               "node's own")
+    else:  # an island's prefix of groups (a node that is one too): the chain search did not reach it
+        why = "the island search never laid these devices out alone"
+    search.notes.append(f"the best plan is on {name} alone ({cand.score_s:.4g} s against {top[0].score_s:.4g} s "
+                        f"on the search's device sets, simulated): {why}")
     return sorted([cand, *top], key=final_rank_key), sorted(_dedupe([*cands, cand]), key=rank_key)
 
 

@@ -138,6 +138,7 @@ class SearchState:
     best_closed_form: float = _INF
     min_boundary_bytes: float = 0.0
     _marginal: dict[str, float] = field(default_factory=dict)
+    _one: dict[str, float] = field(default_factory=dict)
     _shares: dict[tuple, tuple[int, ...]] = field(default_factory=dict)
     _analytic: AnalyticCostModel | None = None
     notes: list[str] = field(default_factory=list)
@@ -243,6 +244,17 @@ class SearchState:
         for a, b in zip(layout.slots, layout.slots[1:], strict=False):
             bound = max(bound, self.global_batch * self.min_boundary_bytes / self.pipe_bandwidth(a, b))
         return bound
+
+    def one_sample_s(self, device: str) -> float:
+        """Seconds one sample's forward and input-gradient passes take through the whole model on
+        ``device`` (fixed costs included): no plan's iteration is shorter than its fastest
+        device's, since a sample is not split between devices and these passes follow one another
+        layer by layer (weight gradients can run beside them, so they are left out)."""
+        got = self._one.get(device)
+        if got is None:
+            kind, slow, m = self.cluster.kind_of(device), self.cluster.device(device).slowdown, self.model
+            got = self._one[device] = sum(m.time_s(0, m.num_layers, p, 1, kind, slow) for p in "FI")
+        return got
 
     def marginal_s(self, device: str) -> float:
         """Seconds one more sample adds on ``device`` (F+I+W of the whole model)."""
