@@ -41,6 +41,22 @@ latency_ms = 20
 bandwidth_mbit_per_s = 100
 """
 
+HOP_TO_C = """
+[islands.c]
+latency_us = 10
+bandwidth_gbit_per_s = 10
+[[nodes]]
+name = "n2"
+island = "c"
+kind = "k"
+devices = 1
+[[links]]
+between = ["b", "c"]
+latency_ms = 5
+bandwidth_mbit_per_s = 50
+"""
+"""Island ``c`` (one device), reached from ``a`` only through ``b``."""
+
 
 def write(tmp_path: Path, text: str) -> Path:
     p = tmp_path / "cluster.toml"
@@ -90,21 +106,7 @@ def test_no_path_between_islands(tmp_path: Path) -> None:
 
 
 def test_multi_hop_route_takes_narrowest_hop(tmp_path: Path) -> None:
-    text = GOOD + """
-[islands.c]
-latency_us = 10
-bandwidth_gbit_per_s = 10
-[[nodes]]
-name = "n2"
-island = "c"
-kind = "k"
-devices = 1
-[[links]]
-between = ["b", "c"]
-latency_ms = 5
-bandwidth_mbit_per_s = 50
-"""
-    c = load_cluster(write(tmp_path, text))
+    c = load_cluster(write(tmp_path, GOOD + HOP_TO_C))
     link = c.link("n0:0", "n2:0")
     assert link.latency_s == pytest.approx(0.025)
     assert link.bandwidth_bytes_per_s == pytest.approx(50e6 / 8)
@@ -115,27 +117,13 @@ def test_a_subset_keeps_routes_through_islands_it_leaves_without_devices(tmp_pat
     """a reaches c only through b: the cluster without b's devices resolves a -> c as the full
     one does (it raised "no path" when the relaxed search planned a replica on a and c alone),
     and an island without devices can be a route's hop in a cluster file too."""
-    hop = """
-[islands.c]
-latency_us = 10
-bandwidth_gbit_per_s = 10
-[[nodes]]
-name = "n2"
-island = "c"
-kind = "k"
-devices = 1
-[[links]]
-between = ["b", "c"]
-latency_ms = 5
-bandwidth_mbit_per_s = 50
-"""
-    full = load_cluster(write(tmp_path, GOOD + hop))
+    full = load_cluster(write(tmp_path, GOOD + HOP_TO_C))
     sub = full.subset(["n0:0", "n0:1", "n2:0"])
     assert sub.device_names == ("n0:0", "n0:1", "n2:0")
     assert sub.link("n0:0", "n2:0") == full.link("n0:0", "n2:0")
     assert sub.view_key(sub.device_names) == full.view_key(sub.device_names)
     transit = GOOD.replace('[[nodes]]\nname = "n1"\nisland = "b"\nkind = "k"\ndevices = 1\nslowdown = 2.0\n', "")
-    c = load_cluster(write(tmp_path, transit + hop))
+    c = load_cluster(write(tmp_path, transit + HOP_TO_C))
     assert c.device_names == ("n0:0", "n0:1", "n2:0")
     assert c.link("n0:0", "n2:0").latency_s == pytest.approx(0.025)
     assert c.link("n0:0", "n2:0").resource == "b->c"
