@@ -343,7 +343,7 @@ def crossover_study(cluster: Cluster, model: ModelProfile, global_batch: int, ke
     on_bw: list[int] = []
     if searching is not None:
         add = getattr(planner.planner, "add", None)
-        entries = {"batch": 0, "bandwidth": 0}  # pool additions each sweep has been re-scored with
+        rescored_with = {"batch": 0, "bandwidth": 0}  # pool additions each sweep has been re-scored with
         added = [0]
 
         def rescorer(name: str, sweep_values: Sequence[float], evaluate: Callable[[float], tuple[float, float]],
@@ -354,9 +354,9 @@ def crossover_study(cluster: Cluster, model: ModelProfile, global_batch: int, ke
                     added[0] += 1
                     planner.plans.clear()
                     using_memo.clear()
-                if entries[name] == added[0]:
+                if rescored_with[name] == added[0]:
                     return points
-                entries[name] = added[0]
+                rescored_with[name] = added[0]
                 return _points(sweep_values, evaluate, step, progress, before=points)
             return rescore
 
