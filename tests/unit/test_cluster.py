@@ -188,3 +188,16 @@ def test_cli_bad_cluster_exits_2_with_one_line(tmp_path: Path) -> None:
     assert len(lines) == 1 and "peak_tflops" in lines[0] and "-1" in lines[0]
     assert "Traceback" not in out.stderr
     assert not (tmp_path / "plan.json").exists()
+
+
+def test_the_four_region_example_routes_its_edge_site_through_eu_west() -> None:
+    """``examples/four-regions.toml`` (docs/results.md, session 30): the edge site has a link to
+    eu-west only, so us-east reaches it through eu-west, on the whole cluster and on a replica's
+    devices alone (us-east and the edge site), as the relaxed search plans them."""
+    root = Path(__file__).resolve().parents[2]
+    c = load_cluster(root / "examples" / "four-regions.toml")
+    assert len(c.device_names) == 34 and {i.name for i in c.islands} == {"us-east", "eu-west", "ap-south", "edge"}
+    link = c.link("use0:0", "e0:0")
+    assert link.latency_s == pytest.approx(0.095) and link.bandwidth_bytes_per_s == pytest.approx(100e6 / 8)
+    replica = c.subset([d for d in c.device_names if d.startswith(("use", "e0", "e1"))])
+    assert replica.link("use0:0", "e0:0") == link
