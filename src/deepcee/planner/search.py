@@ -754,11 +754,11 @@ def _explained(search: SearchState, top: list[Candidate], cands: list[Candidate]
 # 64-device islands took plan from 5.1 to 15.2 CPU s, over its 10 s target): the search
 # lays them out only where its chain search reaches them, and with more than exhaustive_islands
 # islands its units are merged clusters of islands. On mixed seed 336 (9 regions, llama-7b at batch
-# 3) no chain had us-west's fast group alone, and the plan was 20 stages over all of us-west at
-# 2.838 s; that group alone plans at 2.398 s, and the explanation's counterfactuals from there
-# found 2.206 s (the independent reference: 2.274 s). Until session 30 the look assumed every
-# island prefix was laid out, and its bound was the first term alone, which a batch of 3 samples
-# makes no bound at all. On the random WAN clusters of planner_at_scale.py no node or island
+# 3) no chain had us-central alone (one node of 7 L4s, the whole island), and the plan was 20
+# stages over all of us-west at 2.838 s; the look searches it alone: 2.242 s (the independent
+# reference: 2.274 s). Until session 30 the look assumed every island prefix was laid out, and its
+# bound was the first term alone, which a batch of 3 samples makes no bound at all (the slow
+# 16-device islands ranked first). On the random WAN clusters of planner_at_scale.py no node or island
 # holds the model's state, so none is searched there.
 
 NODE_LOOK_TOP = 4
