@@ -28,7 +28,6 @@ the multiplier. Run (a few minutes on 2 cores)::
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import math
 import sys
 import time
@@ -47,7 +46,7 @@ SCENARIO = "cee-testbed"
 CASES = (("resnet50", 128), ("bert-small", 128), ("gpt2", 64))
 OPTIONS = RelaxedOptions(periods=(1, 10, 50, 200), accumulations=(1, 4, 16), staleness_bounds=(3,),
                          full_syncs=(1, 4, 16), max_local_steps=400)
-EVERY_LAYOUT = dataclasses.replace(OPTIONS, full_layouts=1000, screen_within=1e9)
+EVERY_LAYOUT = OPTIONS.every_layout()
 """Every layout planned in full (for the table of one layout's strategies)."""
 SOURCE = "simulated, analytic profile, datasheet speeds"
 NEVER = 10**9

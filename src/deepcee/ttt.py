@@ -33,7 +33,7 @@ import math
 import os
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -124,10 +124,6 @@ class Planned:
     """The relaxed planner's overall choice (``deepcee plan --sync relaxed``)."""
 
 
-EVERY_LAYOUT = 1_000_000
-"""``full_layouts`` that plans every replica layout in full."""
-
-
 def candidates(cluster: Cluster, profile: ModelProfile, global_batch: int, model: str, cluster_ref: str,
                efficiency: StatisticalEfficiency, relaxed_options: Any = None) -> Planned:
     """The four systems' plans and predictions ([Note: time-to-target systems]).
@@ -141,7 +137,7 @@ def candidates(cluster: Cluster, profile: ModelProfile, global_batch: int, model
     # every replica layout planned in full: the systems need the one-replica-per-island layout's
     # model averaging, whether or not the search's screen of the layouts would plan it in full
     # ([Note: layout screen] in deepcee.planner.replicas)
-    relaxed_options = replace(relaxed_options or RelaxedOptions(), full_layouts=EVERY_LAYOUT, screen_within=1e9)
+    relaxed_options = (relaxed_options or RelaxedOptions()).every_layout()
 
     def exact(system: str, plan: Plan, c: Cluster = cluster, note: str = "") -> Candidate:
         plan = plan.replace(cluster=cluster_ref, model=model, system=system)

@@ -235,7 +235,7 @@ def test_only_the_layouts_the_screen_rates_best_are_planned_in_full(searched) ->
 
 
 @pytest.mark.parametrize("field, value", [("full_layouts", 0), ("full_layouts", True), ("screen_within", -0.1),
-                                          ("screen_within", float("nan"))])
+                                          ("screen_within", float("nan")), ("screen_within", True)])
 def test_bad_screen_settings_are_refused(field: str, value: object) -> None:
     with pytest.raises(PlanError, match=field):
         RelaxedOptions(**{field: value})

@@ -38,7 +38,7 @@ import itertools
 import logging
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from deepcee.cluster import Cluster
@@ -101,8 +101,18 @@ class RelaxedOptions:
             raise PlanError(f"must be > 0, got {self.window_fraction!r}", field="window_fraction")
         if isinstance(self.full_layouts, bool) or not isinstance(self.full_layouts, int) or self.full_layouts < 1:
             raise PlanError(f"needs an integer >= 1, got {self.full_layouts!r}", field="full_layouts")
-        if not (isinstance(self.screen_within, (int, float)) and 0 <= self.screen_within < float("inf")):
+        if isinstance(self.screen_within, bool) or not (isinstance(self.screen_within, (int, float))
+                                                       and 0 <= self.screen_within < float("inf")):
             raise PlanError(f"needs a number >= 0, got {self.screen_within!r}", field="screen_within")
+
+    def every_layout(self) -> RelaxedOptions:
+        """These options with every replica layout planned in full, whatever the screen says
+        ([Note: layout screen]): for callers that need one layout's every strategy."""
+        return replace(self, full_layouts=EVERY_LAYOUT, screen_within=1e9)
+
+
+EVERY_LAYOUT = 1_000_000
+"""``full_layouts`` above any count of replica layouts (:meth:`RelaxedOptions.every_layout`)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
