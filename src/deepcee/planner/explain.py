@@ -29,11 +29,13 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from deepcee.plan import Plan
+from deepcee.planner.grains import climb_counts, island_sets
 from deepcee.planner.grouping import distance_s
+from deepcee.planner.polish import segments_of
 from deepcee.planner.space import Chain, chain_layouts
 from deepcee.planner.steps import Candidate, SearchState, plan_key, rank_key
 from deepcee.units import fmt_rate
@@ -102,6 +104,12 @@ class _Counterfactuals:
         self.skipped = 0
         base = best.simulated or best.estimate
         self.base_s = base.iteration_s
+        opts, n = search.options, best.plan.microbatch_size
+        self.climb_counts = (opts.count_look and opts.count_budget > 0
+                             and len(search.cluster.device_names) <= opts.polish_max_devices)
+        """Whether the constrained searches climb stage counts ([Note: counterfactual counts])."""
+        self.sizes = [x for x in search.sizes if n / 4 <= x <= 4 * n]
+        """The microbatch sizes they climb at: within 4 of the chosen plan's, as the count look's."""
 
     def simulate(self, label: str, cand: Candidate | None, stages: int | None = None) -> Counterfactual | None:
         if cand is None:
@@ -119,10 +127,13 @@ class _Counterfactuals:
         return Counterfactual(label=label, plan=cand.plan.replace(estimate=est), change=est.iteration_s / self.base_s - 1,
                               stages=stages)
 
-    def best_on_chains(self, chains: list[Chain], wanted: Callable[[frozenset[str]], bool]) -> Candidate | None:
+    def best_on_chains(self, chains: list[Chain], wanted: Callable[[frozenset[str]], bool],
+                       counts: Sequence[tuple[int, ...] | None] = ()) -> Candidate | None:
         """The constrained search: lay out ``chains`` (a layout whose lower bound cannot beat the
         best closed form meeting the constraint is skipped, as in the main search), sweep and
-        score the best configurations whose devices satisfy ``wanted``."""
+        score the best configurations whose devices satisfy ``wanted``. ``counts``: per chain,
+        the chosen plan's stage counts per island under the change, where known; the stage-count
+        search climbs from them ([Note: counterfactual counts])."""
         s = self.search
         # pruned as the main search prunes, against the best closed form that meets the constraint
         incumbent = min((c.closed_form_s for c in s.configs.values() if wanted(c.layout.devices)), default=_INF)
@@ -131,6 +142,10 @@ class _Counterfactuals:
             for chain in chains:
                 for lay in chain_layouts(s.grouping, chain, s.max_stages, s.pieces):
                     s.evaluate_layout(lay)
+            if self.climb_counts:
+                for chain, start in zip(chains, counts, strict=False):
+                    if start is not None:
+                        climb_counts(s, chain, [start], self.sizes)
         finally:
             s.best_closed_form = saved
         configs = sorted((c for c in s.configs.values() if wanted(c.layout.devices)), key=lambda c: c.key)
@@ -185,7 +200,8 @@ def _island_counterfactuals(cf: _Counterfactuals, plan: Plan) -> list[Counterfac
         label = (f"adding island {isl.name} ({_count(len(missing), 'device')})" if whole else
                  f"adding the {_count(len(missing), 'slower device' if slower else 'device')} of island "
                  f"{isl.name} left out")
-        got = cf.simulate(label, cf.best_on_chains(chains, lambda devs, m=missing: bool(devs & m)))
+        starts = [_counts_with(s, plan, ch) for ch in chains] if whole else []
+        got = cf.simulate(label, cf.best_on_chains(chains, lambda devs, m=missing: bool(devs & m), starts))
         if got is not None:
             out.append(got)
     if len(chain) > 1 and s.options.allow_exclusion:
@@ -196,11 +212,26 @@ def _island_counterfactuals(cf: _Counterfactuals, plan: Plan) -> list[Counterfac
             i = chain[k][0]
             isl = g.islands[i]
             devs = frozenset(isl.devices)
+            rest = chain[:k] + chain[k + 1:]
             got = cf.simulate(f"leaving out island {isl.name} ({_count(len(devs & used), 'device')} used)",
-                              cf.best_on_chains([chain[:k] + chain[k + 1:]], lambda d, x=devs: not (d & x)))
+                              cf.best_on_chains([rest], lambda d, x=devs: not (d & x), [_counts_with(s, plan, rest)]))
             if got is not None:
                 out.append(got)
     return out
+
+
+def _counts_with(search: SearchState, plan: Plan, chain: Chain) -> tuple[int, ...] | None:
+    """``plan``'s stage count per island on ``chain`` (a chain of the plan's islands with one
+    added or left out), an added island with one stage per device; ``None`` where a stage of the
+    plan spans islands or the plan's count exceeds the island's kept devices ([Note:
+    counterfactual counts])."""
+    segs = segments_of(search, plan)
+    if segs is None:
+        return None
+    had = {x.island: x.stages for x in segs}
+    sets = island_sets(search, chain)
+    out = tuple(had.get(i, len(devs)) for (i, _), devs in zip(chain, sets, strict=True))
+    return out if all(1 <= c <= len(devs) for c, devs in zip(out, sets, strict=True)) else None
 
 
 def _stage_counterfactuals(cf: _Counterfactuals, plan: Plan, cands: list[Candidate]) -> list[Counterfactual]:
