@@ -91,9 +91,12 @@ def _grouping(sizes: tuple[int, ...]):
     return group_devices(cluster)
 
 
-def _fake_search(sizes: tuple[int, ...], objective, *, budget: int = 48, max_stages: int = 100):
+def _fake_search(sizes: tuple[int, ...], objective, *, budget: int = 48, max_stages: int = 100,
+                 microbatch_sizes: tuple[int, ...] = (1,)):
     """A stand-in for the search state: ``evaluate_layout`` scores a layout by ``objective`` of its
-    stage count per island (in chain order), and records every call."""
+    stage count per island (in chain order), and records every call. With several
+    ``microbatch_sizes``, ``objective`` takes the size too and a layout gets its best over the
+    sizes asked for (all by default), as the search's closed form."""
     grouping = _grouping(sizes)
     order = [isl.name for isl in grouping.islands]
     calls: list[tuple[int, ...]] = []
@@ -101,10 +104,12 @@ def _fake_search(sizes: tuple[int, ...], objective, *, budget: int = 48, max_sta
     def evaluate_layout(layout, sizes=None):
         counts = tuple(sum(1 for s in layout.slots if s[0].startswith(name + "0")) for name in order)
         calls.append(counts)
-        return objective(counts), 1
+        if len(microbatch_sizes) == 1:
+            return objective(counts), 1
+        return min((objective(counts, n), n) for n in (microbatch_sizes if sizes is None else sizes))
 
     search = SimpleNamespace(grouping=grouping, options=PlannerOptions(count_budget=budget), max_stages=max_stages,
-                             layout_values={}, evaluate_layout=evaluate_layout)
+                             layout_values={}, evaluate_layout=evaluate_layout, sizes=list(microbatch_sizes))
     chain = tuple((i, len(isl.groups)) for i, isl in enumerate(grouping.islands))
     return search, chain, calls
 
@@ -154,6 +159,70 @@ def test_the_count_search_is_deterministic_and_never_worse_than_its_start() -> N
         runs.append((got, calls))
     assert runs[0] == runs[1]
     assert runs[0][0] <= bumpy((5, 3, 4)) and runs[0][0] == min(bumpy(c) for c in runs[0][1])
+
+
+def test_the_count_search_climbs_each_microbatch_size_on_its_own() -> None:
+    """[Note: counts per size]: at one sample per microbatch the start (7, 3) is best among every
+    count its line searches and trades reach, and at two samples those counts are all worse than
+    it, so the climb on the best of both sizes stays there; the climb at two samples alone walks
+    down to (2, 2), better than anything at one sample."""
+    def by_size(counts: tuple[int, ...], n: int) -> float:
+        a, b = counts
+        return 20.0 + (a - 7) ** 2 + (b - 3) ** 2 if n == 1 else 10.0 + 2.0 * (a - 2) ** 2 + 3.0 * (b - 2) ** 2
+
+    search, chain, calls = _fake_search((7, 5), by_size, microbatch_sizes=(1, 2))
+    got = climb_counts(search, chain, [(7, 3)], None)
+    assert got == 10.0 == min(by_size(c, n) for c in itertools.product(range(1, 8), range(1, 6)) for n in (1, 2))
+    assert (2, 2) in calls
+    # one size only: no climb per size, the climb on that size is all (the figure stays at the start)
+    search, chain, calls = _fake_search((7, 5), by_size, microbatch_sizes=(1, 2))
+    assert climb_counts(search, chain, [(7, 3)], [1]) == 20.0
+    # each per-size climb keeps to the budget: the first climb and one per size
+    search, chain, calls = _fake_search((7, 5), by_size, budget=4, microbatch_sizes=(1, 2))
+    climb_counts(search, chain, [(7, 3)], None)
+    assert len(calls) <= 3 * 4
+
+
+def test_the_counterfactual_searches_climb_stage_counts_from_the_plan(monkeypatch) -> None:
+    """[Note: counterfactual counts] in deepcee.planner.explain: each "adding island" and "leaving
+    out island" search climbs stage counts on its chains from the chosen plan's own counts per
+    island (an added island one stage per device), at the microbatch sizes within 4 of the plan's;
+    not where the count look is off."""
+    import deepcee.planner.explain as explain_module
+    from deepcee.planner.search import plan_training
+
+    cluster, model = _three_islands()
+    calls = []
+    real = explain_module.climb_counts
+
+    def spy(search, chain, starts, sizes, work=None):
+        calls.append((tuple(search.grouping.islands[i].name for i, _ in chain), starts, sizes))
+        return real(search, chain, starts, sizes, work)
+
+    monkeypatch.setattr(explain_module, "climb_counts", spy)
+    r = plan_training(cluster, model, 32)
+    plan = r.plan
+    counts: dict[str, int] = {}
+    for st in plan.stages:
+        isl = cluster.device(st.devices[0]).island
+        counts[isl] = counts.get(isl, 0) + 1
+    sizes = {isl.name: sum(1 for d in cluster.devices if d.island == isl.name) for isl in cluster.islands}
+    added = [x for x in r.explanation if x.startswith("adding island")]
+    left = [x for x in r.explanation if x.startswith("leaving out island")]
+    assert added and left and len(calls) >= len(added) + len(left)
+    for chain, starts, got in calls:
+        assert len(set(chain) ^ set(counts)) == 1  # one island added or left out
+        assert starts == [tuple(counts.get(x, sizes[x]) for x in chain)]
+        n = plan.microbatch_size
+        assert got and all(n / 4 <= x <= 4 * n for x in got)
+    for line in added + left:  # each search's own chains were climbed
+        name = line.split("island ")[1].split(" (")[0]
+        assert any((name in chain) == line.startswith("adding") for chain, _, _ in calls)
+    calls.clear()
+    from deepcee.planner.options import PlannerOptions as Options
+
+    plan_training(cluster, model, 32, options=Options(count_look=False))
+    assert calls == []
 
 
 def test_the_count_look_is_taken_back_from_the_main_search() -> None:

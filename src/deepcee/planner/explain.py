@@ -23,6 +23,20 @@ those beyond it are not printed (a note says how many). When a counterfactual be
 it is taken and explained in turn; the second explanation reuses what the first computed (the
 search state memoises layouts, sweeps, compact schedules and simulations), so it costs only
 the constrained searches on chains not seen before.
+
+[Note: counterfactual counts]
+The constrained search laid its chains out with one granularity per chain (powers of two), so
+"adding island X" was the best plan of X's uniform layouts, far from the chosen plan's own stage
+counts. On WAN seed 118 of ``benchmarks/planner_at_scale.py`` the plan ran uk-south, eu-central,
+af-south and sa-east in 9, 4, 7 and 6 stages (126.98 s, simulated) and said "adding island
+me-central: +2.0%" (129.6 s); the independent reference's plan adds me-central's 4 devices as 2
+stages there, with af-south and sa-east in 6 and 4 stages: 117.9 s. So where the count look runs
+(clusters of at most ``polish_max_devices`` devices), each chain of an "adding" or "leaving out"
+counterfactual also gets the count search of [Note: stage counts] in
+:mod:`deepcee.planner.grains` (per microbatch size within 4 of the plan's, [Note: counts per size]
+there), from the chosen plan's stage count per island, an added island with one stage per
+device. On seed 118 "adding island me-central" then finds 121.28 s (me-central in 2 stages),
+which is taken as the plan (the rescue above).
 """
 
 from __future__ import annotations

@@ -67,11 +67,12 @@ differed between the runs).
 *The count search* (:func:`climb_counts`, ``count_budget`` layouts per chain), in the count look
 only: after a granularity climb, from the better of where it ended and the speed counts, each
 island in turn takes every count from half to twice its own (:func:`count_window`, about the
-next coarser and finer granularity's), the others fixed, each improvement at once; when a pass
-improves nothing, the best *trade*: one island one stage more and another one fewer (the closed
-form follows the total, so a line search alone stops where one island must gain the stage
-another gives up: on seed 23's chain at (9, 3, 13, 5), 239.5 s; the trade to (10, 3, 12, 5)
-gives 199.0 s); until neither improves or the budget is spent. Deterministic (fixed order; ties
+next coarser and finer granularity's), the others fixed, each improvement at once; after each
+pass, the best *trade*: one island one stage more and another one fewer (the closed form follows
+the total, so a line search alone stops where one island must gain the stage another gives up:
+on seed 23's chain at (9, 3, 13, 5), 239.5 s; the trade to (10, 3, 12, 5) gives 199.0 s); until
+no trade improves (even after a pass that did: a further pass is not tried) or the budget is
+spent. Deterministic (fixed order; ties
 keep the earlier). It follows every granularity climb of the count look's chain search (its
 guarded climbs and chain walk included), and runs once more on the chains the main search
 climbed, a set of its own. On the 100 WAN instances it made 20 plans faster than the speed
