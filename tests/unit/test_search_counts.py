@@ -164,22 +164,24 @@ def test_the_count_search_is_deterministic_and_never_worse_than_its_start() -> N
 def test_the_count_search_climbs_each_microbatch_size_on_its_own() -> None:
     """[Note: counts per size]: at one sample per microbatch the start (7, 3) is best among every
     count its line searches and trades reach, and at two samples those counts are all worse than
-    it, so the climb on the best of both sizes stays there; the climb at two samples alone walks
-    down to (2, 2), better than anything at one sample."""
+    it, so the climb on the best of both sizes stays there; with ``per_size``, the climb at two
+    samples alone walks down to (2, 2), better than anything at one sample."""
     def by_size(counts: tuple[int, ...], n: int) -> float:
         a, b = counts
         return 20.0 + (a - 7) ** 2 + (b - 3) ** 2 if n == 1 else 10.0 + 2.0 * (a - 2) ** 2 + 3.0 * (b - 2) ** 2
 
     search, chain, calls = _fake_search((7, 5), by_size, microbatch_sizes=(1, 2))
-    got = climb_counts(search, chain, [(7, 3)], None)
+    assert climb_counts(search, chain, [(7, 3)], None) == 20.0  # the climb on the best of both sizes stays
+    search, chain, calls = _fake_search((7, 5), by_size, microbatch_sizes=(1, 2))
+    got = climb_counts(search, chain, [(7, 3)], None, per_size=True)
     assert got == 10.0 == min(by_size(c, n) for c in itertools.product(range(1, 8), range(1, 6)) for n in (1, 2))
     assert (2, 2) in calls
     # one size only: no climb per size, the climb on that size is all (the figure stays at the start)
     search, chain, calls = _fake_search((7, 5), by_size, microbatch_sizes=(1, 2))
-    assert climb_counts(search, chain, [(7, 3)], [1]) == 20.0
+    assert climb_counts(search, chain, [(7, 3)], [1], per_size=True) == 20.0
     # each per-size climb keeps to the budget: the first climb and one per size
     search, chain, calls = _fake_search((7, 5), by_size, budget=4, microbatch_sizes=(1, 2))
-    climb_counts(search, chain, [(7, 3)], None)
+    climb_counts(search, chain, [(7, 3)], None, per_size=True)
     assert len(calls) <= 3 * 4
 
 
@@ -195,9 +197,10 @@ def test_the_counterfactual_searches_climb_stage_counts_from_the_plan(monkeypatc
     calls = []
     real = explain_module.climb_counts
 
-    def spy(search, chain, starts, sizes, work=None):
+    def spy(search, chain, starts, sizes, work=None, *, per_size=False):
+        assert per_size  # [Note: counts per size]
         calls.append((tuple(search.grouping.islands[i].name for i, _ in chain), starts, sizes))
-        return real(search, chain, starts, sizes, work)
+        return real(search, chain, starts, sizes, work, per_size=per_size)
 
     monkeypatch.setattr(explain_module, "climb_counts", spy)
     r = plan_training(cluster, model, 32)

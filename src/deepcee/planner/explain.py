@@ -159,7 +159,7 @@ class _Counterfactuals:
             if self.climb_counts:
                 for chain, start in zip(chains, counts, strict=False):
                     if start is not None:
-                        climb_counts(s, chain, [start], self.sizes)
+                        climb_counts(s, chain, [start], self.sizes, per_size=True)
         finally:
             s.best_closed_form = saved
         configs = sorted((c for c in s.configs.values() if wanted(c.layout.devices)), key=lambda c: c.key)

@@ -267,16 +267,16 @@ def counts_layout(search: SearchState, chain: Chain, counts: tuple[int, ...],
 
 
 def climb_counts(search: SearchState, chain: Chain, starts: list[tuple[int, ...]], sizes: list[int] | None,
-                 work: list[int] | None = None) -> float:
+                 work: list[int] | None = None, *, per_size: bool = False) -> float:
     """Local search over each island's stage count (any count, not only those of the powers of two)
     from the best of ``starts`` ([Note: stage counts]), each layout valued at its best microbatch
-    size of ``sizes`` (``None``: every size); then, where there are several sizes, the same
+    size of ``sizes`` (``None``: every size); then, with ``per_size`` and several sizes, the same
     search at each size alone, from ``starts`` and where the first ended ([Note: counts per
     size]). Returns the best closed form found. ``work`` as in :func:`climb_grains`."""
     sets = island_sets(search, chain)
     best, end = _count_climb(search, chain, sets, starts, sizes, work)
     every = search.sizes if sizes is None else sizes
-    if len(every) > 1:
+    if per_size and len(every) > 1:
         for n in every:
             best = min(best, _count_climb(search, chain, sets, [*starts, end], [n], work)[0])
     return best
@@ -291,8 +291,16 @@ def climb_counts(search: SearchState, chain: Chain, starts: list[tuple[int, ...]
 # is 197.8 s, and its climb at that size ends at 121.9 s, past the independent reference's
 # (9, 4, 2, 6, 4), 130.7 s, whose plan simulates 117.9 s. Me-central's 4 devices in 2 stages need
 # two samples per microbatch (each device a sample), so that layout is valued only at two or more.
-# So after the climb on the envelope, the count search climbs once per size, each with its own
-# ``count_budget``; a climb at a size where no start fits ends at once.
+# So after the climb on the envelope, the count search can climb once per size (``per_size``), each
+# with its own ``count_budget``; a climb at a size where no start fits ends at once.
+#
+# Only the counterfactual searches do ([Note: counterfactual counts] in deepcee.planner.explain).
+# In the count look ([Note: stage counts]) the per-size climbs changed plans both ways: on WAN
+# seeds 0-22, 3 faster (11: 279.4 -> 274.3 s, 15: 153.2 -> 151.2 s, 0: -0.4%) and 2 slower
+# (20: 42.56 -> 43.82 s, +2.95%, past the reference by as much; 14: +0.55%). Their extra
+# configurations changed what the count look's second look scored: on seed 20 its plan, 42.56 s,
+# came from the polish of that look's best fixed-schedule plan, which the new configurations
+# displaced.
 
 
 def _count_climb(search: SearchState, chain: Chain, sets: list[tuple[str, ...]], starts: list[tuple[int, ...]],
