@@ -65,7 +65,8 @@ planning CPU over the 100: 27.5 s, against 19.5 s in session 24's run (the machi
 differed between the runs).
 
 *The count search* (:func:`climb_counts`, ``count_budget`` layouts per chain), in the count look
-only: after a granularity climb, from the better of where it ended and the speed counts, each
+(and the explanation's counterfactual searches, [Note: counterfactual counts] in
+:mod:`deepcee.planner.explain`): after a granularity climb, from the better of where it ended and the speed counts, each
 island in turn takes every count from half to twice its own (:func:`count_window`, about the
 next coarser and finer granularity's), the others fixed, each improvement at once; after each
 pass, the best *trade*: one island one stage more and another one fewer (the closed form follows
